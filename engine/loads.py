@@ -1,0 +1,111 @@
+"""Per-layer fetch jobs for one batch: one store call per layer, all requests together.
+
+A restore of a batch loads, for every component, a list of *items*: (store
+key, device page/slot, owning request). Layer ``l`` of kind ``c`` needs slice
+``l`` of every item of ``c``: that is one ranged ``get_ranges`` call, whatever
+the number of requests. The lists may be trimmed (COMMIT drops duplicates)
+until the scheduler issues the layer: the job reads them only when it runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from layerlift.linker.store_base import Store
+from layerlift.overlap.base import LayerJob
+from layerlift.overlap.link import EmulatedLink
+from layerlift.pools.base import KVPool
+from layerlift.pools.spec import Component
+
+__all__ = ["BatchLoad", "LoadItems"]
+
+
+@dataclass(slots=True)
+class LoadItems:
+    """The objects of one component that a batch loads."""
+
+    keys: list[str] = field(default_factory=list)
+    indices: list[int] = field(default_factory=list)
+    owners: list[Hashable] = field(default_factory=list)
+
+    def add(self, keys: list[str], indices: list[int], owner: Hashable) -> None:
+        self.keys.extend(keys)
+        self.indices.extend(indices)
+        self.owners.extend([owner] * len(keys))
+
+    def drop_indices(self, dropped: set[int]) -> None:
+        """Remove items whose device index is in ``dropped`` (duplicates)."""
+        keep = [i for i, idx in enumerate(self.indices) if idx not in dropped]
+        self.keys = [self.keys[i] for i in keep]
+        self.indices = [self.indices[i] for i in keep]
+        self.owners = [self.owners[i] for i in keep]
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+class BatchLoad:
+    """Builds the :class:`LayerJob` of every layer of one batch's restore.
+
+    ``items`` is shared with the engine's COMMIT, which trims it; a job reads
+    it when the scheduler issues the job (on the event loop), and hands the
+    worker thread an immutable snapshot.
+    """
+
+    def __init__(self, pool: KVPool, store: Store, link: EmulatedLink | None) -> None:
+        self.pool = pool
+        self.store = store
+        self.link = link
+        self.items: dict[Component, LoadItems] = {c: LoadItems() for c in Component}
+
+    @property
+    def keys(self) -> list[str]:
+        return [k for items in self.items.values() for k in items.keys]
+
+    @property
+    def nbytes(self) -> int:
+        spec = self.pool.spec
+        return sum(len(self.items[c]) * spec.page_bytes(c) for c in Component)
+
+    def owners_of_keys(self, keys: set[str]) -> frozenset[Hashable]:
+        return frozenset(
+            o for items in self.items.values()
+            for k, o in zip(items.keys, items.owners, strict=True) if k in keys
+        )
+
+    def jobs(self) -> list[LayerJob]:
+        """One job per layer; a layer with nothing to load gets a no-op job."""
+        return [self._job(layer) for layer in range(self.pool.spec.num_layers)]
+
+    def _job(self, layer: int) -> LayerJob:
+        component, _, offset, size = self.pool.spec.layer_slice(layer)
+        items = self.items[component]
+        keys = list(items.keys)
+        if not keys:
+            return LayerJob(layer=layer, fetch=_noop)
+        base = np.asarray(items.indices, dtype=np.int64) * self.pool.page_bytes(component)
+        ptrs = (base + (self.pool.buffer.data_ptr() + offset)).tolist()
+        store, n = self.store, len(keys)
+
+        def fetch() -> None:
+            store.get_ranges(keys, [[p] for p in ptrs], [[size]] * n, [[offset]] * n)
+
+        nbytes = size * n
+        wrapped = self.link.wrap(fetch, nbytes) if self.link is not None else fetch
+        return LayerJob(layer=layer, fetch=wrapped, nbytes=nbytes,
+                        requests=frozenset(items.owners))
+
+    def refresh(self, jobs: list[LayerJob]) -> None:
+        """Rebuild jobs after COMMIT trimmed the items. Jobs already issued
+        are unaffected (the lane snapshotted them); the rest load only what
+        the tree adopted."""
+        for job in jobs:
+            fresh = self._job(job.layer)
+            job.fetch, job.nbytes, job.requests = fresh.fetch, fresh.nbytes, fresh.requests
+
+
+def _noop() -> None:
+    return None

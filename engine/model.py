@@ -1,0 +1,176 @@
+"""The reference hybrid model: FULL, SWA and MAMBA layers over paged caches.
+
+A small, deterministic (seeded, nothing downloaded) stand-in for a real hybrid
+LLM. It exists so LayerLift can check what matters end to end: a prefill that
+continues from restored pages and checkpoints must produce the same next-token
+distribution as computing the whole prompt.
+
+The forward runs *layer by layer for the whole batch* and calls
+``before_layer(l)`` right before layer ``l`` touches any cached data of that
+layer: that is where the engine waits for layer ``l``'s restored KV or state
+(the overlap of restore and compute, DESIGN.md section 2).
+
+Layer ``l``: ``h += mixer(norm(h))``; ``h += mlp(norm(h))`` with the mixer
+chosen by ``spec.kinds[l]``; then a final norm and the LM head.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from layerlift.engine.model_api import (
+    ForwardOutput,
+    ForwardRequest,
+    PoolViews,
+    check_pool_indices,
+    validate_requests,
+)
+from layerlift.engine.model_attention import KVIndex, PagedAttention, build_kv_index
+from layerlift.engine.model_layers import GatedMLP, RMSNorm, Span, normal_param
+from layerlift.engine.model_mamba import MambaMixer
+from layerlift.pools.spec import Component, ModelSpec
+from torch import nn
+
+__all__ = ["ForwardOutput", "ForwardRequest", "HybridModel", "LayerHook", "PoolViews"]
+
+LayerHook = Callable[[int], None]
+"""Called with a layer index; see :meth:`HybridModel.forward_batch`."""
+
+# Scale of the embedding and of the LM head's logits. Chosen so the residual
+# stream is O(1) and next-token distributions are far from uniform (a KL test
+# between two paths is meaningless when every output is near-uniform).
+_EMBED_STD = 1.0
+_LOGIT_STD = 4.0
+# Residual writes of the mixers and MLPs: strong enough that the context
+# (not only the last token) shapes the output, small enough that 16-32 layers
+# keep activations O(1).
+_MIXER_OUT = 1.5
+_MLP_OUT = 0.5
+
+
+class Block(nn.Module):
+    """One layer: pre-norm mixer + residual, pre-norm gated MLP + residual."""
+
+    def __init__(self, spec: ModelSpec, kind: Component, g: torch.Generator) -> None:
+        super().__init__()
+        self.kind = kind
+        depth = spec.num_layers**-0.5
+        self.mixer_norm = RMSNorm(spec.hidden_size, spec.rms_eps)
+        self.mixer: PagedAttention | MambaMixer
+        if kind is Component.MAMBA:
+            self.mixer = MambaMixer(spec, g, out_std=_MIXER_OUT * depth)
+        else:
+            self.mixer = PagedAttention(spec, g, out_std=_MIXER_OUT * depth)
+        self.mlp_norm = RMSNorm(spec.hidden_size, spec.rms_eps)
+        self.mlp = GatedMLP(g, spec.hidden_size, spec.intermediate_size, _MLP_OUT * depth)
+
+
+class HybridModel(nn.Module):
+    """The reference hybrid model of ``spec``; weights are a pure function of
+    ``seed`` (drawn on the CPU with a private ``torch.Generator``, then moved
+    to ``device``). Computes in float32; KV is stored in ``spec.kv_dtype``,
+    Mamba state in float32."""
+
+    def __init__(self, spec: ModelSpec, seed: int, device: str | torch.device = "cpu") -> None:
+        super().__init__()
+        self.spec = spec
+        self.seed = seed
+        g = torch.Generator().manual_seed(seed)
+        d = spec.hidden_size
+        self.embed = normal_param(g, spec.vocab_size, d, std=_EMBED_STD)
+        self.blocks = nn.ModuleList(Block(spec, kind, g) for kind in spec.kinds)
+        self.final_norm = RMSNorm(d, spec.rms_eps)
+        self.lm_head = normal_param(g, spec.vocab_size, d, std=_LOGIT_STD * d**-0.5)
+        self.to(device)
+
+    @property
+    def device(self) -> torch.device:
+        device: torch.device = self.embed.device
+        return device
+
+    @torch.inference_mode()
+    def forward_batch(
+        self,
+        requests: Sequence[ForwardRequest],
+        pool: PoolViews,
+        before_layer: LayerHook | None = None,
+        after_layer: LayerHook | None = None,
+    ) -> ForwardOutput:
+        """Compute the new tokens of every request, layer by layer.
+
+        For each layer ``l`` in order: ``before_layer(l)`` (once), then layer
+        ``l`` for the whole batch - it performs the Mamba copy-on-write, reads
+        the prefix KV/state through the page tables and slots and writes the
+        new tokens' KV, the final state and the captured checkpoints - then
+        ``after_layer(l)`` (once). Raises ``ValueError`` on a malformed request
+        or a page/slot index outside the pool (nothing is written then). Page
+        tables must be CPU tensors.
+        """
+        validate_requests(self.spec, requests)
+        check_pool_indices(self.spec, requests, pool)
+        dev = self.device
+        spans = _spans(requests)
+        tokens = torch.cat([r.tokens for r in requests]).to(dev)
+        positions = torch.cat([torch.arange(s.prefix_len, s.total) for s in spans]).to(dev)
+        full = build_kv_index(self.spec, spans, [r.full_pages for r in requests], 0, dev)
+        swa = build_kv_index(
+            self.spec, spans, [r.swa_pages for r in requests], self.spec.swa_window, dev
+        )
+        h = self.embed[tokens]
+        for layer, block in enumerate(self.blocks):
+            assert isinstance(block, Block)
+            if before_layer is not None:
+                before_layer(layer)
+            h = self._block(block, layer, h, positions, spans, requests, pool, (full, swa))
+            if after_layer is not None:
+                after_layer(layer)
+        return self._logprobs(self.final_norm(h), spans, requests)
+
+    def _block(
+        self,
+        block: Block,
+        layer: int,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        spans: Sequence[Span],
+        requests: Sequence[ForwardRequest],
+        pool: PoolViews,
+        indexes: tuple[KVIndex, KVIndex],
+    ) -> torch.Tensor:
+        """One layer for the packed batch ``h`` ``[total_tokens, hidden]``."""
+        x = block.mixer_norm(h)
+        if isinstance(block.mixer, MambaMixer):
+            mixed: torch.Tensor = block.mixer(x, spans, requests, pool, layer)
+        else:
+            index = indexes[0] if block.kind is Component.FULL else indexes[1]
+            mixed = block.mixer(x, positions, spans, index, pool, layer)
+        h = h + mixed
+        mlp_out: torch.Tensor = block.mlp(block.mlp_norm(h))
+        return h + mlp_out
+
+    def _logprobs(
+        self, h: torch.Tensor, spans: Sequence[Span], requests: Sequence[ForwardRequest]
+    ) -> ForwardOutput:
+        """Log-softmax of the LM head at each request's last row (and at every
+        row of the requests that asked for per-token logprobs)."""
+        last = torch.tensor([s.stop - 1 for s in spans], device=h.device)
+        nxt = torch.log_softmax(h[last] @ self.lm_head.T, dim=-1)
+        per_token: list[torch.Tensor | None] = []
+        for i, (s, r) in enumerate(zip(spans, requests, strict=True)):
+            if not r.want_token_logprobs:
+                per_token.append(None)
+                continue
+            rows = torch.log_softmax(h[s.start : s.stop] @ self.lm_head.T, dim=-1)
+            nxt[i] = rows[-1]  # one source of truth, bitwise equal to the last row
+            per_token.append(rows)
+        return ForwardOutput(nxt, per_token)
+
+
+def _spans(requests: Sequence[ForwardRequest]) -> list[Span]:
+    """Rows of each request in the packed batch, in request order."""
+    spans, start = [], 0
+    for r in requests:
+        spans.append(Span(start, start + r.n_new, r.prefix_len))
+        start += r.n_new
+    return spans

@@ -1,0 +1,117 @@
+"""Mamba-2-style mixer whose recurrent state lives in pool slots.
+
+Per layer a slot holds ``conv`` ``[conv_dim, d_conv-1]`` (the last ``d_conv-1``
+pre-convolution inputs, oldest first; zeros at sequence start) and ``ssm``
+``[heads, head_dim, d_state]``, both float32. A forward continues *exactly*
+from the slot's state, writes the state after its last token back into the
+slot and, on request, the state at intermediate boundaries into other slots
+(checkpoints).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from layerlift.engine.model_api import ForwardRequest, PoolViews
+from layerlift.engine.model_layers import Span, const_param, normal_param
+from layerlift.engine.model_ssd import ssd_scan
+from layerlift.pools.spec import ModelSpec
+from torch import nn
+from torch.nn import functional as F
+
+__all__ = ["MambaMixer"]
+
+
+def _dt_bias(g: torch.Generator, heads: int) -> torch.Tensor:
+    """Mamba-2's init: ``softplus(dt_bias)`` log-uniform in [1e-3, 1e-1]."""
+    lo, hi = math.log(1e-3), math.log(1e-1)
+    dt = torch.exp(torch.rand(heads, generator=g) * (hi - lo) + lo)
+    return dt + torch.log(-torch.expm1(-dt))  # inverse softplus
+
+
+class MambaMixer(nn.Module):
+    """``in_proj -> (z, xBC, dt)``; causal depthwise conv + SiLU on xBC; split
+    into x ``[heads, head_dim]``, B, C ``[d_state]`` (one group); selective scan
+    with ``A = -exp(A_log)``, ``dt = softplus(dt + dt_bias)`` and skip ``D``;
+    ``y * silu(z)``; ``out_proj``."""
+
+    def __init__(self, spec: ModelSpec, g: torch.Generator, out_std: float) -> None:
+        super().__init__()
+        m = spec.mamba
+        self.m = m
+        d = spec.hidden_size
+        self.in_proj = normal_param(g, 2 * m.d_inner + 2 * m.d_state + m.num_heads, d, std=d**-0.5)
+        self.conv_w = normal_param(g, m.conv_dim, m.d_conv, std=m.d_conv**-0.5)
+        self.conv_b = normal_param(g, m.conv_dim, std=0.1)
+        self.dt_bias = const_param(_dt_bias(g, m.num_heads))
+        self.a_log = const_param(torch.log(1.0 + 15.0 * torch.rand(m.num_heads, generator=g)))
+        self.d_skip = const_param(torch.ones(m.num_heads))
+        self.out_proj = normal_param(g, d, m.d_inner, std=out_std * m.d_inner**-0.5)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        spans: Sequence[Span],
+        requests: Sequence[ForwardRequest],
+        pool: PoolViews,
+        layer: int,
+    ) -> torch.Tensor:
+        """Mix every packed row of ``x`` ``[total_tokens, hidden]``, reading and
+        writing the requests' state slots of ``layer``. Must run only after the
+        engine's ``before_layer(layer)``: it performs the copy-on-write."""
+        m = self.m
+        z, xbc, dt_raw = torch.split(
+            x @ self.in_proj.T, [m.d_inner, m.conv_dim, m.num_heads], dim=-1
+        )
+        conv_v, ssm_v = pool.mamba_view(layer)
+        y = torch.empty(x.shape[0], m.d_inner, dtype=x.dtype, device=x.device)
+        for span, req in zip(spans, requests, strict=True):
+            rows = slice(span.start, span.stop)
+            y[rows] = self._one(xbc[rows], dt_raw[rows], req, conv_v, ssm_v)
+        return torch.matmul(y * F.silu(z), self.out_proj.T)
+
+    def _load_state(
+        self, req: ForwardRequest, conv_v: torch.Tensor, ssm_v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The state at ``prefix_len``, after the copy-on-write / zero init."""
+        slot = req.mamba_slot
+        if req.mamba_cow_src is not None:
+            conv_v[slot].copy_(conv_v[req.mamba_cow_src])
+            ssm_v[slot].copy_(ssm_v[req.mamba_cow_src])
+        elif req.prefix_len == 0:
+            conv_v[slot].zero_()
+            ssm_v[slot].zero_()
+        return conv_v[slot].clone(), ssm_v[slot].clone()
+
+    def _one(
+        self,
+        xbc: torch.Tensor,
+        dt_raw: torch.Tensor,
+        req: ForwardRequest,
+        conv_v: torch.Tensor,
+        ssm_v: torch.Tensor,
+    ) -> torch.Tensor:
+        """One request: conv + scan from its slot; returns ``y`` ``[n_new, d_inner]``."""
+        m = self.m
+        n = xbc.shape[0]
+        conv0, ssm0 = self._load_state(req, conv_v, ssm_v)
+        # The conv input history: the saved last d_conv-1 inputs, then the new ones.
+        hist = torch.cat((conv0, xbc.T), dim=1)  # [conv_dim, d_conv-1+n]
+        xc = F.conv1d(hist[None], self.conv_w[:, None, :], self.conv_b, groups=m.conv_dim)
+        xc = F.silu(xc[0].T)  # [n, conv_dim]
+        xs, b, c = torch.split(xc, [m.d_inner, m.d_state, m.d_state], dim=-1)
+        xs = xs.reshape(n, m.num_heads, m.head_dim)
+        dt = F.softplus(dt_raw + self.dt_bias)
+        cuts = sorted(p - req.prefix_len for p in req.capture)
+        y, states = ssd_scan(xs, dt, -torch.exp(self.a_log), b, c, ssm0, cuts)
+        y = y + self.d_skip[:, None] * xs
+        k = m.d_conv - 1
+        for pos, slot in req.capture.items():
+            j = pos - req.prefix_len
+            conv_v[slot].copy_(hist[:, j : j + k])
+            ssm_v[slot].copy_(states[j])
+        conv_v[req.mamba_slot].copy_(hist[:, n : n + k])
+        ssm_v[req.mamba_slot].copy_(states[n])
+        return torch.reshape(y, (n, m.d_inner))

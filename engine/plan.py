@@ -1,0 +1,67 @@
+"""One request's restore plan: what the device holds, what the store holds,
+and where the restore will end."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from layerlift.linker.contract import PoolTransfer
+from layerlift.pools.spec import Component, ModelSpec
+from layerlift.pools.tree import MatchResult
+
+__all__ = ["LookupPlan"]
+
+
+@dataclass(eq=False)
+class LookupPlan:
+    """The outcome of LOOKUP for one request (``Engine.lookup``).
+
+    ``device_pages`` (d): boundary already on the device (its node is locked
+    until the plan is released). ``restorable``: every page count at which
+    FULL, the SWA window and a MAMBA checkpoint can all restore (always
+    holds d; intersected across ranks). ``boundary`` (b >= d): the chosen
+    one; ``b > d`` means pages ``[d, b)`` will be restored from the store.
+    ``fallback_reason`` says why a restore was dropped (store unavailable,
+    allocation failure, a failed load), if it was.
+    """
+
+    request_id: int
+    tokens: np.ndarray
+    hashes: tuple[bytes, ...]
+    match: MatchResult
+    spec: ModelSpec
+    restorable: frozenset[int] = frozenset()
+    boundary: int = 0
+    lookup: dict[Component, PoolTransfer | None] = field(default_factory=dict)
+    fallback_reason: str | None = None
+    lookup_time: float = 0.0
+    pins: list[tuple[Component, object]] = field(default_factory=list)
+    released: bool = False
+
+    @property
+    def device_pages(self) -> int:
+        return self.match.boundary_pages
+
+    @property
+    def usable_pages(self) -> int:
+        """Pages a restore may cover: at least one token must be computed."""
+        return (len(self.tokens) - 1) // self.spec.page_size
+
+    @property
+    def device_hit_tokens(self) -> int:
+        return self.device_pages * self.spec.page_size
+
+    @property
+    def restore_tokens(self) -> int:
+        return (self.boundary - self.device_pages) * self.spec.page_size
+
+    @property
+    def restores(self) -> bool:
+        return self.boundary > self.device_pages
+
+    def drop_restore(self, reason: str) -> None:
+        """Compute from the device boundary instead of restoring."""
+        self.boundary = self.device_pages
+        self.fallback_reason = reason

@@ -1,0 +1,272 @@
+"""`EmbeddedMaster`: run a private `mooncake_master` on loopback (tests, benchmarks, CLI).
+
+The master runs in its own process group with its output in a log file. It is
+stopped on `stop()`, on leaving the `with` block (also on exceptions and
+KeyboardInterrupt) and, on Linux, killed by the kernel if the Python parent
+dies abruptly (PR_SET_PDEATHSIG). That signal fires when the *thread* that
+started the master exits: start it from a long-lived thread (the main thread),
+not from a short-lived worker thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import importlib.util
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any
+
+from layerlift.linker.mooncake_store import MooncakeConfig
+from layerlift.linker.store_base import StoreUnavailable
+
+_BINARY = "mooncake_master"
+_PR_SET_PDEATHSIG = 1
+
+
+def find_master_binary() -> str:
+    """Path of `mooncake_master`: next to `sys.executable`, in the installed `mooncake`
+    package, then on PATH. Raises FileNotFoundError naming the places searched."""
+    candidates = [Path(sys.executable).parent / _BINARY]
+    spec = importlib.util.find_spec("mooncake")
+    if spec is not None and spec.submodule_search_locations:
+        candidates += [Path(p) / _BINARY for p in spec.submodule_search_locations]
+    for path in candidates:
+        if path.is_file() and os.access(path, os.X_OK):
+            return str(path)
+    found = shutil.which(_BINARY)
+    if found:
+        return found
+    raise FileNotFoundError(
+        f"Cannot find the {_BINARY} binary (looked in {', '.join(map(str, candidates))} and "
+        "on PATH); install LayerLift with the 'cpu' or 'cuda' extra, which ships it."
+    )
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """preexec_fn: ask the kernel to SIGKILL the child when the parent thread dies."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _port_open(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+    except OSError:
+        return False
+    return True
+
+
+class EmbeddedMaster:
+    """A `mooncake_master` child process on 127.0.0.1. Not thread-safe; `stop()` is idempotent.
+
+    Ports left as None are picked free. `lease_ttl_ms` is the master's
+    `--default_kv_lease_ttl` (milliseconds): a short lease lets `remove` succeed
+    soon after a read. `start()` raises FileNotFoundError if the binary is
+    missing and StoreUnavailable (with the log's last lines) if the master does
+    not accept connections within `start_timeout_s`.
+    """
+
+    def __init__(
+        self,
+        *,
+        rpc_port: int | None = None,
+        http_port: int | None = None,
+        metrics_port: int | None = None,
+        log_path: str | os.PathLike[str] | None = None,
+        lease_ttl_ms: int = 50,
+        start_timeout_s: float = 20.0,
+        stop_timeout_s: float = 5.0,
+        binary: str | None = None,
+    ) -> None:
+        if lease_ttl_ms <= 0 or start_timeout_s <= 0 or stop_timeout_s <= 0:
+            raise ValueError("lease_ttl_ms, start_timeout_s and stop_timeout_s must be positive.")
+        self.rpc_port = rpc_port or free_port()
+        self.http_port = http_port or free_port()
+        self.metrics_port = metrics_port or free_port()
+        if log_path is None:
+            log_path = Path(tempfile.mkdtemp(prefix="layerlift-master-")) / "mooncake_master.log"
+        self.log_path = Path(log_path)
+        self.lease_ttl_ms = lease_ttl_ms
+        self.start_timeout_s = start_timeout_s
+        self.stop_timeout_s = stop_timeout_s
+        self._binary = binary
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+
+    @property
+    def master_address(self) -> str:
+        """The RPC address clients pass as `MooncakeConfig.master_address`."""
+        return f"127.0.0.1:{self.rpc_port}"
+
+    @property
+    def metadata_url(self) -> str:
+        """The HTTP metadata server clients pass as `MooncakeConfig.metadata_server`."""
+        return f"http://127.0.0.1:{self.http_port}/metadata"
+
+    @property
+    def pid(self) -> int | None:
+        """The master's process id while started, else None."""
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def config(self, **overrides: Any) -> MooncakeConfig:
+        """A `MooncakeConfig` for a client of this master; keyword arguments override fields."""
+        fields: dict[str, Any] = {
+            "master_address": self.master_address,
+            "metadata_server": self.metadata_url,
+        }
+        fields.update(overrides)
+        return MooncakeConfig(**fields)
+
+    def command(self) -> list[str]:
+        return [
+            self._binary or find_master_binary(),
+            "--rpc_port", str(self.rpc_port),
+            "--enable_http_metadata_server=true",
+            "--http_metadata_server_host", "127.0.0.1",
+            "--http_metadata_server_port", str(self.http_port),
+            "--metrics_port", str(self.metrics_port),
+            "--default_kv_lease_ttl", str(self.lease_ttl_ms),
+        ]  # fmt: skip
+
+    def start(self) -> EmbeddedMaster:
+        """Start the master and wait until its RPC and metadata ports accept connections."""
+        if self._proc is not None:
+            raise RuntimeError("This EmbeddedMaster was already started.")
+        command = self.command()
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 — closed in stop()
+        parent = os.getpid()
+        self._proc = subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=(lambda: _die_with_parent(parent)) if sys.platform == "linux" else None,
+        )
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_ready(self) -> None:
+        assert self._proc is not None
+        deadline = time.monotonic() + self.start_timeout_s
+        for port in (self.rpc_port, self.http_port):
+            while not _port_open(port):
+                if self._proc.poll() is not None:
+                    raise StoreUnavailable(
+                        f"mooncake_master exited with code {self._proc.returncode} during "
+                        f"startup. Last lines of {self.log_path}:\n{self.log_tail()}"
+                    )
+                if time.monotonic() > deadline:
+                    raise StoreUnavailable(
+                        f"mooncake_master did not accept connections on port {port} within "
+                        f"{self.start_timeout_s:g} s. Last lines of {self.log_path}:\n"
+                        f"{self.log_tail()}"
+                    )
+                time.sleep(0.02)
+
+    def log_tail(self, lines: int = 20) -> str:
+        """The last `lines` lines of the master's log ("" if there is none yet)."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def stop(self) -> None:
+        """SIGTERM the master's process group, SIGKILL after `stop_timeout_s`, wait. Idempotent."""
+        proc, self._proc = self._proc, None
+        try:
+            if proc is not None and proc.poll() is None:
+                self._signal(proc, signal.SIGTERM)
+                try:
+                    proc.wait(self.stop_timeout_s)
+                except subprocess.TimeoutExpired:
+                    self._signal(proc, signal.SIGKILL)
+                    proc.wait()
+        finally:
+            if proc is not None and proc.poll() is None:  # interrupted above: make sure
+                self._signal(proc, signal.SIGKILL)
+                proc.wait()
+            if self._log is not None:
+                self._log.close()
+                self._log = None
+
+    @staticmethod
+    def _signal(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+
+    def __enter__(self) -> EmbeddedMaster:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`layerlift master`: run a master in the foreground until Ctrl-C or SIGTERM."""
+    parser = argparse.ArgumentParser(prog="layerlift master", description=main.__doc__)
+    parser.add_argument("--rpc-port", type=int, default=None, help="RPC port (default: free)")
+    parser.add_argument("--http-port", type=int, default=None, help="metadata HTTP port")
+    parser.add_argument("--metrics-port", type=int, default=None, help="metrics port")
+    parser.add_argument("--log", default=None, help="log file (default: in a temp dir)")
+    parser.add_argument("--lease-ttl-ms", type=int, default=5000, help="object read lease")
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    master = EmbeddedMaster(
+        rpc_port=args.rpc_port,
+        http_port=args.http_port,
+        metrics_port=args.metrics_port,
+        log_path=args.log,
+        lease_ttl_ms=args.lease_ttl_ms,
+    )
+    try:
+        with master:
+            print(f"master_address  {master.master_address}", flush=True)
+            print(f"metadata_server {master.metadata_url}", flush=True)
+            print(f"log             {master.log_path}   (Ctrl-C to stop)", flush=True)
+            while master.running:
+                time.sleep(0.5)
+            print(f"mooncake_master exited:\n{master.log_tail()}", file=sys.stderr)
+            return 1
+    except KeyboardInterrupt:
+        return 0
+    except (FileNotFoundError, StoreUnavailable) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1

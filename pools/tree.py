@@ -1,0 +1,282 @@
+"""The unified radix tree: one prefix tree for FULL, SWA and MAMBA.
+
+Keys are page-aligned token runs. Per-kind logic (what a node keeps, how it
+is adopted, split and evicted) lives in one component object per kind
+(``pools/tree_components.py``); the tree only walks, splits, locks and keeps
+the reverse maps ``owners[component][device index] -> (node, offset)`` so a
+page the pool moves is rewritten in O(moved pages).
+
+Contract (single-threaded: the event-loop thread mutates the tree):
+
+* A node with ``lock_ref > 0`` is never evicted; ``lock`` counts on the node
+  and all its ancestors, so a locked node's prefix stays too.
+* Checkpoints live only at node ends that are multiples of ``track_pages``;
+  splitting a node leaves the head without one.
+* ``evict`` and ``drop_all`` free pages through ``pool.free``; the caller
+  must lock every node whose pages are pinned (in-flight loads), since the
+  pool refuses to free a pinned page.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterator, Mapping, Sequence
+
+import numpy as np
+import torch
+from layerlift.pools.base import KVPool
+from layerlift.pools.hashing import ROOT_HASH, page_hashes
+from layerlift.pools.spec import Component, ModelSpec
+from layerlift.pools.tree_components import TREE_COMPONENT_TYPES, InsertInputs, TreeComponent
+from layerlift.pools.tree_integrity import check_offered, check_tree, validate_insert
+from layerlift.pools.tree_node import TreeIntegrityError, TreeNode
+from layerlift.pools.tree_paths import TreePaths
+from layerlift.pools.tree_result import InsertBuilder, InsertResult, MatchResult, TreeStats
+
+__all__ = [
+    "InsertResult", "MatchResult", "TreeIntegrityError", "TreeNode", "TreeStats",
+    "UnifiedRadixTree",
+]
+
+_EVICT_ORDER = (Component.FULL, Component.SWA, Component.MAMBA)
+
+
+class UnifiedRadixTree(TreePaths):
+    """Prefix cache of a hybrid model over one :class:`KVPool`."""
+
+    def __init__(self, spec: ModelSpec, pool: KVPool) -> None:
+        self.spec = spec
+        self.pool = pool
+        self.page_size = spec.page_size
+        self.components: dict[Component, TreeComponent] = {
+            c: TREE_COMPONENT_TYPES[c](self) for c in Component
+        }
+        self.owners: dict[Component, dict[int, tuple[TreeNode, int]]] = {c: {} for c in Component}
+        self._nodes: dict[int, TreeNode] = {}
+        self._next_id = 0
+        self._clock = 0
+        self.root = self._new_node(None, np.zeros(0, dtype=np.int64), 0, [])
+        pool.add_move_listener(self._on_move)
+
+    # ---- queries -------------------------------------------------------------
+    def __len__(self) -> int:
+        """Nodes, the root excluded."""
+        return len(self._nodes) - 1
+
+    def iter_nodes(self) -> Iterator[TreeNode]:
+        """Every node except the root (snapshot: safe to mutate while iterating)."""
+        return iter([n for n in self._nodes.values() if not n.is_root])
+
+    def contains(self, node: TreeNode) -> bool:
+        """Whether ``node`` is still part of the tree (not evicted)."""
+        return self._nodes.get(node.node_id) is node
+
+    def match_prefix(self, tokens: Sequence[int] | np.ndarray) -> MatchResult:
+        """Longest restorable prefix on the device (see :class:`MatchResult`).
+
+        A trailing partial page of ``tokens`` is ignored. Touches the access
+        time of every matched node. Never mutates the tree's structure.
+        """
+        toks = self._tokens(tokens, aligned=False)
+        path = self._walk(toks)
+        self._clock += 1
+        for node, _ in path:
+            node.last_access = dict.fromkeys(Component, self._clock)
+        kv_pages = sum(m for _, m in path)
+        swa_valid = torch.cat(
+            [torch.zeros(0, dtype=torch.bool)]
+            + [n.pages(Component.SWA).valid[:m] for n, m in path]
+        )
+        missing = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(~swa_valid, 0)])
+        d, d_node, window = 0, self.root, self.spec.window_pages
+        for node, m in path:
+            if m == node.num_pages and node.checkpoint is not None:
+                e = node.end_page
+                if int(missing[e]) == int(missing[max(0, e - window)]):
+                    d, d_node = e, node
+        full = self._gather(path, Component.FULL)
+        return MatchResult(
+            boundary_pages=d,
+            full_indices=full[:d].clone(),
+            swa_indices=self._gather(path, Component.SWA)[:d].clone(),
+            mamba_slot=d_node.checkpoint,
+            node=d_node,
+            kv_pages=kv_pages,
+            kv_full_indices=full,
+            pending=[n.pending for n, _ in path if n.end_page <= d and n.pending is not None],
+        )
+
+    # ---- insert ----------------------------------------------------------------
+    def insert(
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        full: torch.Tensor,
+        swa: torch.Tensor,
+        swa_valid: torch.Tensor,
+        checkpoints: Mapping[int, int],
+        *,
+        start_page: int = 0,
+    ) -> InsertResult:
+        """Publish a prompt's pages (see :class:`InsertResult`).
+
+        ``tokens`` holds n whole pages; ``full``/``swa``/``swa_valid`` have n
+        entries; entries before ``start_page`` are ignored but those pages must
+        already be in the tree. ``checkpoints`` maps boundaries (multiples of
+        ``track_pages`` in ``(start_page, n]``) to state slots. Raises
+        ``ValueError`` on bad input, before changing anything.
+        """
+        toks = self._tokens(tokens, aligned=True)
+        inputs = validate_insert(self, len(toks) // self.page_size, full, swa, swa_valid,
+                                 checkpoints, start_page)
+        path = self._walk(toks)
+        matched = sum(m for _, m in path)
+        if matched < start_page:
+            raise ValueError(
+                f"start_page is {start_page} but the tree holds only {matched} pages of this "
+                "prompt: pages before start_page must already be in the tree"
+            )
+        check_offered(self, path, inputs)
+        return self._insert_walk(toks, inputs)
+
+    def _insert_walk(self, toks: np.ndarray, inputs: InsertInputs) -> InsertResult:
+        out = InsertBuilder()
+        cuts = sorted(inputs.checkpoints)
+        self._clock += 1
+        node, p, n = self.root, 0, inputs.n_pages
+        while p < n:
+            child = node.children.get(self._page_key(toks, p))
+            if child is None:
+                child = self._grow(node, toks, p, n, cuts)
+            nxt = cuts[bisect.bisect_right(cuts, p)] if cuts and cuts[-1] > p else n
+            cut = min(self._common_pages(child, toks, p), nxt - p)
+            if cut < child.num_pages:
+                child = self.split(child, cut)
+            for comp in self.components.values():
+                comp.merge(child, inputs, out)
+            child.last_access = dict.fromkeys(Component, self._clock)
+            if child.end_page > inputs.start_page:
+                out.nodes.append(child)
+            node, p = child, p + cut
+        return out.build(node, {c: self._gather([(m, m.num_pages) for m in node.path()], c)
+                                for c in (Component.FULL, Component.SWA)})
+
+    def _grow(self, parent: TreeNode, toks: np.ndarray, p: int, n: int,
+              cuts: list[int]) -> TreeNode:
+        """A new empty child of ``parent`` for pages ``[p, next cut or n)``."""
+        i = bisect.bisect_right(cuts, p)
+        end = cuts[i] if i < len(cuts) and cuts[i] < n else n
+        ps = self.page_size
+        key = toks[p * ps : end * ps].copy()
+        hashes = page_hashes(key, ps, parent.last_hash or ROOT_HASH)
+        child = self._new_node(parent, key, p, hashes)
+        parent.children[self._page_key(key, 0)] = child
+        return child
+
+    def split(self, node: TreeNode, k: int) -> TreeNode:
+        """Split ``node`` after its first ``k`` pages; returns the new head
+        (``node`` keeps the tail). The head has no checkpoint; hashes, stored
+        flags (MAMBA: head unset), pending, lock refs and access times carry."""
+        if not 0 < k < node.num_pages or node.parent is None:
+            raise ValueError(f"cannot split {node} after {k} pages")
+        ps = self.page_size
+        parts = {c: comp.split(node.data[c], k) for c, comp in self.components.items()}
+        head = self._new_node(node.parent, node.key[: k * ps].copy(), node.start_page,
+                              node.hashes[:k])
+        head.data = {c: h for c, (h, _) in parts.items()}
+        node.data = {c: t for c, (_, t) in parts.items()}
+        head.lock_ref, head.pending = node.lock_ref, node.pending
+        head.last_access = dict(node.last_access)
+        head.stored = {**node.stored, Component.MAMBA: False}
+        node.parent.children[self._page_key(node.key, 0)] = head
+        node.key, node.hashes = node.key[k * ps :].copy(), node.hashes[k:]
+        node.start_page += k
+        node.parent = head
+        head.children[self._page_key(node.key, 0)] = node
+        for part in (head, node):
+            for comp in self.components.values():
+                comp.own(part)
+            part.stored[Component.SWA] = bool(part.pages(Component.SWA).stored.all())
+        return head
+
+    # ---- locks, eviction -------------------------------------------------------
+    def lock(self, node: TreeNode) -> None:
+        """Protect ``node`` and its ancestors from eviction (refcounted)."""
+        for n in self._ancestry(node):
+            n.lock_ref += 1
+
+    def unlock(self, node: TreeNode) -> None:
+        """Undo one ``lock``; ``ValueError`` if the node is not locked."""
+        chain = self._ancestry(node)
+        if any(n.lock_ref <= 0 for n in chain):
+            raise ValueError(f"unlock of {node}, which is not locked")
+        for n in chain:
+            n.lock_ref -= 1
+
+    def evict(self, demand: Mapping[Component, int]) -> dict[Component, int]:
+        """Free at least ``demand[c]`` pages per component where unlocked
+        nodes allow, least recently used first; returns pages freed per
+        component (FULL eviction also frees SWA pages and checkpoints, which
+        count toward those demands). ``evict({})`` is always safe."""
+        if any(v < 0 for v in demand.values()):
+            raise ValueError(f"eviction demand must be non-negative, got {dict(demand)}")
+        freed = dict.fromkeys(Component, 0)
+        for c in _EVICT_ORDER:
+            want = demand.get(c, 0) - freed[c]
+            if want > 0:
+                for comp, count in self.components[c].evict(want).items():
+                    freed[comp] += count
+        return freed
+
+    def drop_all(self) -> None:
+        """Evict every unlocked node."""
+        total = sum(n.num_pages for n in self._nodes.values())
+        self.evict({Component.FULL: total, Component.SWA: total, Component.MAMBA: total})
+
+    def remove_leaf(self, node: TreeNode) -> dict[Component, int]:
+        """Free an unlocked leaf entirely and detach it; pages freed per component."""
+        if not node.is_leaf or node.lock_ref or node.parent is None:
+            raise ValueError(f"{node} is not an unlocked leaf")
+        freed = {c: comp.release(node) for c, comp in self.components.items()}
+        del node.parent.children[self._page_key(node.key, 0)]
+        del self._nodes[node.node_id]
+        return freed
+
+    # ---- accounting ------------------------------------------------------------
+    def stats(self) -> TreeStats:
+        nodes = list(self.iter_nodes())
+        pages = {c: sum(len(comp.present(n)) for n in nodes)
+                 for c, comp in self.components.items()}
+        evictable = {c: sum(len(comp.present(n)) for n in nodes if n.lock_ref == 0)
+                     for c, comp in self.components.items()}
+        return TreeStats(len(nodes), pages, sum(1 for n in nodes if n.lock_ref), evictable)
+
+    def check_integrity(self) -> None:
+        """Raise :class:`TreeIntegrityError` on any broken invariant."""
+        check_tree(self)
+
+    # ---- internals -------------------------------------------------------------
+    def _new_node(self, parent: TreeNode | None, key: np.ndarray, start: int,
+                  hashes: list[bytes]) -> TreeNode:
+        data = {c: comp.blank(len(hashes)) for c, comp in self.components.items()}
+        node = TreeNode(parent, key, start, hashes, data, self._next_id)
+        self._next_id += 1
+        self._nodes[node.node_id] = node
+        return node
+
+    def _ancestry(self, node: TreeNode) -> list[TreeNode]:
+        if not self.contains(node):
+            raise ValueError(f"{node} is not in this tree (evicted?)")
+        chain, cur = [], node
+        while cur is not None:
+            chain.append(cur)
+            cur = cur.parent
+        return chain
+
+    def _on_move(self, component: Component, old: torch.Tensor, new: torch.Tensor) -> None:
+        owners = self.owners[component]
+        moved = [(owners.pop(o), n) for o, n in zip(old.tolist(), new.tolist(), strict=True)
+                 if o in owners]
+        comp = self.components[component]
+        for (node, off), idx in moved:
+            comp.set_index(node.data[component], off, idx)
+            owners[idx] = (node, off)

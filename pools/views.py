@@ -1,0 +1,76 @@
+"""Typed per-layer views into a pool's byte buffer.
+
+Every sub-pool indexes its pages *physically*: page ``i`` of component ``c``
+occupies bytes ``[i * page_bytes(c), (i + 1) * page_bytes(c))`` of the one
+shared buffer, whichever end of the buffer that pool grows from. Views are
+plain strided tensors over the buffer (no copies); which indices are valid is
+the allocator's business, not the view's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from layerlift.pools.spec import Component, ModelSpec
+
+__all__ = ["kv_layer_view", "mamba_layer_view"]
+
+
+def _typed(buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if buf.dtype is not torch.uint8 or buf.dim() != 1:
+        raise ValueError("the pool buffer must be a 1-D uint8 tensor")
+    elem = torch.empty((), dtype=dtype).element_size()
+    usable = buf.numel() - buf.numel() % elem
+    return buf[:usable].view(dtype)
+
+
+def kv_layer_view(
+    buf: torch.Tensor, spec: ModelSpec, component: Component, local_layer: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of the ``local_layer``-th layer of ``component`` (FULL or SWA),
+    each ``[max_pages, page_size, num_kv_heads, head_dim]`` indexed by page."""
+    if component is Component.MAMBA:
+        raise ValueError("kv_layer_view is for FULL and SWA layers; use mamba_layer_view")
+    n_layers = len(spec.layers_of(component))
+    if not 0 <= local_layer < n_layers:
+        raise ValueError(f"{component.value} has {n_layers} layers, no layer {local_layer}")
+    typed = _typed(buf, spec.kv_dtype)
+    page_bytes = spec.page_bytes(component)
+    elem = typed.element_size()
+    page_elems = page_bytes // elem
+    layer_elems = spec.layer_bytes(component) // elem
+    max_pages = buf.numel() // page_bytes
+    hd = spec.num_kv_heads * spec.head_dim
+    shape = (max_pages, spec.page_size, spec.num_kv_heads, spec.head_dim)
+    stride = (page_elems, hd, spec.head_dim, 1)
+    base = local_layer * layer_elems
+    k = typed.as_strided(shape, stride, typed.storage_offset() + base)
+    v = typed.as_strided(shape, stride, typed.storage_offset() + base + spec.page_size * hd)
+    return k, v
+
+
+def mamba_layer_view(
+    buf: torch.Tensor, spec: ModelSpec, local_layer: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Conv state ``[max_slots, conv_dim, d_conv - 1]`` and SSM state
+    ``[max_slots, num_heads, head_dim, d_state]`` of the ``local_layer``-th
+    Mamba layer, indexed by slot."""
+    n_layers = len(spec.layers_of(Component.MAMBA))
+    if not 0 <= local_layer < n_layers:
+        raise ValueError(f"mamba has {n_layers} layers, no layer {local_layer}")
+    m = spec.mamba
+    typed = _typed(buf, m.dtype)
+    elem = typed.element_size()
+    slot_elems = spec.page_bytes(Component.MAMBA) // elem
+    base = local_layer * (m.layer_slot_bytes // elem)
+    max_slots = buf.numel() // spec.page_bytes(Component.MAMBA)
+    conv_shape = (max_slots, *m.conv_shape)
+    conv = typed.as_strided(
+        conv_shape, (slot_elems, m.d_conv - 1, 1), typed.storage_offset() + base
+    )
+    h, p, n = m.ssm_shape
+    ssm = typed.as_strided(
+        (max_slots, h, p, n), (slot_elems, p * n, n, 1),
+        typed.storage_offset() + base + m.conv_bytes // elem,
+    )
+    return conv, ssm

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Idempotent set-up for a fresh machine (run as root, or with sudo available):
+#   - Debian's libibverbs1 + ibverbs-providers (the Mooncake wheel links them)
+#   - a virtual environment .venv in the repo root
+#   - torch (the local CPU wheel on these machines: torch==2.13.0), then
+#     LayerLift editable with its Mooncake extra and the dev tools.
+# LAYERLIFT_EXTRA=cpu|cuda|cuda13 picks the Mooncake wheel (never two).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+EXTRA="${LAYERLIFT_EXTRA:-cpu}"
+PY="${PYTHON:-python3}"
+
+if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1'; then
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libibverbs1 ibverbs-providers >/dev/null
+fi
+
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+VPY=.venv/bin/python
+if ! "$VPY" -c 'import torch' 2>/dev/null; then
+  "$VPY" -m pip install -q --upgrade pip
+  "$VPY" -m pip install -q "torch==${LAYERLIFT_TORCH:-2.13.0}"
+fi
+if ! "$VPY" -c 'import layerlift, mooncake.store, pytest, hypothesis' 2>/dev/null \
+   || [ pyproject.toml -nt .venv/.layerlift-installed ]; then
+  "$VPY" -m pip install -q -e ".[${EXTRA},dev]"
+  touch .venv/.layerlift-installed
+fi

@@ -1,0 +1,66 @@
+"""Shared fixtures. Mooncake: a real master for the whole session (never skipped)."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from layerlift.linker.master import EmbeddedMaster
+from layerlift.linker.mooncake_store import MooncakeStore
+
+
+def _child_masters() -> list[int]:
+    """Pids of mooncake_master processes whose parent is this test process."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)
+            name = fields[0].split("(", 1)[1]
+            ppid = int(fields[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == os.getpid() and name.startswith("mooncake_master"):
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_leftover_mooncake_masters() -> Iterator[None]:
+    """At session end, fail if a mooncake_master started by the suite still runs."""
+    yield
+    left = _child_masters()
+    assert not left, f"mooncake_master processes left running by the test suite: {left}"
+
+
+@pytest.fixture(scope="session")
+def mooncake_master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedMaster]:
+    """A mooncake_master on loopback for the session. Fails (never skips) if it cannot start."""
+    log = tmp_path_factory.mktemp("mooncake") / "mooncake_master.log"
+    with EmbeddedMaster(log_path=log) as master:
+        yield master
+
+
+@pytest.fixture
+def mooncake_namespace() -> str:
+    """A key prefix unique to this test: tests share one master, so keys must not collide."""
+    return f"test-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def mooncake_store(mooncake_master: EmbeddedMaster) -> Iterator[MooncakeStore]:
+    """A MooncakeStore client with a 64 MiB segment and a 32 MiB local buffer, closed after.
+
+    Prefix its keys with `mooncake_namespace`.
+    """
+    config = mooncake_master.config(
+        global_segment_size=64 << 20, local_buffer_size=32 << 20, timeout_s=10.0
+    )
+    store = MooncakeStore(config)
+    try:
+        yield store
+    finally:
+        store.close()
