@@ -58,7 +58,7 @@ class LoadHandle:
         self.computes = computes
         self.started = started
         self._release_lock = release_lock
-        self._pins: list[tuple[Component, torch.Tensor]] = []
+        self._pins: dict[int, list[tuple[Component, torch.Tensor]]] = {}
         self._closed = False
         self.load_issued = time.perf_counter() - started
         self._recomputed: set[int] = set()
@@ -83,15 +83,31 @@ class LoadHandle:
         for rid, result in self.batch.inserted.items():
             plan = next(p for p in self.plans if p.request_id == rid)
             d, b, w = plan.device_pages, plan.boundary, plan.spec.window_pages
-            self._pin(Component.FULL, result.canonical[Component.FULL][d:b])
-            self._pin(Component.SWA, result.canonical[Component.SWA][max(d, b - w):b])
-            self._pin(Component.MAMBA, torch.tensor([self.batch.cow[rid].slot]))
+            self._pin(rid, Component.FULL, result.canonical[Component.FULL][d:b])
+            self._pin(rid, Component.SWA, result.canonical[Component.SWA][max(d, b - w):b])
+            self._pin(rid, Component.MAMBA, torch.tensor([self.batch.cow[rid].slot]))
         return readiness
 
-    def _pin(self, c: Component, idx: torch.Tensor) -> None:
+    def _pin(self, rid: int, c: Component, idx: torch.Tensor) -> None:
         if len(idx):
             self.engine.pool.pin(c, idx)
-            self._pins.append((c, idx.clone()))
+            self._pins.setdefault(rid, []).append((c, idx.clone()))
+
+    def _unpin(self, rids: object) -> None:
+        for rid in list(self._pins):
+            if rid in rids:  # type: ignore[operator]
+                for c, idx in self._pins.pop(rid):
+                    self.engine.pool.unpin(c, idx)
+
+    async def _finish_load(self, unpublish_all: bool = False) -> frozenset[object]:
+        """End the batch's load; unpublish (and unpin) the restores that failed."""
+        failed = await self.engine.restore.finish(self.batch)
+        if unpublish_all:
+            failed = frozenset(self.batch.inserted)
+        if failed:
+            self._unpin(failed)
+            self.engine.restore.unpublish(self.batch, failed)
+        return failed
 
     # ---- forward ----------------------------------------------------------------
     async def forward(self) -> list[PrefillResult]:
@@ -103,7 +119,7 @@ class LoadHandle:
         try:
             out, timings = await self._forward_with_retry()
             ttft = time.perf_counter() - self.started
-            await self.engine.restore.finish(self.batch)
+            await self._finish_load()
             results = self._results(out, timings, ttft)
             self._insert_computed()
             return results
@@ -117,7 +133,7 @@ class LoadHandle:
             try:
                 return await anyio.to_thread.run_sync(self._forward_thread, runs, deps)
             except LayerLoadError as err:
-                failed = await self.engine.restore.finish(self.batch)
+                failed = await self._finish_load()
                 failed = failed or err.requests or self.batch.readiness.requests
                 self._recompute(failed, f"restore failed at layer {err.layer}: {err.cause!r}")
         raise EngineError("the forward kept failing while restores were recomputed")
@@ -268,7 +284,7 @@ class LoadHandle:
     async def _abort_async(self) -> None:
         try:
             if self.batch.committed:
-                await self.engine.restore.finish(self.batch)
+                await self._finish_load(unpublish_all=True)
             else:
                 if self.batch.task is not None:
                     await self.batch.task.wait_quiescent()
@@ -290,9 +306,7 @@ class LoadHandle:
             return
         self._closed = True
         pool = self.engine.pool
-        for c, idx in self._pins:
-            pool.unpin(c, idx)
-        self._pins.clear()
+        self._unpin(set(self._pins))
         self.engine.restore.release(self.batch)
         for plan in self.plans:
             self.engine._release_plan(plan)

@@ -34,6 +34,7 @@ from layerlift.overlap.scheduler import LoadScheduler, LoadTask
 from layerlift.pools.base import KVPool
 from layerlift.pools.spec import Component
 from layerlift.pools.tree import InsertResult, TreeNode, UnifiedRadixTree
+from layerlift.pools.tree_unpublish import unpublish
 
 __all__ = ["RestoreBatch", "RestoreStage"]
 
@@ -281,8 +282,9 @@ class RestoreStage:
     # ---- end of a load -------------------------------------------------------------
     async def finish(self, batch: RestoreBatch) -> frozenset[Hashable]:
         """Wait until no fetch runs, close the session, unpin the slots and
-        clear ``pending``. Returns the requests whose load failed (their
-        published data is unpublished). Idempotent."""
+        clear ``pending``. Returns the requests whose load failed (with the
+        requests that depend on their pages); ``unpublish`` them next.
+        Idempotent (a second call returns an empty set)."""
         if batch.finished:
             return frozenset()
         batch.finished = True
@@ -294,15 +296,20 @@ class RestoreStage:
         for node in self.tree.iter_nodes():
             if node.pending is not None:
                 node.pending = _drop_pending(node.pending, batch.readiness)
-        if failed and batch.committed:
-            for plan in batch.restoring:
-                if plan.request_id in failed:
-                    self.tree.unlock(batch.locks.pop(plan.request_id))
-            for plan in batch.restoring:
-                if plan.request_id in failed:
-                    self.tree.unpublish(plan.tokens, batch.inserted.pop(plan.request_id))
         self.pool.flush_deferred()
         return frozenset(failed)
+
+    def unpublish(self, batch: RestoreBatch, failed: frozenset[Hashable]) -> None:
+        """Take the failed requests' restores out of the tree (their nodes were
+        published at COMMIT but the data never fully landed). The caller has
+        dropped its own pins on those pages."""
+        plans = [p for p in batch.restoring
+                 if p.request_id in failed and p.request_id in batch.inserted]
+        for plan in plans:
+            self.tree.unlock(batch.locks.pop(plan.request_id))
+        for plan in plans:
+            unpublish(self.tree, plan.tokens, batch.inserted.pop(plan.request_id))
+        self.pool.flush_deferred()
 
     def release(self, batch: RestoreBatch) -> None:
         """Drop the locks COMMIT took (after the forward and the insert)."""

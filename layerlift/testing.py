@@ -1,0 +1,155 @@
+"""Fault and debug switches for tests (never for serving).
+
+* :class:`FaultyStore` wraps any :class:`~layerlift.linker.store_base.Store`
+  (a real Mooncake client included) and injects delays or failures into
+  chosen calls: a per-layer ranged read is recognised by its source offset,
+  so a test can fail "layer 5" of a restore without knowing the keys.
+* :class:`~layerlift.engine.api.DebugSwitches` (re-exported) skips the MAMBA
+  load at COMMIT or the per-layer waits: negative controls that must make
+  the results wrong.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from layerlift.engine.api import DebugSwitches
+from layerlift.linker.store_base import Store, StoreIOError, StoreUnavailable, TensorLike
+from layerlift.pools.spec import ModelSpec
+
+__all__ = ["DebugSwitches", "FaultyStore", "LayerFault"]
+
+
+@dataclass(slots=True)
+class LayerFault:
+    """What to do to the ranged read of one layer: block until ``release`` is
+    set (a gate a test opens with an event, never a sleep), then fail with
+    ``error`` if given. ``times`` faults that many reads (None: every one)."""
+
+    error: BaseException | None = None
+    gate: threading.Event | None = None
+    times: int | None = 1
+    started: threading.Event = field(default_factory=threading.Event)
+
+
+class FaultyStore(Store):
+    """A :class:`Store` that forwards to ``inner`` and injects faults.
+
+    ``fail_layer(layer, exc)`` / ``gate_layer(layer, event)`` act on the
+    per-layer ranged reads of ``spec``'s layer; ``fail_exists``/``fail_put``
+    make those calls raise; ``down = True`` makes every call raise
+    ``StoreUnavailable`` (the master went away) until set back. Thread-safe.
+    """
+
+    def __init__(self, inner: Store, spec: ModelSpec) -> None:
+        self.inner, self.spec = inner, spec
+        self.timeout_s = inner.timeout_s
+        self._lock = threading.Lock()
+        self._layer_faults: dict[int, LayerFault] = {}
+        self.fail_exists: BaseException | None = None
+        self.fail_put: BaseException | None = None
+        self.down = False
+        self.ranged_calls: list[int] = []  # layer of each ranged read, in call order
+
+    # ---- configuration ----------------------------------------------------------
+    def fail_layer(self, layer: int, error: BaseException | None = None, *,
+                   times: int | None = 1) -> LayerFault:
+        fault = LayerFault(error or StoreIOError(f"injected failure at layer {layer}"),
+                           None, times)
+        with self._lock:
+            self._layer_faults[layer] = fault
+        return fault
+
+    def gate_layer(self, layer: int, gate: threading.Event) -> LayerFault:
+        fault = LayerFault(None, gate, None)
+        with self._lock:
+            self._layer_faults[layer] = fault
+        return fault
+
+    def clear(self) -> None:
+        with self._lock:
+            self._layer_faults.clear()
+        self.fail_exists = self.fail_put = None
+        self.down = False
+
+    # ---- Store ------------------------------------------------------------------
+    def _check_up(self) -> None:
+        if self.down:
+            raise StoreUnavailable("injected: the store is unavailable")
+
+    def register(self, buffer: TensorLike | int, nbytes: int | None = None) -> int:
+        return self.inner.register(buffer, nbytes)
+
+    def unregister(self, ptr: int) -> None:
+        self.inner.unregister(ptr)
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        self._check_up()
+        if self.fail_exists is not None:
+            raise self.fail_exists
+        return self.inner.exists(keys)
+
+    def put(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> None:
+        self._check_up()
+        if self.fail_put is not None:
+            raise self.fail_put
+        self.inner.put(keys, ptrs, sizes)
+
+    def get(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[bool]:
+        self._check_up()
+        return self.inner.get(keys, ptrs, sizes)
+
+    def get_ranges(self, keys: Sequence[str], dst_ptrs: Sequence[Sequence[int]],
+                   sizes: Sequence[Sequence[int]], src_offsets: Sequence[Sequence[int]]) -> None:
+        self._check_up()
+        layer = self._layer_of(keys, src_offsets, sizes)
+        fault = self._take_fault(layer)
+        if fault is not None:
+            fault.started.set()
+            if fault.gate is not None and not fault.gate.wait(self.timeout_s):
+                raise StoreIOError(f"injected gate of layer {layer} never opened")
+            if fault.error is not None:
+                raise fault.error
+        self.inner.get_ranges(keys, dst_ptrs, sizes, src_offsets)
+
+    def open_session(self, keys: Sequence[str]):  # type: ignore[no-untyped-def]
+        self._check_up()
+        return self.inner.open_session(keys)
+
+    def remove(self, keys: Sequence[str]) -> None:
+        self.inner.remove(keys)
+
+    def close(self) -> None:
+        self.inner.close()
+
+    # ---- helpers ----------------------------------------------------------------
+    def _layer_of(self, keys: Sequence[str], src_offsets: Sequence[Sequence[int]],
+                  sizes: Sequence[Sequence[int]]) -> int | None:
+        """Which layer a ranged read serves: the component is in the key, the
+        layer is the slice at that offset and size."""
+        if not keys or not src_offsets or not src_offsets[0]:
+            return None
+        component = keys[0].split("/")[-3]
+        off, size = src_offsets[0][0], sizes[0][0]
+        for layer in range(self.spec.num_layers):
+            c, _, o, s = self.spec.layer_slice(layer)
+            if c.value == component and o == off and s == size:
+                with self._lock:
+                    self.ranged_calls.append(layer)
+                return layer
+        return None
+
+    def _take_fault(self, layer: int | None) -> LayerFault | None:
+        if layer is None:
+            return None
+        with self._lock:
+            fault = self._layer_faults.get(layer)
+            if fault is None:
+                return None
+            if fault.times is not None:
+                fault.times -= 1
+                if fault.times <= 0:
+                    del self._layer_faults[layer]
+            return fault
