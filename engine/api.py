@@ -24,7 +24,7 @@ from layerlift.engine.compute import ComputeAlloc, alloc_compute
 from layerlift.engine.config import EngineConfig
 from layerlift.engine.handle import EngineError, LoadHandle
 from layerlift.engine.model import HybridModel
-from layerlift.engine.offload import OffloadReport, Offloader
+from layerlift.engine.offload import Offloader, OffloadReport
 from layerlift.engine.plan import LookupPlan
 from layerlift.engine.restore import RestoreStage
 from layerlift.engine.results import PrefillResult
@@ -32,8 +32,10 @@ from layerlift.engine.stores import StoreHandle, open_store
 from layerlift.linker.components import make_linkers
 from layerlift.linker.keys import KeySchema
 from layerlift.linker.store_base import Store
+from layerlift.linker.transaction import RestoreTransaction
 from layerlift.overlap.base import Lane, LoadPolicy
-from layerlift.overlap.lanes import CpuLane
+from layerlift.overlap.lanes import CpuLane, CudaLane
+from layerlift.overlap.link import parse_link
 from layerlift.overlap.scheduler import LoadScheduler
 from layerlift.pools import UnifiedKVPool
 from layerlift.pools.hashing import page_hashes
@@ -105,7 +107,12 @@ class Engine:
             self.store = self._handle.store
         else:
             self.store = self._injected
-        self.link = None if self._handle is None else self._handle.link
+        # cli/bench fix: an emulated ``cfg.link`` also applies to an injected store
+        # (the benchmark shares one store between engines); before, it was ignored.
+        if self._handle is not None:
+            self.link = self._handle.link
+        else:
+            self.link = parse_link(cfg.link) if cfg.link else None
         self.pool = UnifiedKVPool(spec, cfg.pool_bytes, device=cfg.device)
         if self.pool.buffer.device.type == "cpu":
             self.store.register(self.pool.buffer)
@@ -116,16 +123,17 @@ class Engine:
         policy = LoadPolicy(cfg.policy)
         scheduler = LoadScheduler(self.lane, policy, max_in_flight=cfg.max_in_flight,
                                   group_size=cfg.group_size)
-        self.restore = RestoreStage(self.tree, self.pool, self.linkers, self.store, None,
+        self.restore = RestoreStage(self.tree, self.pool, self.linkers, self.store,
                                     scheduler, world_size=cfg.world_size,
                                     wait_timeout_s=cfg.layer_wait_timeout_s)
         self.restore.link = self.link
+        if isinstance(self.lane, CudaLane):
+            self.restore.staging_alloc = self.lane.alloc_staging
         self.offloader = Offloader(self.tree, self.pool, self.linkers, self.store)
         self._started = True
 
     def _make_lane(self) -> Lane:
         if self.cfg.device.startswith("cuda"):
-            from layerlift.overlap.lanes import CudaLane
             return CudaLane(self.cfg.device)
         return CpuLane(max_workers=2)
 
@@ -193,24 +201,36 @@ class Engine:
 
     async def _load_locked(self, plans: list[LookupPlan]) -> LoadHandle:
         t0 = time.perf_counter() - max((p.lookup_time for p in plans), default=0.0)
-        transfers, computes = {}, {}
+        txns: dict[int, RestoreTransaction] = {}
+        computes: dict[int, ComputeAlloc] = {}
         for plan in plans:
             got = self.restore.prepare(plan)
             comp = alloc_compute(self.pool, self.tree, plan)
+            if comp is None and self.offloader.pending:
+                # FIX (e2e tests): background offloads pin pages and lock their
+                # nodes; under pressure wait for them (they end on their own)
+                # rather than dropping the restore or failing the request.
+                await self.offloader.wait()
+                comp = alloc_compute(self.pool, self.tree, plan)
             if comp is None and got is not None:
                 self.restore.abort_plan(plan, got, "not enough device memory to restore")
                 got = None
                 comp = alloc_compute(self.pool, self.tree, plan)
             if comp is None:
                 self._free_batch(computes)
+                # FIX (e2e tests): the PREPAREd restores of the batch's earlier
+                # plans kept their (pinned) slots allocated forever: free them.
+                by_id = {p.request_id: p for p in plans}
+                for rid, prepared in txns.items():
+                    self.restore.abort_plan(by_id[rid], prepared, "the batch did not fit")
                 raise EngineError(
                     f"the device pool ({self.cfg.pool_bytes} bytes) cannot hold request "
                     f"{plan.request_id} ({len(plan.tokens)} tokens) even after evicting the cache"
                 )
             computes[plan.request_id] = comp
             if got is not None:
-                transfers[plan.request_id] = got
-        batch = self.restore.make_batch(plans, transfers)
+                txns[plan.request_id] = got
+        batch = self.restore.make_batch(plans, txns)
         await self.restore.start(batch)
         return LoadHandle(self, plans, batch, computes, t0, self._batch_lock.release)
 

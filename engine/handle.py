@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import anyio
 import torch
 
-from layerlift.engine.compute import ComputeAlloc, alloc_compute, free_compute
+from layerlift.engine.compute import ComputeAlloc, free_compute
 from layerlift.engine.model_api import ForwardOutput, ForwardRequest
 from layerlift.engine.plan import LookupPlan
 from layerlift.engine.restore import RestoreBatch
@@ -85,7 +85,7 @@ class LoadHandle:
             d, b, w = plan.device_pages, plan.boundary, plan.spec.window_pages
             self._pin(rid, Component.FULL, result.canonical[Component.FULL][d:b])
             self._pin(rid, Component.SWA, result.canonical[Component.SWA][max(d, b - w):b])
-            self._pin(rid, Component.MAMBA, torch.tensor([self.batch.cow[rid].slot]))
+            self._pin(rid, Component.MAMBA, torch.tensor([self.batch.cow_slot(rid)]))
         return readiness
 
     def _pin(self, rid: int, c: Component, idx: torch.Tensor) -> None:
@@ -155,7 +155,7 @@ class LoadHandle:
             result = self.batch.inserted.get(rid)
             if result is not None and plan.restores:
                 full, swa = result.canonical[Component.FULL][:b], result.canonical[Component.SWA][:b]
-                cow: int | None = self.batch.cow[rid].slot
+                cow: int | None = self.batch.cow_slot(rid)
             else:
                 full, swa, cow = plan.match.full_indices, plan.match.swa_indices, plan.match.mamba_slot
             swa = swa.clone()

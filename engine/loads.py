@@ -9,10 +9,11 @@ until the scheduler issues the layer: the job reads them only when it runs.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from layerlift.linker.store_base import Store
 from layerlift.overlap.base import LayerJob
@@ -55,11 +56,43 @@ class BatchLoad:
     worker thread an immutable snapshot.
     """
 
-    def __init__(self, pool: KVPool, store: Store, link: EmulatedLink | None) -> None:
+    def __init__(self, pool: KVPool, store: Store, link: EmulatedLink | None,
+                 staging_alloc: Callable[[int], torch.Tensor] | None = None) -> None:
         self.pool = pool
         self.store = store
         self.link = link
         self.items: dict[Component, LoadItems] = {c: LoadItems() for c in Component}
+        self._staging_alloc = staging_alloc
+        self._staging: torch.Tensor | None = None
+        self._staging_ptr = 0
+        self._layer_offsets: list[int] = []
+
+    @property
+    def on_device(self) -> bool:
+        """The pool is device memory: fetches land in pinned host staging and
+        an H2D copy on the load stream scatters them into the pages."""
+        return self.pool.buffer.device.type != "cpu"
+
+    def open_staging(self) -> None:
+        """CUDA: one pinned host arena for the whole batch (one region per
+        layer, sized before COMMIT trims), registered with the store once."""
+        if not self.on_device or self._staging is not None:
+            return
+        if self._staging_alloc is None:
+            raise ValueError("a device pool needs a staging allocator (the CUDA lane's)")
+        spec, offsets, total = self.pool.spec, [], 0
+        for layer in range(spec.num_layers):
+            component, _, _, size = spec.layer_slice(layer)
+            offsets.append(total)
+            total += size * len(self.items[component])
+        self._layer_offsets = offsets
+        self._staging = self._staging_alloc(max(total, 1))
+        self._staging_ptr = self.store.register(self._staging)
+
+    def close_staging(self) -> None:
+        if self._staging is not None:
+            self.store.unregister(self._staging_ptr)
+            self._staging = None
 
     @property
     def keys(self) -> list[str]:
@@ -86,9 +119,19 @@ class BatchLoad:
         keys = list(items.keys)
         if not keys:
             return LayerJob(layer=layer, fetch=_noop)
-        base = np.asarray(items.indices, dtype=np.int64) * self.pool.page_bytes(component)
-        ptrs = (base + (self.pool.buffer.data_ptr() + offset)).tolist()
         store, n = self.store, len(keys)
+        h2d = None
+        if self.on_device:
+            self.open_staging()
+            assert self._staging is not None
+            start = self._layer_offsets[layer]
+            host = self._staging[start : start + n * size]
+            ptrs = [self._staging_ptr + start + i * size for i in range(n)]
+            h2d = [(host, _PageScatter(self.pool.buffer, self.pool.page_bytes(component),
+                                       offset, size, items.indices))]
+        else:
+            base = np.asarray(items.indices, dtype=np.int64) * self.pool.page_bytes(component)
+            ptrs = (base + (self.pool.buffer.data_ptr() + offset)).tolist()
 
         def fetch() -> None:
             store.get_ranges(keys, [[p] for p in ptrs], [[size]] * n, [[offset]] * n)
@@ -96,7 +139,7 @@ class BatchLoad:
         nbytes = size * n
         wrapped = self.link.wrap(fetch, nbytes) if self.link is not None else fetch
         return LayerJob(layer=layer, fetch=wrapped, nbytes=nbytes,
-                        requests=frozenset(items.owners))
+                        requests=frozenset(items.owners), h2d=h2d)
 
     def refresh(self, jobs: list[LayerJob]) -> None:
         """Rebuild jobs after COMMIT trimmed the items. Jobs already issued
@@ -109,3 +152,22 @@ class BatchLoad:
 
 def _noop() -> None:
     return None
+
+
+class _PageScatter:
+    """Device side of one layer's H2D copy: slice ``[offset, offset + size)``
+    of every page in ``indices``. The lane calls ``copy_(host)`` on its load
+    stream: one H2D copy and one ``index_copy_`` kernel, no host sync."""
+
+    def __init__(self, buffer: torch.Tensor, page_bytes: int, offset: int, size: int,
+                 indices: list[int]) -> None:
+        rows = buffer.numel() // page_bytes
+        self.view = buffer.as_strided((rows, size), (page_bytes, 1),
+                                      buffer.storage_offset() + offset)
+        self.indices = torch.tensor(indices, dtype=torch.int64).pin_memory()
+
+    def copy_(self, host: torch.Tensor, non_blocking: bool = True) -> None:
+        device = self.view.device
+        src = host.view(-1, self.view.shape[1]).to(device, non_blocking=non_blocking)
+        idx = self.indices.to(device, non_blocking=non_blocking)
+        self.view.index_copy_(0, idx, src)

@@ -118,6 +118,11 @@ class Offloader:
         finally:
             self.store.unregister(base)
 
+    @property
+    def pending(self) -> bool:
+        """Whether an offload is still in flight (it pins pages)."""
+        return bool(self._tasks)
+
     async def wait(self) -> OffloadReport:
         """Wait until every submitted offload has landed or failed."""
         while self._tasks:

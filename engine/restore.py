@@ -3,19 +3,22 @@
 All methods run on the event-loop thread (the tree and the pool's allocator
 state are single-threaded); blocking store calls go to worker threads.
 
-COMMIT publishes the restored pages in the tree *before* they have landed:
-every published node carries the batch's :class:`LayerReadiness` in
-``node.pending`` until the load finished, and the forward of layer ``l``
-waits on entry ``l`` only. A load that fails after COMMIT unpublishes what it
-published (``UnifiedRadixTree.unpublish``), so nobody reads data that never
-landed.
+Each restoring request is one :class:`RestoreTransaction` (the contract's
+LOAD/PREPARE/COMMIT/ABORT, in ``linker/``); this stage batches them: one
+store lookup, one fetch per layer for every request, one readiness. COMMIT
+publishes the restored pages in the tree *before* they have landed: the
+adopting nodes carry the batch's :class:`LayerReadiness` in ``node.pending``
+until the load finished, and the forward of layer ``l`` waits on entry ``l``
+only. A load that fails after COMMIT aborts the transaction, which takes the
+adopted pages back out of the tree (``UnifiedRadixTree.retract``), so nobody
+reads data that never landed.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 import anyio
@@ -23,18 +26,18 @@ import torch
 
 from layerlift.engine.loads import BatchLoad
 from layerlift.engine.plan import LookupPlan
-from layerlift.linker.components import ComponentLinker, CowSource, MambaLinker
-from layerlift.linker.contract import LinkerTransferPhase, LinkRequest, LoadPhase, PoolTransfer
+from layerlift.linker.components import ComponentLinker
+from layerlift.linker.contract import LinkerTransferPhase, LinkRequest
 from layerlift.linker.restorable import choose_boundary, intersect_ranks, restorable_boundaries
 from layerlift.linker.store_base import Store, StoreError
+from layerlift.linker.transaction import RestoreTransaction, TransactionState
 from layerlift.overlap.base import LayerJob
 from layerlift.overlap.link import EmulatedLink
 from layerlift.overlap.readiness import LayerReadiness
 from layerlift.overlap.scheduler import LoadScheduler, LoadTask
 from layerlift.pools.base import KVPool
 from layerlift.pools.spec import Component
-from layerlift.pools.tree import InsertResult, TreeNode, UnifiedRadixTree
-from layerlift.pools.tree_unpublish import unpublish
+from layerlift.pools.tree import InsertResult, UnifiedRadixTree
 
 __all__ = ["RestoreBatch", "RestoreStage"]
 
@@ -43,25 +46,37 @@ log = logging.getLogger("layerlift.engine")
 
 @dataclass(eq=False)
 class RestoreBatch:
-    """The restores of one batch between PREPARE and the end of their load."""
+    """The restores of one batch, from PREPARE to the end of their load.
+
+    ``txns`` holds one :class:`RestoreTransaction` per restoring request;
+    ``load`` is the batch's per-layer fetch plan over all of them.
+    """
 
     plans: list[LookupPlan]
-    transfers: dict[int, dict[Component, PoolTransfer]]
+    txns: dict[int, RestoreTransaction]
     load: BatchLoad
     jobs: list[LayerJob]
     readiness: LayerReadiness
     task: LoadTask | None = None
     session: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
-    inserted: dict[int, InsertResult] = field(default_factory=dict)
-    cow: dict[int, CowSource] = field(default_factory=dict)
     deps: dict[int, set[Hashable]] = field(default_factory=dict)
-    locks: dict[int, TreeNode] = field(default_factory=dict)
     committed: bool = False
     finished: bool = False
 
     @property
     def restoring(self) -> list[LookupPlan]:
-        return [p for p in self.plans if p.request_id in self.transfers]
+        return [p for p in self.plans if p.request_id in self.txns]
+
+    @property
+    def inserted(self) -> dict[int, InsertResult]:
+        """COMMITted requests (not aborted): the tree's insert result each."""
+        return {rid: t.result.insert for rid, t in self.txns.items()
+                if t.result is not None and t.state is not TransactionState.ABORTED}
+
+    def cow_slot(self, rid: int) -> int:
+        result = self.txns[rid].result
+        assert result is not None and result.cow_source is not None
+        return result.cow_source
 
 
 class RestoreStage:
@@ -73,7 +88,6 @@ class RestoreStage:
         pool: KVPool,
         linkers: dict[Component, ComponentLinker],
         store: Store,
-        load_factory: type[BatchLoad] | None,
         scheduler: LoadScheduler,
         *,
         world_size: int = 1,
@@ -82,9 +96,9 @@ class RestoreStage:
         self.tree, self.pool, self.linkers, self.store = tree, pool, linkers, store
         self.scheduler = scheduler
         self.link: EmulatedLink | None = None  # set by the engine before loads start
+        self.staging_alloc: Callable[[int], torch.Tensor] | None = None  # CUDA lane's
         self.world_size = world_size
         self.wait_timeout_s = wait_timeout_s
-        self._new_load = load_factory or BatchLoad
         self.store_down = False
 
     # ---- LOOKUP --------------------------------------------------------------
@@ -142,59 +156,45 @@ class RestoreStage:
         self.store_down = False
 
     # ---- LOAD / PREPARE ------------------------------------------------------
-    def prepare(self, plan: LookupPlan) -> dict[Component, PoolTransfer] | None:
+    def prepare(self, plan: LookupPlan) -> RestoreTransaction | None:
         """LOAD + PREPARE one plan: allocate (evicting on shortfall) and pin
         its device slots. ``None``: allocation failed, the plan computes."""
         if not plan.restores:
             return None
-        got = self._allocate(plan)
-        if got is None:
+        request = LinkRequest(plan.hashes[: plan.usable_pages], plan.device_pages, plan.boundary)
+        txn = RestoreTransaction.load(self.linkers, request)
+        if txn is None:
             plan.drop_restore("not enough device memory to restore")
             return None
-        for c, t in got.items():
-            self.linkers[c].update_load(LoadPhase.PREPARE, t)
-        return got
+        txn.prepare()
+        return txn
 
-    def abort_plan(self, plan: LookupPlan, transfers: dict[Component, PoolTransfer],
-                   reason: str) -> None:
+    def abort_plan(self, plan: LookupPlan, txn: RestoreTransaction, reason: str) -> None:
         """ABORT one PREPAREd plan before its batch was built: free its slots."""
-        for c, t in transfers.items():
-            self.linkers[c].update_load(LoadPhase.ABORT, t)
+        txn.abort()
         plan.drop_restore(reason)
 
     def make_batch(
-        self, plans: Sequence[LookupPlan], transfers: dict[int, dict[Component, PoolTransfer]]
+        self, plans: Sequence[LookupPlan], txns: dict[int, RestoreTransaction]
     ) -> RestoreBatch:
         """Gather the PREPAREd transfers of a batch into one load: one job
         per layer covering every request."""
-        load = self._new_load(self.pool, self.store, self.link)
-        for rid, per_c in transfers.items():
-            for c, t in per_c.items():
+        load = BatchLoad(self.pool, self.store, self.link, self.staging_alloc)
+        for rid, txn in txns.items():
+            for c, t in txn.transfers.items():
                 assert t.device_indices is not None
                 load.items[c].add(list(t.keys), t.device_indices.tolist(), rid)
         readiness = LayerReadiness(
-            self.pool.spec.num_layers, requests=frozenset(transfers),
+            self.pool.spec.num_layers, requests=frozenset(txns),
             default_timeout=self.wait_timeout_s,
         )
-        return RestoreBatch(list(plans), dict(transfers), load, load.jobs(), readiness)
-
-    def _allocate(self, plan: LookupPlan) -> dict[Component, PoolTransfer] | None:
-        req = LinkRequest(plan.hashes[: plan.usable_pages], plan.device_pages, plan.boundary)
-        got: dict[Component, PoolTransfer] = {}
-        for c, lk in self.linkers.items():
-            t = lk.build_transfer(LinkerTransferPhase.LOAD, request=req)
-            if t is None:
-                for done in got.values():
-                    self.linkers[done.component].discard(done)
-                return None
-            got[c] = t
-        return got
+        return RestoreBatch(list(plans), dict(txns), load, load.jobs(), readiness)
 
     async def start(self, batch: RestoreBatch) -> None:
         """Open the store session and hand the jobs to the scheduler (returns
         at once; the layers load in the background). A missing key or a dead
         store here drops the batch's restores before anything was published."""
-        if not batch.transfers:
+        if not batch.txns:
             batch.finished = True
             return
         keys = batch.load.keys
@@ -224,6 +224,25 @@ class RestoreStage:
         self._record_dependencies(batch)
         return batch.readiness
 
+    def _commit_one(self, batch: RestoreBatch, plan: LookupPlan) -> None:
+        txn = batch.txns[plan.request_id]
+        result = txn.commit(self.tree, plan.tokens, pending=batch.readiness)
+        for c, t in txn.transfers.items():  # duplicates are never loaded
+            kept = result.transfers.get(c)
+            assert t.device_indices is not None
+            gone = set(t.device_indices.tolist())
+            if kept is not None and kept.device_indices is not None:
+                gone -= set(kept.device_indices.tolist())
+            if gone:
+                batch.load.items[c].drop_indices(gone)
+        # What came from the store is stored: never offload it again.
+        for node in result.insert.nodes:
+            self.linkers[Component.FULL].mark_stored(node)
+        self.linkers[Component.MAMBA].mark_stored(result.node)
+        swa_pages = txn.transfers[Component.SWA].pages
+        if swa_pages:
+            self.tree.mark_stored(result.node, Component.SWA, swa_pages)
+
     def _record_dependencies(self, batch: RestoreBatch) -> None:
         """A request whose pages were duplicates of another request's load
         depends on that load: if it fails, both are recomputed."""
@@ -234,105 +253,62 @@ class RestoreStage:
             d, b = plan.device_pages, plan.boundary
             lo = {Component.FULL: d, Component.SWA: max(d, b - plan.spec.window_pages)}
             used = [(c, int(i)) for c in lo for i in result.canonical[c][lo[c] : b]]
-            used.append((Component.MAMBA, batch.cow[rid].slot))
+            used.append((Component.MAMBA, batch.cow_slot(rid)))
             batch.deps[rid] = {owner[u] for u in used if u in owner} - {rid}
-
-    def _commit_one(self, batch: RestoreBatch, plan: LookupPlan) -> None:
-        per_c = batch.transfers[plan.request_id]
-        b, d, ps = plan.boundary, plan.device_pages, plan.spec.page_size
-        n = b
-        full = torch.zeros(n, dtype=torch.int64)
-        swa = torch.zeros(n, dtype=torch.int64)
-        swa_valid = torch.zeros(n, dtype=torch.bool)
-        full_t, swa_t, mamba_t = per_c[Component.FULL], per_c[Component.SWA], per_c[Component.MAMBA]
-        assert full_t.device_indices is not None and swa_t.device_indices is not None
-        assert mamba_t.device_indices is not None
-        full[list(full_t.pages)] = full_t.device_indices
-        swa[list(swa_t.pages)] = swa_t.device_indices
-        swa_valid[list(swa_t.pages)] = True
-        result = self.tree.insert(
-            plan.tokens[: b * ps], full, swa, swa_valid,
-            {b: int(mamba_t.device_indices[0])}, start_page=d,
-        )
-        batch.inserted[plan.request_id] = result
-        self.tree.lock(result.node)
-        batch.locks[plan.request_id] = result.node
-        dropped: dict[Component, set[int]] = {}
-        for c, t in per_c.items():
-            kept = self.linkers[c].update_load(LoadPhase.COMMIT, t, insert_result=result)
-            kept_idx = set() if kept is None or kept.device_indices is None else set(
-                kept.device_indices.tolist())
-            assert t.device_indices is not None
-            dropped[c] = set(t.device_indices.tolist()) - kept_idx
-        for c, gone in dropped.items():
-            if gone:
-                batch.load.items[c].drop_indices(gone)
-        mamba = self.linkers[Component.MAMBA]
-        assert isinstance(mamba, MambaLinker)
-        batch.cow[plan.request_id] = mamba.cow_source(result, mamba_t)
-        for node in result.nodes:
-            node.pending = _add_pending(node.pending, batch.readiness)
-        # What came from the store is stored: never offload it again.
-        for node in result.nodes:
-            self.linkers[Component.FULL].mark_stored(node)
-        self.linkers[Component.MAMBA].mark_stored(result.node)
-        if swa_t.pages:
-            self.tree.mark_stored(result.node, Component.SWA, swa_t.pages)
 
     # ---- end of a load -------------------------------------------------------------
     async def finish(self, batch: RestoreBatch) -> frozenset[Hashable]:
-        """Wait until no fetch runs, close the session, unpin the slots and
-        clear ``pending``. Returns the requests whose load failed (with the
-        requests that depend on their pages); ``unpublish`` them next.
-        Idempotent (a second call returns an empty set)."""
+        """Wait until no fetch runs, close the session and the staging, and
+        finish every transaction whose data landed (clears ``pending``,
+        unpins). Returns the requests whose load failed, with the requests
+        that depend on their pages: ``unpublish`` them next. Idempotent (a
+        second call returns an empty set)."""
         if batch.finished:
             return frozenset()
         batch.finished = True
         if batch.task is not None:
             await batch.task.wait_quiescent()
         await anyio.to_thread.run_sync(batch.session.close)
+        batch.load.close_staging()
         failed = _with_dependents(batch.readiness.failed_requests(), batch.deps)
-        self._release_slots(batch)
-        for node in self.tree.iter_nodes():
-            if node.pending is not None:
-                node.pending = _drop_pending(node.pending, batch.readiness)
-        self.pool.flush_deferred()
-        return frozenset(failed)
+        for rid, txn in batch.txns.items():
+            if rid not in failed and txn.state is TransactionState.COMMITTED:
+                txn.finish()
+        return failed
 
     def unpublish(self, batch: RestoreBatch, failed: frozenset[Hashable]) -> None:
-        """Take the failed requests' restores out of the tree (their nodes were
-        published at COMMIT but the data never fully landed). The caller has
-        dropped its own pins on those pages."""
-        plans = [p for p in batch.restoring
-                 if p.request_id in failed and p.request_id in batch.inserted]
-        for plan in plans:
-            self.tree.unlock(batch.locks.pop(plan.request_id))
-        for plan in plans:
-            unpublish(self.tree, plan.tokens, batch.inserted.pop(plan.request_id))
-        self.pool.flush_deferred()
+        """ABORT the failed requests' restores: their pages leave the tree
+        (published at COMMIT, never fully landed) and their slots are freed.
+        The caller has dropped its own pins on those pages. A request whose
+        node is locked by a dependant is retried after the dependant."""
+        todo = [t for rid, t in batch.txns.items()
+                if rid in failed and t.state is not TransactionState.ABORTED]
+        while todo:
+            left = []
+            for txn in todo:
+                try:
+                    txn.abort()
+                except ValueError:
+                    left.append(txn)
+            if len(left) == len(todo):
+                raise RuntimeError("failed restores lock each other; cannot unpublish")
+            todo = left
 
     def release(self, batch: RestoreBatch) -> None:
         """Drop the locks COMMIT took (after the forward and the insert)."""
-        for node in batch.locks.values():
-            self.tree.unlock(node)
-        batch.locks.clear()
-
-    def _release_slots(self, batch: RestoreBatch) -> None:
-        for per_c in batch.transfers.values():
-            for c, t in per_c.items():
-                assert t.device_indices is not None
-                self.pool.unpin(c, t.device_indices)
+        for txn in batch.txns.values():
+            if txn.state is TransactionState.FINISHED and txn.result is not None:
+                self.tree.unlock(txn.result.node)
 
     def abort_prepared(self, batch: RestoreBatch, reason: str) -> None:
-        """ABORT before COMMIT and before any fetch started: free everything."""
-        for per_c in batch.transfers.values():
-            for c, t in per_c.items():
-                self.linkers[c].update_load(LoadPhase.ABORT, t)
+        """ABORT before COMMIT, once no fetch runs: free everything."""
         for plan in batch.restoring:
-            plan.drop_restore(reason)
-        batch.transfers.clear()
+            self.abort_plan(plan, batch.txns[plan.request_id], reason)
+        batch.txns.clear()
         for items in batch.load.items.values():
-            items.keys.clear(), items.indices.clear(), items.owners.clear()
+            items.keys.clear()
+            items.indices.clear()
+            items.owners.clear()
         batch.finished = True
 
 
@@ -348,13 +324,3 @@ def _with_dependents(
                 out.add(rid)
                 grew = True
     return frozenset(out)
-
-
-def _add_pending(pending: object | None, readiness: LayerReadiness) -> tuple[object, ...]:
-    current = () if pending is None else tuple(pending)  # type: ignore[call-overload]
-    return current if readiness in current else (*current, readiness)
-
-
-def _drop_pending(pending: object, readiness: LayerReadiness) -> tuple[object, ...] | None:
-    rest = tuple(p for p in pending if p is not readiness)  # type: ignore[attr-defined]
-    return rest or None

@@ -63,7 +63,8 @@ def open_store(cfg: EngineConfig) -> StoreHandle:
         assert target.master_address is not None
         store = MooncakeStore(_mooncake_config(cfg, target.master_address, cfg.metadata))
         return StoreHandle(store, None, link, f"mooncake://{target.master_address}")
-    master = EmbeddedMaster().start()
+    # A read lease of 5 s: the 50 ms test default expires under large reads (-707).
+    master = EmbeddedMaster(lease_ttl_ms=5000).start()
     try:
         store = MooncakeStore(_mooncake_config(cfg, master.master_address, master.metadata_url))
     except BaseException:

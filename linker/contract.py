@@ -27,6 +27,7 @@ from enum import Enum
 from typing import NamedTuple
 
 import torch
+
 from layerlift.linker.keys import KeySchema
 from layerlift.pools.spec import Component, ModelSpec
 

@@ -82,8 +82,10 @@ class EmbeddedMaster:
     """A `mooncake_master` child process on 127.0.0.1. Not thread-safe; `stop()` is idempotent.
 
     Ports left as None are picked free. `lease_ttl_ms` is the master's
-    `--default_kv_lease_ttl` (milliseconds): a short lease lets `remove` succeed
-    soon after a read. `start()` raises FileNotFoundError if the binary is
+    `--default_kv_lease_ttl` (milliseconds): the default 50 ms lets tests
+    `remove` soon after a read, but a read that takes longer than the lease
+    fails with LEASE_EXPIRED (-707): use seconds for large transfers (the CLI
+    and the benchmark use 5000). `start()` raises FileNotFoundError if the binary is
     missing and StoreUnavailable (with the log's last lines) if the master does
     not accept connections within `start_timeout_s`.
     """

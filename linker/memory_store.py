@@ -149,7 +149,13 @@ class MemoryStore(Store):
         ptr, size = buffer_span(buffer, nbytes)
         self._enter("register")
         with self._lock:
-            self._registered[ptr] = max(size, self._registered.get(ptr, 0))
+            for base, length in self._registered.items():
+                if base < ptr + size and ptr < base + length:
+                    raise StoreError(
+                        f"Memory at {ptr:#x} (+{size} bytes) overlaps memory already registered "
+                        f"at {base:#x}; Mooncake refuses this too (error -600)."
+                    )
+            self._registered[ptr] = size
         return ptr
 
     def unregister(self, ptr: int) -> None:

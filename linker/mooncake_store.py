@@ -139,7 +139,7 @@ _ERROR_NAMES = {
     -704: "OBJECT_NOT_FOUND",
     -705: "OBJECT_ALREADY_EXISTS",
     -706: "OBJECT_HAS_LEASE",
-    -707: "LEASE_EXPIRED",
+    -707: "LEASE_EXPIRED: the read took longer than the master's --default_kv_lease_ttl",
     -800: "TRANSFER_FAIL",
     -900: "RPC_FAIL: the master is unreachable",
     -901: "RPC_TIMEOUT",

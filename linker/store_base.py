@@ -110,7 +110,7 @@ class Store(ABC):
         `buffer` is a contiguous tensor (its whole storage span, unless `nbytes`
         is given) or a raw pointer with `nbytes`. The memory must stay alive
         until `unregister` or `close`. Raises ValueError for a bad span,
-        StoreError if the backend refuses it.
+        StoreError if the backend refuses it (e.g. it overlaps a registered span).
         """
 
     @abstractmethod

@@ -3,15 +3,16 @@
 ::
 
     txn = RestoreTransaction.load(linkers, LinkRequest(hashes, d, b))  # None: recompute
-    txn.prepare()                       # pin the slots (the pool never moves them)
+    txn.prepare()                       # at once: pin the slots (the pool never moves them)
     res = txn.commit(tree, tokens, pending=readiness)
     # issue loads for res.transfers only (duplicates were freed, never load them);
     # the forward copies its state from res.cow_source (COW, no copy at COMMIT)
     txn.finish()                        # after the loads landed (or failed): unpin
 
 ``abort()`` after PREPARE (or right after LOAD) frees every slot and leaves
-the tree and pool exactly as they were before PREPARE. After COMMIT the tree
-owns the adopted slots; ``abort`` is refused then.
+the tree and pool exactly as they were before PREPARE. ``abort()`` after
+COMMIT (a load failed midway) also takes the adopted pages back out of the
+tree, so no request is ever answered from partial bytes.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
+
 from layerlift.linker.components import ComponentLinker, MambaLinker
 from layerlift.linker.contract import LinkerTransferPhase, LinkRequest, LoadPhase, PoolTransfer
 from layerlift.pools.spec import Component
@@ -51,9 +53,9 @@ class CommitResult(NamedTuple):
     """
 
     cow_source: int | None
-    cow_from_load: bool
     transfers: dict[Component, PoolTransfer]
     node: TreeNode
+    cow_from_load: bool
     insert: InsertResult
 
 
@@ -68,12 +70,15 @@ class RestoreTransaction:
     ) -> None:
         if request.boundary is None:
             raise ValueError("a restore transaction needs the request's boundary")
-        if set(transfers) != set(linkers):
-            raise ValueError("a restore transaction needs one transfer per component")
+        if set(transfers) != set(linkers) or set(linkers) != set(Component):
+            raise ValueError("a restore transaction needs one linker and transfer per component")
         self.linkers = dict(linkers)
         self.request = request
         self.transfers = dict(transfers)
         self.state = TransactionState.LOADED
+        self._commit: CommitResult | None = None
+        self._pending: object | None = None
+        self._pending_nodes: list[TreeNode] = []
 
     @classmethod
     def load(
@@ -90,6 +95,11 @@ class RestoreTransaction:
                 return None
             got[c] = transfer
         return cls(linkers, request, got)
+
+    @property
+    def result(self) -> CommitResult | None:
+        """What ``commit`` returned (``None`` before COMMIT)."""
+        return self._commit
 
     @property
     def boundary(self) -> int:
@@ -128,18 +138,23 @@ class RestoreTransaction:
         mamba = self.linkers[Component.MAMBA]
         assert isinstance(mamba, MambaLinker)
         cow = mamba.cow_source(result, self.transfers[Component.MAMBA])
+        self._pending = pending
         if pending is not None:
-            for node in _adopting_nodes(result):
+            self._pending_nodes = _adopting_nodes(result)
+            for node in self._pending_nodes:
                 node.pending = pending
         tree.lock(result.node)
         self.state = TransactionState.COMMITTED
-        return CommitResult(cow.slot, cow.from_load, trimmed, result.node, result)
+        self._commit = CommitResult(cow.slot, trimmed, result.node, cow.from_load, result)
+        return self._commit
 
     def finish(self) -> None:
-        """After the loads of a COMMITTED transaction ended: unpin every slot
-        (adopted ones become movable, deferred duplicates freeable) and flush
-        the pool's deferred frees."""
+        """After the loads of a COMMITTED transaction landed: clear the
+        ``pending`` it hung on nodes, unpin every slot (adopted ones become
+        movable, deferred duplicates freeable) and flush the pool's deferred
+        frees. The lock on ``result.node`` stays the caller's."""
         self._expect(TransactionState.COMMITTED)
+        self._clear_pending()
         pool = self.linkers[Component.FULL].pool
         for c, t in self.transfers.items():
             if t.device_indices is not None and len(t):
@@ -148,18 +163,56 @@ class RestoreTransaction:
         self.state = TransactionState.FINISHED
 
     def abort(self) -> None:
-        """ABORT before COMMIT: unpin (if PREPAREd) and free every slot. The
-        tree is untouched. ``ValueError`` after COMMIT."""
+        """ABORT: release every slot and leave the tree as it was.
+
+        Before COMMIT: unpin (if PREPAREd) and free every slot; the tree was
+        never touched. After COMMIT (a load failed midway, the adopted slots
+        hold partial bytes): drop the request's lock, take the adopted pages
+        back out of the tree (``UnifiedRadixTree.retract``: SWA tombstoned,
+        checkpoints dropped, adopted FULL nodes removed with their subtrees;
+        splits the insert made stay, they change no data), then unpin and
+        free every slot. ``ValueError`` after ``finish`` or when a dependant
+        request still locks a node below the retracted pages (abort those
+        first: they waited on this load's ``pending``)."""
         if self.state is TransactionState.LOADED:
             for c, t in self.transfers.items():
                 self.linkers[c].discard(t)
+        elif self.state is TransactionState.COMMITTED:
+            self._retract()
         else:
             self._expect(TransactionState.PREPARED)
             for c, t in self.transfers.items():
                 self.linkers[c].update_load(LoadPhase.ABORT, t)
         self.state = TransactionState.ABORTED
 
+    def _retract(self) -> None:
+        assert self._commit is not None
+        tree, pool = self.linkers[Component.FULL].tree, self.linkers[Component.FULL].pool
+        adopted = {c: t.device_indices for c, t in self._commit.transfers.items()
+                   if t.device_indices is not None}
+        tree.unlock(self._commit.node)
+        try:
+            tree.retract(adopted)
+        except ValueError:
+            tree.lock(self._commit.node)
+            raise
+        self._clear_pending()
+        for c, t in self.transfers.items():
+            if t.device_indices is not None and len(t):
+                pool.unpin(c, t.device_indices)
+        for c, idx in adopted.items():
+            if len(idx):
+                pool.free(c, idx)
+        pool.flush_deferred()
+
     # ---- helpers -----------------------------------------------------------------
+    def _clear_pending(self) -> None:
+        tree = self.linkers[Component.FULL].tree
+        for node in self._pending_nodes:
+            if tree.contains(node) and node.pending is self._pending:
+                node.pending = None
+        self._pending_nodes = []
+
     def _expect(self, state: TransactionState) -> None:
         if self.state is not state:
             raise ValueError(f"restore transaction is {self.state.value}, expected {state.value}")

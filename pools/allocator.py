@@ -8,8 +8,10 @@ with no floats.
 Shortfall ladder (:meth:`MultiEndedAllocator.relieve_for_alloc`): flush
 deferred frees -> recheck -> ask the float(s) next to the short END(s) to open
 that side (a demand *vector*, so a single short band and a coupled
-multi-band request take the same path) -> recheck -> report failure; the
-caller then evicts or gives up.
+multi-band request take the same path) -> recheck -> the ENDs compact their
+holes and the float slides again -> recheck -> report failure; the caller
+then evicts or gives up. The moving rungs are first rehearsed on a clone, so
+a failing ladder copies no bytes.
 
 Capacity views are exact by construction: they run that very ladder on an
 O(1) clone of the state (the arrays are immutable, see ``end_allocator.py``)
@@ -198,6 +200,20 @@ class MultiEndedAllocator:
 
     def _ladder(self, demand: Mapping[str, int]) -> bool:
         if self.flush_deferred() and self._fits_now(demand):
+            return True
+        # Rehearse the moving rungs on an O(1) clone (they are deterministic):
+        # bytes are copied only when the ladder is known to succeed.
+        return self._clone()._moving_rungs(demand) and self._moving_rungs(demand)
+
+    def _moving_rungs(self, demand: Mapping[str, int]) -> bool:
+        if self._float_open_short_side(demand) and self._fits_now(demand):
+            return True
+        # Last rung: the ENDs fill their own holes (frontiers retreat toward
+        # their edges), then the float slides again into the bytes they left.
+        for end in (self.chain[0], self.chain[-1]):
+            assert isinstance(end, EndAllocator)
+            self._move(end, *end.compact_plan())
+        if self._fits_now(demand):
             return True
         return self._float_open_short_side(demand) and self._fits_now(demand)
 

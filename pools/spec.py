@@ -35,7 +35,7 @@ __all__ = [
 ]
 
 
-class Component(str, Enum):
+class Component(str, Enum):  # noqa: UP042 - str mixin keeps .value in f-strings explicit
     """The three cache components; the value is used in store keys."""
 
     FULL = "full"

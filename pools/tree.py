@@ -24,6 +24,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
+
 from layerlift.pools.base import KVPool
 from layerlift.pools.hashing import ROOT_HASH, page_hashes
 from layerlift.pools.spec import Component, ModelSpec
@@ -32,6 +33,7 @@ from layerlift.pools.tree_integrity import check_offered, check_tree, validate_i
 from layerlift.pools.tree_node import TreeIntegrityError, TreeNode
 from layerlift.pools.tree_paths import TreePaths
 from layerlift.pools.tree_result import InsertBuilder, InsertResult, MatchResult, TreeStats
+from layerlift.pools.tree_retract import retract
 
 __all__ = [
     "InsertResult", "MatchResult", "TreeIntegrityError", "TreeNode", "TreeStats",
@@ -175,7 +177,8 @@ class UnifiedRadixTree(TreePaths):
     def split(self, node: TreeNode, k: int) -> TreeNode:
         """Split ``node`` after its first ``k`` pages; returns the new head
         (``node`` keeps the tail). The head has no checkpoint; hashes, stored
-        flags (MAMBA: head unset), pending, lock refs and access times carry."""
+        marks (MAMBA: the head's flag is unset: nothing was ever stored at its
+        new boundary), pending, lock refs and access times carry."""
         if not 0 < k < node.num_pages or node.parent is None:
             raise ValueError(f"cannot split {node} after {k} pages")
         ps = self.page_size
@@ -195,7 +198,8 @@ class UnifiedRadixTree(TreePaths):
         for part in (head, node):
             for comp in self.components.values():
                 comp.own(part)
-            part.stored[Component.SWA] = bool(part.pages(Component.SWA).stored.all())
+            for c in (Component.FULL, Component.SWA):
+                part.stored[c] = bool(part.pages(c).stored.all())
         return head
 
     # ---- locks, eviction -------------------------------------------------------
@@ -232,14 +236,23 @@ class UnifiedRadixTree(TreePaths):
         total = sum(n.num_pages for n in self._nodes.values())
         self.evict({Component.FULL: total, Component.SWA: total, Component.MAMBA: total})
 
-    def remove_leaf(self, node: TreeNode) -> dict[Component, int]:
-        """Free an unlocked leaf entirely and detach it; pages freed per component."""
+    def remove_leaf(self, node: TreeNode,
+                    sinks: Mapping[Component, list[int]] | None = None) -> dict[Component, int]:
+        """Free an unlocked leaf entirely and detach it; pages freed per
+        component (into ``sinks`` instead, for one batched free by the caller)."""
         if not node.is_leaf or node.lock_ref or node.parent is None:
             raise ValueError(f"{node} is not an unlocked leaf")
-        freed = {c: comp.release(node) for c, comp in self.components.items()}
+        freed = {c: comp.release(node, None if sinks is None else sinks[c])
+                 for c, comp in self.components.items()}
         del node.parent.children[self._page_key(node.key, 0)]
         del self._nodes[node.node_id]
         return freed
+
+    def retract(self, released: Mapping[Component, torch.Tensor]) -> None:
+        """Take back indices an insert adopted whose bytes are bad (a load
+        failed after COMMIT); see ``pools/tree_retract.py``. The indices are
+        not freed: the caller owns them again."""
+        retract(self, released)
 
     # ---- accounting ------------------------------------------------------------
     def stats(self) -> TreeStats:

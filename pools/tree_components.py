@@ -21,6 +21,7 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
+
 from layerlift.pools.spec import Component
 from layerlift.pools.tree_node import ComponentData, PageData, SlotData, TreeNode
 
@@ -87,17 +88,27 @@ class TreeComponent(ABC):
         for off, idx in self.present(node):
             owners[idx] = (node, off)
 
-    def release(self, node: TreeNode) -> int:
-        """Free everything the node holds of this component; returns pages."""
+    def release(self, node: TreeNode, sink: list[int] | None = None) -> int:
+        """Drop everything the node holds of this component and free it
+        (into ``sink`` instead, for one batched ``pool.free`` by the caller);
+        returns pages."""
         held = self.present(node)
         if not held:
             return 0
         owners = self.tree.owners[self.component]
         for _, idx in held:
             del owners[idx]
-        self.tree.pool.free(self.component, torch.tensor([i for _, i in held], dtype=torch.int64))
         node.data[self.component] = self.blank(node.num_pages)
+        if sink is None:
+            self.free([i for _, i in held])
+        else:
+            sink.extend(i for _, i in held)
         return len(held)
+
+    def free(self, indices: list[int]) -> None:
+        """Return pages to the pool (one call)."""
+        if indices:
+            self.tree.pool.free(self.component, torch.tensor(indices, dtype=torch.int64))
 
     def _unlocked_lru(self) -> list[TreeNode]:
         nodes = [n for n in self.tree.iter_nodes() if n.lock_ref == 0 and self.present(n)]
@@ -109,27 +120,29 @@ class _PageComponent(TreeComponent):
     """FULL and SWA: one device page per token page."""
 
     def blank(self, n_pages: int) -> ComponentData:
-        return PageData.make(torch.zeros(n_pages, dtype=torch.int64),
-                             torch.zeros(n_pages, dtype=torch.bool))
+        return PageData.empty(n_pages)
 
     def merge(self, node: TreeNode, inputs: InsertInputs, out: InsertBuilder) -> None:
         data = node.pages(self.component)
-        offered = inputs.pages[self.component]
-        offered_valid = inputs.valid[self.component]
+        first, end = max(inputs.start_page, node.start_page), node.end_page
+        if first >= end:
+            return
+        lo = first - node.start_page
+        offered = inputs.pages[self.component][first:end]
+        ok = inputs.valid[self.component][first:end]
+        have, have_idx = data.valid[lo:], data.indices[lo:]
+        for idx in offered[ok & have & (have_idx != offered)].tolist():
+            out.duplicate(self.component, idx)
+        take = ok & ~have
+        if not bool(take.any()):
+            return
+        data.indices[lo:] = torch.where(take, offered, have_idx)
+        data.valid[lo:] = have | take
         owners = self.tree.owners[self.component]
-        first = max(inputs.start_page, node.start_page)
-        for page in range(first, node.end_page):
-            if not bool(offered_valid[page]):
-                continue
-            off, idx = page - node.start_page, int(offered[page])
-            if bool(data.valid[off]):
-                if int(data.indices[off]) != idx:
-                    out.duplicate(self.component, idx)
-                continue
-            data.indices[off] = idx
-            data.valid[off] = True
+        offs = (torch.nonzero(take).flatten() + lo).tolist()
+        for off, idx in zip(offs, offered[take].tolist(), strict=True):
             owners[idx] = (node, off)
-            out.adopt(self.component, page)
+            out.adopt(self.component, node.start_page + off)
 
     def split(self, data: ComponentData, k: int) -> tuple[ComponentData, ComponentData]:
         assert isinstance(data, PageData)
@@ -147,6 +160,7 @@ class FullComponent(_PageComponent):
 
     def evict(self, demand: int) -> dict[Component, int]:
         freed = dict.fromkeys(Component, 0)
+        sinks: dict[Component, list[int]] = {c: [] for c in Component}
         heap = [(n.last_access[Component.FULL], n.node_id, n) for n in self.tree.iter_nodes()
                 if n.is_leaf and n.lock_ref == 0]
         heapq.heapify(heap)
@@ -154,39 +168,64 @@ class FullComponent(_PageComponent):
             _, _, node = heapq.heappop(heap)
             parent = node.parent
             assert parent is not None
-            for comp, count in self.tree.remove_leaf(node).items():
+            for comp, count in self.tree.remove_leaf(node, sinks).items():
                 freed[comp] += count
             if not parent.is_root and parent.is_leaf and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access[Component.FULL], parent.node_id, parent))
+        for c, comp in self.tree.components.items():
+            comp.free(sinks[c])
         return freed
 
 
 class SwaComponent(_PageComponent):
-    """Sliding-window KV: pages are tombstoned, front of a node first (the
-    pages furthest from the node's end fall out of windows first)."""
+    """Sliding-window KV: pages are tombstoned (the FULL pages stay).
+
+    A page outside the trailing window of every checkpoint on the device is
+    *dead*: no match can use it. Dead pages go first (least recently used
+    node first), then live ones, front of a node first (the pages furthest
+    from the node's end leave windows first).
+    """
 
     component = Component.SWA
 
     def evict(self, demand: int) -> dict[Component, int]:
         freed = dict.fromkeys(Component, 0)
-        owners = self.tree.owners[Component.SWA]
-        for node in self._unlocked_lru():
-            if freed[Component.SWA] >= demand:
-                break
-            data = node.pages(Component.SWA)
-            take = self.present(node)[: demand - freed[Component.SWA]]
-            for off, idx in take:
-                data.valid[off] = False
-                data.indices[off] = 0
-                del owners[idx]
-            self.tree.pool.free(Component.SWA,
-                                torch.tensor([i for _, i in take], dtype=torch.int64))
-            freed[Component.SWA] += len(take)
+        nodes = self._unlocked_lru()
+        live = self._live_pages()
+        sink: list[int] = []
+        for dead_only in (True, False):
+            for node in nodes:
+                want = demand - len(sink)
+                if want <= 0:
+                    break
+                held = [(o, i) for o, i in self.present(node)
+                        if not dead_only or (id(node), o) not in live]
+                self._tombstone(node, held[:want], sink)
+        freed[Component.SWA] = len(sink)
+        self.free(sink)
         return freed
+
+    def _live_pages(self) -> set[tuple[int, int]]:
+        """``(id(node), offset)`` of pages in the window of some checkpoint."""
+        live: set[tuple[int, int]] = set()
+        for node in self.tree.iter_nodes():
+            if node.checkpoint is not None:
+                live.update((id(n), off) for n, off in self.tree.window_pages(node))
+        return live
+
+    def _tombstone(self, node: TreeNode, held: list[tuple[int, int]], sink: list[int]) -> None:
+        data = node.pages(Component.SWA)
+        owners = self.tree.owners[Component.SWA]
+        for off, idx in held:
+            data.valid[off] = False
+            data.indices[off] = 0
+            del owners[idx]
+            sink.append(idx)
 
 
 class MambaComponent(TreeComponent):
-    """Recurrent-state checkpoints at node ends."""
+    """Recurrent-state checkpoints at node ends; eviction drops checkpoints
+    whose SWA window is gone first, then least recently used ones."""
 
     component = Component.MAMBA
 
@@ -217,11 +256,20 @@ class MambaComponent(TreeComponent):
 
     def evict(self, demand: int) -> dict[Component, int]:
         freed = dict.fromkeys(Component, 0)
-        for node in self._unlocked_lru():
+        sink: list[int] = []
+        # A checkpoint whose SWA window was tombstoned is no boundary any
+        # more (until the window is restored): drop those first.
+        nodes = sorted(self._unlocked_lru(), key=self._usable)
+        for node in nodes:
             if freed[Component.MAMBA] >= demand:
                 break
-            freed[Component.MAMBA] += self.release(node)
+            freed[Component.MAMBA] += self.release(node, sink)
+        self.free(sink)
         return freed
+
+    def _usable(self, node: TreeNode) -> bool:
+        return all(bool(n.pages(Component.SWA).valid[off])
+                   for n, off in self.tree.window_pages(node))
 
 
 TREE_COMPONENT_TYPES: dict[Component, type[TreeComponent]] = {

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
 from layerlift.pools.hashing import ROOT_HASH, page_hashes
 from layerlift.pools.spec import Component
 from layerlift.pools.tree_components import InsertInputs
@@ -78,10 +79,11 @@ def check_offered(
             here[node.start_page + off] = (node, off)
     for c in (Component.FULL, Component.SWA):
         owners = tree.owners[c]
-        valid = inputs.valid[c]
+        valid = inputs.valid[c].tolist()
+        offered = inputs.pages[c].tolist()
         for page in range(inputs.start_page, inputs.n_pages):
-            idx = int(inputs.pages[c][page])
-            if bool(valid[page]) and idx in owners and here.get(page) != owners[idx]:
+            idx = offered[page]
+            if valid[page] and idx in owners and here.get(page) != owners[idx]:
                 raise ValueError(
                     f"{c.value} page {idx} offered for position {page} already belongs to "
                     f"the tree at another position"
@@ -122,8 +124,9 @@ def _check_node(tree: UnifiedRadixTree, node: TreeNode) -> None:
     if node.checkpoint is not None and node.end_page % tree.spec.track_pages:
         _fail(f"{node} holds a checkpoint at page {node.end_page}, not a multiple of "
               f"track_pages ({tree.spec.track_pages})")
-    if node.stored[Component.SWA] != bool(node.pages(Component.SWA).stored.all()):
-        _fail(f"{node} has a SWA stored flag that disagrees with its page marks")
+    for c in (Component.FULL, Component.SWA):
+        if node.stored[c] != bool(node.pages(c).stored.all()):
+            _fail(f"{node} has a {c.value} stored flag that disagrees with its page marks")
 
 
 def check_tree(tree: UnifiedRadixTree) -> None:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
 from layerlift.pools.spec import Component
 
 __all__ = ["ComponentData", "PageData", "SlotData", "TreeIntegrityError", "TreeNode"]
@@ -43,6 +44,12 @@ class PageData:
     indices: torch.Tensor
     valid: torch.Tensor
     stored: torch.Tensor
+
+    @classmethod
+    def empty(cls, n: int) -> PageData:
+        """``n`` pages, none present, none stored."""
+        return cls(torch.zeros(n, dtype=torch.int64), torch.zeros(n, dtype=torch.bool),
+                   torch.zeros(n, dtype=torch.bool))
 
     @classmethod
     def make(cls, indices: torch.Tensor, valid: torch.Tensor) -> PageData:

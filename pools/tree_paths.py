@@ -12,6 +12,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
+
 from layerlift.pools.spec import Component, ModelSpec
 from layerlift.pools.tree_node import TreeNode
 
@@ -43,24 +44,32 @@ class TreePaths:
 
     def mark_stored(self, node: TreeNode, component: Component,
                     pages: Iterable[int] | None = None) -> None:
-        """Record that ``component``'s data of ``node`` reached the store.
+        """Record that ``component``'s data reached the store (call after a
+        successful put only; a failed put leaves the flags unset).
 
-        FULL and MAMBA set the node's flag. SWA marks ``pages`` (absolute
-        positions along the node's path; default: its trailing window) and
-        sets ``stored[SWA]`` on every node all of whose pages are marked.
-        A node evicted meanwhile is ignored."""
+        ``pages`` are the transfer's entries: absolute page positions along
+        ``node``'s path (MAMBA: boundaries). Default: every page of ``node``
+        (FULL), its trailing window (SWA), its checkpoint (MAMBA). Giving the
+        pages keeps this exact even if ``node`` was split while the put was
+        in flight. A node evicted meanwhile is ignored."""
         if not self.contains(node):
             return
-        if component is Component.SWA:
-            want = None if pages is None else set(pages)
-            for owner, off in self.window_pages(node) if want is None else self._positions(
-                    node, want):
-                owner.pages(Component.SWA).stored[off] = True
-                owner.stored[Component.SWA] = bool(owner.pages(Component.SWA).stored.all())
+        if component is Component.MAMBA:
+            want = {node.end_page} if pages is None else set(pages)
+            for n in node.path():
+                if n.end_page in want:
+                    n.stored[Component.MAMBA] = True
             return
-        if component is Component.FULL:
-            node.pages(Component.FULL).stored[:] = True
-        node.stored[component] = True
+        if pages is not None:
+            targets = self._positions(node, set(pages))
+        elif component is Component.SWA:
+            targets = self.window_pages(node)
+        else:
+            targets = [(node, off) for off in range(node.num_pages)]
+        for owner, off in targets:
+            owner.pages(component).stored[off] = True
+        for owner in {id(o): o for o, _ in targets}.values():
+            owner.stored[component] = bool(owner.pages(component).stored.all())
 
     def _positions(self, node: TreeNode, pages: set[int]) -> list[tuple[TreeNode, int]]:
         return [(n, p - n.start_page) for n in node.path()

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+
 from layerlift.pools.spec import Component
 from layerlift.pools.tree_node import TreeNode
 

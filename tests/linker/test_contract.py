@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+
 from layerlift.linker.components import ComponentLinker, make_linkers
 from layerlift.linker.contract import (
     HitPolicy,
@@ -149,6 +150,18 @@ def test_new_checkpoint_after_a_branch_sends_only_the_checkpoint() -> None:
     rig.check()
 
 
+def test_a_split_while_the_put_is_in_flight_marks_both_parts() -> None:
+    rig = Rig(window_pages=2, track_pages=2)
+    node = rig.publish(tokens(1, 2, 3, 4), (4,)).node
+    sent = {c: rig.linkers[c].build_transfer(OFFLOAD, node=node) for c in Component}
+    head = rig.publish(tokens(1, 2), (2,)).node  # splits ``node`` before the put ends
+    for c, t in sent.items():
+        rig.linkers[c].mark_stored(node, t)
+    assert head.stored[F] and node.stored[F] and node.stored[M] and not head.stored[M]
+    assert set(rig.offload(head, store=False)) == {S, M}  # the window [0, 2) is new
+    rig.check()
+
+
 def test_new_checkpoint_whose_window_was_never_stored_sends_the_window() -> None:
     rig = Rig(window_pages=2, track_pages=2)
     first = rig.publish(tokens(1, 2, 3, 4, 5, 6), (6,))
@@ -181,6 +194,7 @@ def test_restore_commit_publishes_and_sets_the_cow_source() -> None:
     assert (m.boundary_pages, m.mamba_slot, m.pending) == (4, res.cow_source, ["loading"])
     assert res.node.lock_ref == 1
     txn.finish()
+    assert rig.tree.match_prefix(toks).pending == []
     rig.tree.unlock(res.node)
     rig.check()
     assert rig.tree.stats().pages == {c: rig.pool.used_size(c) for c in Component}
@@ -224,8 +238,45 @@ def test_abort_after_prepare_restores_the_exact_previous_state() -> None:
     assert rig.snapshot() == before
     done = restore(rig, toks, 4)
     done.commit(rig.tree, toks)
-    with pytest.raises(ValueError, match="committed"):
+    done.finish()
+    with pytest.raises(ValueError, match="finished"):
         done.abort()
+
+
+def test_abort_after_commit_takes_the_adopted_pages_back() -> None:
+    rig = Rig()
+    rig.publish(tokens(1, 2), (2,))
+    toks = tokens(1, 2, 3, 4, 5)
+    before = rig.snapshot()
+    txn = restore(rig, toks, 4)
+    res = txn.commit(rig.tree, toks, pending="loading")
+    assert rig.tree.match_prefix(toks).boundary_pages == 4
+    dependant = rig.publish(tokens(1, 2, 3, 4, 7, 8), (6,))  # built on the bad pages
+    rig.tree.lock(dependant.node)
+    with pytest.raises(ValueError, match="locked"):
+        txn.abort()
+    rig.tree.unlock(dependant.node)
+    txn.abort()  # a layer failed: nobody may read the partial pages, nor what hangs below
+    assert rig.snapshot() == before
+    assert rig.tree.match_prefix(toks).pending == []
+    rig.check()
+    assert not rig.tree.contains(res.node)
+
+
+def test_abort_after_commit_restores_tombstones_and_checkpoints() -> None:
+    rig = Rig()
+    first = rig.publish(tokens(1, 2, 3, 4), (2, 4))
+    rig.tree.evict({M: 1})  # the checkpoint at 2 (least recently used)
+    rig.tree.match_prefix(tokens(1, 2, 3, 4))
+    rig.tree.evict({S: 1})  # tombstone page 0, outside the window of 4
+    assert rig.tree.match_prefix(tokens(1, 2)).boundary_pages == 0
+    before = rig.snapshot()
+    txn = restore(rig, tokens(1, 2), 2)
+    res = txn.commit(rig.tree, tokens(1, 2))
+    assert res.insert.adopted[S] == [(0, 1)] and res.insert.adopted_checkpoints == [2]
+    txn.abort()
+    assert rig.snapshot() == before and first.node.checkpoint is not None
+    rig.check()
 
 
 def test_load_evicts_on_shortfall_and_gives_up_cleanly() -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-
+from layerlift.linker.master import EmbeddedMaster
 from layerlift.linker.mooncake_store import MooncakeStore
 
 pytestmark = pytest.mark.mooncake

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from layerlift.linker.components import make_linkers
 from layerlift.linker.contract import LinkerTransferPhase, LinkRequest, PoolTransfer
 from layerlift.linker.keys import KeySchema

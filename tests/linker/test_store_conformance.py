@@ -8,7 +8,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from layerlift.linker.master import EmbeddedMaster
 from layerlift.linker.memory_store import MemoryStore
+from layerlift.linker.mooncake_store import MooncakeStore
 from layerlift.linker.store_base import Store, StoreError, StoreIOError, StoreKeyMissing
 
 LAYERS = 4
@@ -17,11 +19,33 @@ PAGE_BYTES = LAYERS * LAYER_BYTES
 PAGES = 6
 
 
+@pytest.fixture(scope="module")
+def shared_mooncake(mooncake_master: EmbeddedMaster) -> Iterator[MooncakeStore]:
+    """One client for the module: closing a Mooncake client costs ~2 s, so only the
+    close test pays for its own (`mooncake_store`). Keys are per-test (`ns`)."""
+    config = mooncake_master.config(global_segment_size=64 << 20, local_buffer_size=32 << 20)
+    with MooncakeStore(config) as store:
+        yield store
+
+
 @pytest.fixture(params=["memory", pytest.param("mooncake", marks=pytest.mark.mooncake)])
 def store(request: pytest.FixtureRequest) -> Iterator[Store]:
+    _REGISTERED.clear()
     if request.param == "memory":
         with MemoryStore() as memory:
             yield memory
+        return
+    shared: MooncakeStore = request.getfixturevalue("shared_mooncake")
+    yield shared
+    while _REGISTERED:  # the test's tensors die with it
+        shared.unregister(_REGISTERED.pop())
+
+
+@pytest.fixture
+def closable(request: pytest.FixtureRequest) -> Iterator[Store]:
+    """A store of each kind that the test may close."""
+    if request.param == "memory":
+        yield MemoryStore()
     else:
         yield request.getfixturevalue("mooncake_store")
 
@@ -31,10 +55,17 @@ def ns(request: pytest.FixtureRequest) -> str:
     return str(request.getfixturevalue("mooncake_namespace"))
 
 
+_REGISTERED: set[int] = set()  # memory the current test registered
+
+
+def _register(store: Store, tensor: torch.Tensor) -> None:
+    _REGISTERED.add(store.register(tensor))
+
+
 def _pages(store: Store, ns: str, n: int = PAGES) -> tuple[list[str], torch.Tensor]:
     """Put n layer-major page objects with distinct bytes; return (keys, source tensor)."""
     src = torch.randint(0, 256, (n, PAGE_BYTES), dtype=torch.uint8)
-    store.register(src)
+    _register(store, src)
     keys = [f"{ns}/full/0/{i:04x}" for i in range(n)]
     store.put(keys, [int(src[i].data_ptr()) for i in range(n)], [PAGE_BYTES] * n)
     return keys, src
@@ -42,7 +73,7 @@ def _pages(store: Store, ns: str, n: int = PAGES) -> tuple[list[str], torch.Tens
 
 def _dst(store: Store, *shape: int) -> torch.Tensor:
     dst = torch.zeros(*shape, dtype=torch.uint8)
-    store.register(dst)
+    _register(store, dst)
     return dst
 
 
@@ -153,11 +184,14 @@ def test_empty_batches(store: Store) -> None:
         store.get(["a"], [], [])
 
 
-def test_close_is_idempotent_and_use_after_close_fails(store: Store, ns: str) -> None:
-    keys, _ = _pages(store, ns, 1)
-    store.close()
-    store.close()
+@pytest.mark.parametrize(
+    "closable", ["memory", pytest.param("mooncake", marks=pytest.mark.mooncake)], indirect=True
+)
+def test_close_is_idempotent_and_use_after_close_fails(closable: Store, ns: str) -> None:
+    keys, _ = _pages(closable, ns, 1)
+    closable.close()
+    closable.close()
     with pytest.raises(StoreError):
-        store.exists(keys)
+        closable.exists(keys)
     with pytest.raises(StoreError):
-        store.get(keys, [1], [PAGE_BYTES])
+        closable.get(keys, [1], [PAGE_BYTES])

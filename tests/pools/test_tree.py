@@ -7,6 +7,7 @@ from collections.abc import Mapping
 import numpy as np
 import pytest
 import torch
+
 from layerlift.pools import Component, ModelSpec, UnifiedKVPool
 from layerlift.pools.tree import TreeIntegrityError, UnifiedRadixTree
 
@@ -167,6 +168,28 @@ def test_evict_swa_tombstones_and_keeps_full(tree: UnifiedRadixTree) -> None:
     tree.evict({S: 3})
     m = tree.match_prefix(tokens(1, 2, 3, 4))
     assert m.kv_pages == 4 and m.boundary_pages == 0
+    tree.check_integrity()
+
+
+def test_evict_mamba_takes_checkpoints_without_a_window_first(tree: UnifiedRadixTree) -> None:
+    publish(tree, tokens(1, 2), (2,))
+    publish(tree, tokens(3, 4), (2,))
+    tree.match_prefix(tokens(1, 2))  # (3, 4) is least recently used ...
+    tree.evict({S: 1})               # ... loses a SWA page: its checkpoint is unusable
+    tree.match_prefix(tokens(3, 4))  # ... and becomes the most recently used
+    assert tree.evict({M: 1}) == {F: 0, S: 0, M: 1}
+    assert tree.match_prefix(tokens(1, 2)).boundary_pages == 2
+    assert tree.stats().pages[M] == 1
+
+
+def test_evict_swa_takes_dead_pages_first(tree: UnifiedRadixTree) -> None:
+    publish(tree, tokens(1, 2), (2,))            # older: both pages in the window of 2
+    publish(tree, tokens(3, 4, 5, 6), (4,))      # newer: pages 0, 1 are in no window
+    assert tree.evict({S: 2}) == {F: 0, S: 2, M: 0}
+    assert tree.match_prefix(tokens(1, 2)).boundary_pages == 2
+    assert tree.match_prefix(tokens(3, 4, 5, 6)).boundary_pages == 4
+    tree.evict({S: 1})  # no dead page left: the least recently used live one goes
+    assert tree.match_prefix(tokens(1, 2)).boundary_pages == 0
     tree.check_integrity()
 
 

@@ -15,6 +15,7 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
 from layerlift.pools import Component, ModelSpec, UnifiedKVPool
 from layerlift.pools.tree import TreeNode, UnifiedRadixTree
 
@@ -114,6 +115,13 @@ class TreeMachine(RuleBasedStateMachine):
         assert all(v >= 0 for v in freed.values())
         assert all(self.tree.contains(n) for n in self.locked)
         assert locked_before == {id(n) for n in self.locked}
+
+    @rule(pages=page_values, component=st.sampled_from(list(Component)))
+    def mark_stored(self, pages: list[int], component: Component) -> None:
+        m = self.tree.match_prefix(np.repeat(np.asarray(pages, dtype=np.int64), PS))
+        if not m.node.is_root:
+            self.tree.mark_stored(m.node, component)
+            assert m.node.stored[component] or component is Component.SWA
 
     @rule()
     def compact(self) -> None:

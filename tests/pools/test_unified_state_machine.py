@@ -40,7 +40,7 @@ class TriPoolMachine(RuleBasedStateMachine):
         was_deferred = {o for o, _ in pairs if (c, o) in self.deferred}
         self.deferred -= {(c, o) for o in was_deferred}
         for o, n in pairs:
-            assert (c, n) not in self.live, "moved onto a live page"
+            self._claim(c, n)
             self.live[(c, n)] = values[o]
             if o in was_deferred:
                 self.deferred.add((c, n))
@@ -49,12 +49,20 @@ class TriPoolMachine(RuleBasedStateMachine):
     # ---- helpers -------------------------------------------------------------
     def _write(self, c: Component, pages: torch.Tensor) -> None:
         for p in pages.tolist():
-            assert (c, p) not in self.live, "allocated a live page"
+            self._claim(c, p)
             view = self.pool.page_view(c, p)
             view[:8].view(torch.int64)[0] = self.next_marker
             view[-8:].view(torch.int64)[0] = self.next_marker
             self.live[(c, p)] = self.next_marker
             self.next_marker += 1
+
+    def _claim(self, c: Component, p: int) -> None:
+        """``(c, p)`` is being (re)used: it must be free, or a deferred
+        unpinned page the ladder flushed in the same operation."""
+        if (c, p) in self.live:
+            assert (c, p) in self.deferred and self.pins[(c, p)] == 0, "reused a live page"
+            self.deferred.discard((c, p))
+            del self.live[(c, p)]
 
     def _owned(self, c: Component, *, pinned: bool | None = None) -> list[int]:
         pages = [p for (k, p) in self.live if k is c and (k, p) not in self.deferred]
