@@ -9,8 +9,9 @@ A :class:`LoadHandle` holds the engine's batch lock from ``Engine.load`` until
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -93,9 +94,9 @@ class LoadHandle:
             self.engine.pool.pin(c, idx)
             self._pins.setdefault(rid, []).append((c, idx.clone()))
 
-    def _unpin(self, rids: object) -> None:
+    def _unpin(self, rids: Collection[object]) -> None:
         for rid in list(self._pins):
-            if rid in rids:  # type: ignore[operator]
+            if rid in rids:
                 for c, idx in self._pins.pop(rid):
                     self.engine.pool.unpin(c, idx)
 
@@ -223,8 +224,7 @@ class LoadHandle:
         ps = self.engine.model.spec.page_size
         results = []
         for i, plan in enumerate(self.plans):
-            t = Timings(**{f: getattr(timings, f) for f in Timings.__slots__})  # type: ignore[attr-defined]
-            t.lookup = plan.lookup_time
+            t = dataclasses.replace(timings, lookup=plan.lookup_time)
             results.append(PrefillResult(
                 next_token_logprobs=out.next_token_logprobs[i].float().cpu(),
                 device_hit_tokens=plan.device_pages * ps,

@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
+from torch import nn
+
 from layerlift.engine.model_api import (
     ForwardOutput,
     ForwardRequest,
@@ -30,7 +32,6 @@ from layerlift.engine.model_attention import KVIndex, PagedAttention, build_kv_i
 from layerlift.engine.model_layers import GatedMLP, RMSNorm, Span, normal_param
 from layerlift.engine.model_mamba import MambaMixer
 from layerlift.pools.spec import Component, ModelSpec
-from torch import nn
 
 __all__ = ["ForwardOutput", "ForwardRequest", "HybridModel", "LayerHook", "PoolViews"]
 

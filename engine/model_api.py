@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+
 from layerlift.pools.spec import Component, ModelSpec
 
 __all__ = [

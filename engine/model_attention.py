@@ -14,11 +14,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import nn
+from torch.nn import functional as F
+
 from layerlift.engine.model_api import PoolViews
 from layerlift.engine.model_layers import Span, apply_rope, normal_param
 from layerlift.pools.spec import ModelSpec
-from torch import nn
-from torch.nn import functional as F
 
 __all__ = ["SWA_TILE", "KVIndex", "PagedAttention", "Tile", "build_kv_index"]
 

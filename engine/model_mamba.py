@@ -14,12 +14,13 @@ import math
 from collections.abc import Sequence
 
 import torch
+from torch import nn
+from torch.nn import functional as F
+
 from layerlift.engine.model_api import ForwardRequest, PoolViews
 from layerlift.engine.model_layers import Span, const_param, normal_param
 from layerlift.engine.model_ssd import ssd_scan
 from layerlift.pools.spec import ModelSpec
-from torch import nn
-from torch.nn import functional as F
 
 __all__ = ["MambaMixer"]
 

@@ -27,12 +27,14 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
+
 from layerlift.pools.base import PoolError
 from layerlift.pools.capacity import (
     CapacityEpoch,
     CapacityMemo,
     available_pages,
     joint_fits,
+    overlap_error,
     verify_accounting,
 )
 from layerlift.pools.end_allocator import (
@@ -42,7 +44,7 @@ from layerlift.pools.end_allocator import (
     SubPoolSpec,
     as_index_array,
 )
-from layerlift.pools.float_allocator import FloatAllocator
+from layerlift.pools.float_allocator import FloatAllocator, relieve_after_direct_failure
 
 __all__ = ["MultiEndedAllocator", "NameMoveListener"]
 
@@ -94,7 +96,7 @@ class MultiEndedAllocator:
             return FloatAllocator(spec, n_pages, self._epoch)
         return EndAllocator(spec, n_pages, self._epoch)
 
-    def _clone(self) -> MultiEndedAllocator:
+    def clone(self) -> MultiEndedAllocator:
         """Accounting-only copy (no buffer, no listeners) for dry runs; O(1)."""
         new = object.__new__(MultiEndedAllocator)
         new.total_bytes = self.total_bytes
@@ -178,15 +180,16 @@ class MultiEndedAllocator:
             out[a.name] = idx
         return out
 
-    def _fits_now(self, demand: Mapping[str, int]) -> bool:
-        return self._clone()._alloc_direct(demand) is not None
+    def fits_now(self, demand: Mapping[str, int]) -> bool:
+        """Would ``demand`` fit without moving anything (a dry run)?"""
+        return self.clone()._alloc_direct(demand) is not None
 
     def alloc_many(self, demand: Mapping[str, int]) -> dict[str, np.ndarray] | None:
         """All of ``demand`` (name -> pages) or ``None`` after the ladder
         failed; raises ``PoolError`` on bad input (see :meth:`check_demand`)."""
         self.check_demand(demand)
         out = self._alloc_direct(demand)
-        if out is None and self._ladder(demand):
+        if out is None and relieve_after_direct_failure(self, demand):
             out = self._alloc_direct(demand)
             assert out is not None, "the ladder promised room that direct allocation did not find"
         return out
@@ -196,59 +199,17 @@ class MultiEndedAllocator:
         May flush deferred frees and move float pages (listeners are told).
         Raises ``PoolError`` on bad input (see :meth:`check_demand`)."""
         self.check_demand(demand)
-        return self._fits_now(demand) or self._ladder(demand)
-
-    def _ladder(self, demand: Mapping[str, int]) -> bool:
-        if self.flush_deferred() and self._fits_now(demand):
-            return True
-        # Rehearse the moving rungs on an O(1) clone (they are deterministic):
-        # bytes are copied only when the ladder is known to succeed.
-        return self._clone()._moving_rungs(demand) and self._moving_rungs(demand)
-
-    def _moving_rungs(self, demand: Mapping[str, int]) -> bool:
-        if self._float_open_short_side(demand) and self._fits_now(demand):
-            return True
-        # Last rung: the ENDs fill their own holes (frontiers retreat toward
-        # their edges), then the float slides again into the bytes they left.
-        for end in (self.chain[0], self.chain[-1]):
-            assert isinstance(end, EndAllocator)
-            self._move(end, *end.compact_plan())
-        if self._fits_now(demand):
-            return True
-        return self._float_open_short_side(demand) and self._fits_now(demand)
-
-    def _float_open_short_side(self, demand: Mapping[str, int]) -> bool:
-        """Move the float(s) next to the ENDs so that every END line of the
-        demand vector is free and each such float keeps room for its own
-        share. False when a pinned slot or the sizes make that impossible."""
-        up, down = self.chain[0], self.chain[-1]
-        assert isinstance(up, EndAllocator) and isinstance(down, EndAllocator)
-        live = [(i, a) for i, a in enumerate(self.chain[1:-1], 1) if a.n_used > 0]
-        if not live:
-            return False
-        (i0, first), (i1, last) = live[0], live[-1]
-        assert isinstance(first, FloatAllocator) and isinstance(last, FloatAllocator)
-        # An END with no demand keeps its side where it is (an empty END is
-        # transparent: the float may use the bytes up to the buffer edge).
-        a, b = int(demand.get(up.name, 0)), int(demand.get(down.name, 0))
-        low_line = up.required_line(a) if a else self.bounds(i0)[0]
-        high_line = down.required_line(b) if b else self.bounds(i1)[1]
-        if first is last:
-            return self._apply_plan(first, first.plan_window(low_line, high_line, demand.get(first.name, 0)))
-        top = self.bounds(i0)[1]
-        if not self._apply_plan(first, first.plan_window(low_line, top, demand.get(first.name, 0))):
-            return False
-        bottom = self.bounds(i1)[0]
-        return self._apply_plan(last, last.plan_window(bottom, high_line, demand.get(last.name, 0)))
+        return self.fits_now(demand) or relieve_after_direct_failure(self, demand)
 
     # ---- moves ----------------------------------------------------------------
-    def _apply_plan(self, sub: SubAllocator, plan: tuple[np.ndarray, np.ndarray] | None) -> bool:
+    def apply_plan(self, sub: SubAllocator, plan: tuple[np.ndarray, np.ndarray] | None) -> bool:
+        """Carry out a move plan; False (nothing moved) for ``None``."""
         if plan is None:
             return False
-        self._move(sub, *plan)
+        self.move(sub, *plan)
         return True
 
-    def _move(self, sub: SubAllocator, src: np.ndarray, dst: np.ndarray) -> None:
+    def move(self, sub: SubAllocator, src: np.ndarray, dst: np.ndarray) -> None:
         """Copy whole units ``src`` -> ``dst``, rebind the accounting, tell
         the listeners (in that order: listeners see the bytes in place)."""
         if src.size == 0:
@@ -308,7 +269,7 @@ class MultiEndedAllocator:
             raise PoolError(f"nbytes must be a non-negative int, got {nbytes!r}")
         self.flush_deferred()
         plan = sub.vacate_plan(side, nbytes, *self.bounds(self._pos[name]))
-        return self._apply_plan(sub, plan)
+        return self.apply_plan(sub, plan)
 
     def compact_holes(self, name: str | None = None) -> int:
         """Fill holes with outermost movable pages (all sub-pools, or
@@ -329,7 +290,7 @@ class MultiEndedAllocator:
             else:
                 assert isinstance(sub, EndAllocator)
                 src, dst = sub.compact_plan()
-            self._move(sub, src, dst)
+            self.move(sub, src, dst)
             moved += int(src.size)
         return moved
 
@@ -348,25 +309,15 @@ class MultiEndedAllocator:
             raise PoolError(f"move_pages: {name} pages {s[sub.pins[s] > 0][:4].tolist()} are pinned")
         if bool(sub.used[d].any()) or np.intersect1d(s, d).size:
             raise PoolError(f"move_pages: destinations of {name} must be free pages")
-        trial = self._clone()
+        trial = self.clone()
         trial.sub(name).relocate(s, d)
         if trial.overlap_error() is not None:
             raise PoolError(f"move_pages: {name} pages would overlap a neighbour's region")
-        self._move(sub, s, d)
+        self.move(sub, s, d)
 
     def overlap_error(self) -> str | None:
         """A sentence naming two overlapping sub-pool regions, or None."""
-        prev: tuple[str, int] | None = None
-        for a in self.chain:
-            span = a.span()
-            if span is None:
-                continue
-            if span[1] > self.total_bytes:
-                return f"{a.name} ends at byte {span[1]}, past the buffer ({self.total_bytes})"
-            if prev is not None and span[0] < prev[1]:
-                return f"{a.name} starts at byte {span[0]} inside {prev[0]} (ends at {prev[1]})"
-            prev = (a.name, span[1])
-        return None
+        return overlap_error(self)
 
     # ---- capacity views ---------------------------------------------------------
     def available_size(self, name: str) -> int:

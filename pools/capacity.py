@@ -21,6 +21,7 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, overload
 
 import numpy as np
+
 from layerlift.pools.base import PoolAccountingError, PoolError
 
 if TYPE_CHECKING:
@@ -33,6 +34,7 @@ __all__ = [
     "_CapacityField",
     "available_pages",
     "joint_fits",
+    "overlap_error",
     "sub_errors",
     "verify_accounting",
 ]
@@ -133,7 +135,7 @@ def joint_fits(core: MultiEndedAllocator, demand: Mapping[str, int]) -> bool:
             if isinstance(n, int) and n < 0:
                 raise
         return False
-    return core._clone().relieve_for_alloc(demand)
+    return core.clone().relieve_for_alloc(demand)
 
 
 def available_pages(core: MultiEndedAllocator, name: str) -> int:
@@ -147,7 +149,7 @@ def available_pages(core: MultiEndedAllocator, name: str) -> int:
     hi = min(hi, core.total_bytes // sub.unit)
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if core._clone().relieve_for_alloc({name: mid}):
+        if core.clone().relieve_for_alloc({name: mid}):
             lo = mid
         else:
             hi = mid - 1
@@ -181,13 +183,28 @@ def sub_errors(subs: Sequence[SubAllocator]) -> list[str]:
     return errors
 
 
+def overlap_error(core: MultiEndedAllocator) -> str | None:
+    """A sentence naming two overlapping sub-pool regions, or None."""
+    prev: tuple[str, int] | None = None
+    for a in core.chain:
+        span = a.span()
+        if span is None:
+            continue
+        if span[1] > core.total_bytes:
+            return f"{a.name} ends at byte {span[1]}, past the buffer ({core.total_bytes})"
+        if prev is not None and span[0] < prev[1]:
+            return f"{a.name} starts at byte {span[0]} inside {prev[0]} (ends at {prev[1]})"
+        prev = (a.name, span[1])
+    return None
+
+
 def verify_accounting(core: MultiEndedAllocator) -> None:
     """Raise ``PoolAccountingError`` on overlapping regions, leaked or
     double-counted pages, pins or deferrals of free pages, or a capacity memo
     that differs from a fresh recomputation (a write that bypassed
     :class:`_CapacityField`)."""
     errors = sub_errors(core.chain)
-    overlap = core.overlap_error() if not errors else None
+    overlap = overlap_error(core) if not errors else None
     if overlap is not None:
         errors.append(overlap)
     if not errors:

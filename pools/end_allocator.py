@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 import numpy as np
+
 from layerlift.pools.base import PoolError
 from layerlift.pools.capacity import CapacityEpoch, _CapacityField
 
@@ -141,7 +142,8 @@ class SubAllocator:
 
     def movable(self) -> np.ndarray:
         """Boolean mask of pages that may be relocated (used and unpinned)."""
-        return self.used & (self.pins == 0)
+        mask: np.ndarray = self.used & (self.pins == 0)
+        return mask
 
     # ---- validated mutators ------------------------------------------------
     def check_allocated(self, idx: np.ndarray, what: str) -> None:

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 
 import numpy as np
 import torch
+
 from layerlift.pools.base import KVPool, MoveListener, PoolAccountingError, PoolError
 from layerlift.pools.capacity import CapacityEpoch, sub_errors
 from layerlift.pools.end_allocator import SubAllocator, SubPoolSpec, as_index_array

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 
 import numpy as np
 import torch
+
 from layerlift.pools.allocator import MultiEndedAllocator
 from layerlift.pools.base import KVPool, MoveListener, PoolError
 from layerlift.pools.end_allocator import Side, SubPoolSpec

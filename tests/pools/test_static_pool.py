@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -27,7 +29,7 @@ def test_regions_are_fixed_and_disjoint() -> None:
     assert pool.region(S) == (50, 66)
     spans = sorted((lo * SPEC.page_bytes(c), hi * SPEC.page_bytes(c)) for c in Component
                    for lo, hi in [pool.region(c)])
-    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
     assert {c: pool.capacity(c) for c in Component} == {F: 50, M: 12, S: 16}
 
 
@@ -84,6 +86,6 @@ def test_views_work_on_static_pool() -> None:
     pool = StaticKVPool(SPEC, TOTAL, fractions={F: 2, M: 1, S: 1})
     slot = int(pool.alloc(M, 1)[0])
     layer = SPEC.layers_of(M)[0]
-    conv, ssm = pool.mamba_view(layer)
+    _conv, ssm = pool.mamba_view(layer)
     ssm[slot].fill_(3.0)
     assert torch.all(pool.mamba_view(layer)[1][slot] == 3.0)

@@ -52,7 +52,7 @@ def _two_pool(order: str) -> MultiEndedAllocator:
 @pytest.mark.parametrize("order", ["ab", "ba", "afb"])
 def test_two_pool_hand_checked(order: str) -> None:
     core = _two_pool(order)
-    assert [s.name for s in core.chain][0] == "a" and core.chain[-1].name == "b"
+    assert core.chain[0].name == "a" and core.chain[-1].name == "b"
     steps: list[tuple[str, str, int, list[int] | None, int, int]] = [
         # (op, pool, n or page, expected pages, expected a-avail, expected b-avail)
         ("alloc", "b", 1, [2], 6, 2),        # b takes its highest page: bytes [600, 900)
