@@ -7,12 +7,15 @@
 (2) ``admitted_fraction``: the same request stream against a UnifiedKVPool and
     a StaticKVPool of equal bytes. Phase 1 is long, FULL-heavy requests (many
     FULL pages, the SWA window, one MAMBA slot); phase 2 short requests with
-    many MAMBA checkpoint slots and relatively more SWA. At most ``--live``
-    requests stay live (the oldest departs). A request counts as admitted when
-    ``alloc_many`` succeeds without freeing anything else first; otherwise the
-    oldest live requests are evicted until it fits. The static split is the
-    fairest fixed one: proportional to the mean demand of the whole stream
-    (``static_default`` uses the library default, one typical request).
+    many MAMBA checkpoint slots and relatively more SWA. Each request lives a
+    random 0.5-1.5x ``--live`` arrivals, and at most 1.5x ``--live`` stay live
+    (the oldest departs). A request counts as admitted when ``alloc_many``
+    succeeds without freeing anything else first (the unified pool may move
+    its float: that is its job); otherwise the oldest live requests are
+    evicted until it fits. The static split is the fairest fixed one:
+    proportional to the mean demand of the whole stream (``static_default``
+    uses the library default, one typical request). ``by_total_mib`` repeats
+    the comparison at other pool sizes.
 Everything runs on the CPU; figures are from the allocator only.
 """
 

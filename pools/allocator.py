@@ -141,9 +141,10 @@ class MultiEndedAllocator:
         self._listeners.append(listener)
 
     # ---- allocation ---------------------------------------------------------
-    def check_demand(self, demand: Mapping[str, int]) -> None:
-        """``PoolError`` for an unknown name, a negative or non-int count, or
-        a demand larger than the whole pool could ever hold."""
+    def check_demand(self, demand: Mapping[str, int], *, oversize_ok: bool = False) -> bool:
+        """``PoolError`` for an unknown name or a negative or non-int count.
+        A demand larger than the whole pool could ever hold also raises,
+        unless ``oversize_ok`` (a capacity query): then it returns False."""
         total = 0
         for name, n in demand.items():
             sub = self.sub(name)
@@ -151,13 +152,16 @@ class MultiEndedAllocator:
                 raise PoolError(f"page count for {name!r} must be an int, got {n!r}")
             if n < 0:
                 raise PoolError(f"cannot allocate a negative number of {name} pages ({n})")
-            if n > sub.n_pages:
+            total += int(n) * sub.unit
+            if n > sub.n_pages and not oversize_ok:
                 raise PoolError(
                     f"{n} {name} pages exceed the whole pool ({sub.n_pages} pages at most)"
                 )
-            total += int(n) * sub.unit
-        if total > self.total_bytes:
+        if total > self.total_bytes and not oversize_ok:
             raise PoolError(f"demand needs {total} bytes, the pool has {self.total_bytes}")
+        return total <= self.total_bytes and all(
+            n <= self.sub(k).n_pages for k, n in demand.items()
+        )
 
     def _order(self, demand: Mapping[str, int]) -> list[SubAllocator]:
         # ENDs first, then floats: the float then fits between the END lines,
@@ -327,6 +331,7 @@ class MultiEndedAllocator:
 
     def can_alloc(self, demand: Mapping[str, int]) -> bool:
         """Would ``alloc_many(demand)`` succeed now? (exact; memoized)."""
+        self.check_demand(demand, oversize_ok=True)  # misuse raises before the memo
         key = ("can", tuple(sorted((k, int(v)) for k, v in demand.items() if v)))
         return self._memo.get(key, lambda: joint_fits(self, demand))
 

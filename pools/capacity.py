@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, overload
 
 import numpy as np
 
-from layerlift.pools.base import PoolAccountingError, PoolError
+from layerlift.pools.base import PoolAccountingError
 
 if TYPE_CHECKING:
     from layerlift.pools.allocator import MultiEndedAllocator
@@ -33,6 +33,7 @@ __all__ = [
     "CapacityMemo",
     "_CapacityField",
     "available_pages",
+    "available_pages_search",
     "joint_fits",
     "overlap_error",
     "sub_errors",
@@ -126,14 +127,9 @@ class CapacityMemo:
 def joint_fits(core: MultiEndedAllocator, demand: Mapping[str, int]) -> bool:
     """Would ``core.alloc_many(demand)`` succeed now? Runs the real ladder on
     an O(1) clone, so the answer is exact, not an estimate. A demand larger
-    than the pool is simply ``False``; unknown names raise ``PoolError``."""
-    try:
-        core.check_demand(demand)
-    except PoolError:
-        for name, n in demand.items():
-            core.sub(name)  # an unknown name is misuse, not shortage
-            if isinstance(n, int) and n < 0:
-                raise
+    than the pool is simply ``False``; unknown names and negative or
+    non-int counts raise ``PoolError``."""
+    if not core.check_demand(demand, oversize_ok=True):
         return False
     return core.clone().relieve_for_alloc(demand)
 
@@ -141,8 +137,17 @@ def joint_fits(core: MultiEndedAllocator, demand: Mapping[str, int]) -> bool:
 def available_pages(core: MultiEndedAllocator, name: str) -> int:
     """Most pages of ``name`` one ``alloc`` could return now, ladder included.
 
-    Feasibility is monotone in the page count, so a binary search between the
-    pages free without any move and the sub-pool's size finds it."""
+    Chains with at most one float use the closed form of the ladder's end
+    state (:func:`_ladder_closed_form`); longer chains, and the tests that
+    keep the closed form honest, use :func:`available_pages_search`."""
+    if len(core.chain) <= 3:
+        return _ladder_closed_form(core, name)
+    return available_pages_search(core, name)
+
+
+def available_pages_search(core: MultiEndedAllocator, name: str) -> int:
+    """The reference: feasibility is monotone in the page count, so a binary
+    search over exact ladder rehearsals (on clones) finds the maximum."""
     sub = core.sub(name)
     lo = sub.room(*core.bounds(core._pos[name]))  # fits now: known feasible
     hi = sub.n_pages - sub.n_used + int((sub.deferred & (sub.pins == 0)).sum())
@@ -154,6 +159,34 @@ def available_pages(core: MultiEndedAllocator, name: str) -> int:
         else:
             hi = mid - 1
     return lo
+
+
+def _ladder_closed_form(core: MultiEndedAllocator, name: str) -> int:
+    """Where the ladder ends for a request of ``name`` alone: flush, both
+    ENDs compacted, then (for an END) the float packed against the far side
+    as far as its pinned slots allow. Rehearsed on a clone; no search."""
+    sim = core.clone()
+    sim.flush_deferred()
+    up, down = sim.chain[0], sim.chain[-1]
+    for end in (up, down):
+        sim.move(end, *end.compact_plan())  # type: ignore[attr-defined]
+    sub = sim.sub(name)
+    best = sub.room(*sim.bounds(sim._pos[name]))
+    floats = sim.chain[1:-1]
+    if sub.spec.grow == "float" or not floats or floats[0].n_used == 0:
+        return best  # nothing left to slide: the compacted room is the answer
+    f = floats[0]
+    low_b, high_b = sim.bounds(1)
+    pinned = np.flatnonzero(f.pins)
+    if sub is up:  # the float may rise until a pin stops it or it hits the top
+        top = min(f.n_pages, high_b // f.unit)
+        limit = min(top - f.n_used, int(pinned.min()) if pinned.size else top)
+        reach = min(sub.n_pages, limit * f.unit // sub.unit) - sub.n_used
+    else:  # the float may sink until a pin stops it or it hits the bottom
+        bottom = -(-low_b // f.unit)
+        limit = max(bottom + f.n_used, int(pinned.max()) + 1 if pinned.size else bottom)
+        reach = sub.n_pages - sub.n_used - (-(-limit * f.unit // sub.unit))
+    return max(best, reach)
 
 
 def sub_errors(subs: Sequence[SubAllocator]) -> list[str]:

@@ -113,6 +113,7 @@ class StaticKVPool(KVPool):
 
     def alloc_many(self, demand: Mapping[Component, int]) -> dict[Component, torch.Tensor] | None:
         named = self._check(demand)
+        assert named is not None
         if not self._fits(named):
             self.flush_deferred()  # the only rung a static pool has
             if not self._fits(named):
@@ -126,17 +127,24 @@ class StaticKVPool(KVPool):
             out[c] = torch.from_numpy(np.array(idx, dtype=np.int64))
         return out
 
-    def _check(self, demand: Mapping[Component, int]) -> dict[Component, int]:
+    def _check(
+        self, demand: Mapping[Component, int], *, oversize_ok: bool = False
+    ) -> dict[Component, int] | None:
+        """Validated demand; ``PoolError`` on misuse. A count larger than its
+        region raises too, unless ``oversize_ok`` (then ``None``)."""
         named: dict[Component, int] = {}
+        oversize = False
         for c, n in demand.items():
             comp = component_of(c)
             if isinstance(n, bool) or not isinstance(n, int | np.integer) or n < 0:
                 raise PoolError(f"page count for {comp.value} must be a non-negative int, got {n!r}")
             r = self._regions[comp]
             if n > r.hi - r.lo:
-                raise PoolError(f"{n} {comp.value} pages exceed its region ({r.hi - r.lo} pages)")
+                if not oversize_ok:
+                    raise PoolError(f"{n} {comp.value} pages exceed its region ({r.hi - r.lo} pages)")
+                oversize = True
             named[comp] = int(n)
-        return named
+        return None if oversize else named
 
     def _fits(self, named: Mapping[Component, int]) -> bool:
         return all(self._regions[c].room() >= n for c, n in named.items())
@@ -166,13 +174,8 @@ class StaticKVPool(KVPool):
         return r.room() + int((r.deferred & (r.pins == 0)).sum())
 
     def can_alloc(self, demand: Mapping[Component, int]) -> bool:
-        try:
-            named = self._check(demand)
-        except PoolError:
-            if any(isinstance(n, int) and n < 0 for n in demand.values()):
-                raise
-            return False
-        return all(self.available_size(c) >= n for c, n in named.items())
+        named = self._check(demand, oversize_ok=True)
+        return named is not None and all(self.available_size(c) >= n for c, n in named.items())
 
     def used_size(self, component: Component) -> int:
         return self._sub(component).n_used

@@ -117,6 +117,11 @@ class UnifiedKVPool(KVPool):
 
     # ---- relocation ------------------------------------------------------------
     def add_move_listener(self, listener: MoveListener) -> None:
+        """``listener(component, old, new)`` runs after every move (make_room,
+        compact_holes, move_pages, or the shortfall ladder inside ``alloc``),
+        once the bytes and the accounting are already at ``new``. An exception
+        it raises propagates out of that call; the move itself stands."""
+
         def relay(name: str, old: torch.Tensor, new: torch.Tensor) -> None:
             listener(Component(name), old, new)
 

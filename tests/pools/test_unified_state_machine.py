@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from layerlift.pools import Component, ModelSpec, PoolError, UnifiedKVPool
-from layerlift.pools.capacity import available_pages
+from layerlift.pools.capacity import available_pages, available_pages_search
 
 SPEC = ModelSpec.preset("tiny")
 COMPONENTS = st.sampled_from(list(Component))
@@ -186,8 +186,11 @@ class TriPoolMachine(RuleBasedStateMachine):
     def memo_is_fresh(self) -> None:
         # the memo filled at the previous step must have been invalidated by
         # this step's mutation: memoized == recomputed from scratch
+        # (and the closed form equals the exhaustive ladder search)
         for c in Component:
-            assert self.pool.available_size(c) == available_pages(self.pool.core, c.value)
+            memo = self.pool.available_size(c)
+            assert memo == available_pages(self.pool.core, c.value)
+            assert memo == available_pages_search(self.pool.core, c.value), c
 
 
 TriPoolMachine.TestCase.settings = settings(
