@@ -7,7 +7,7 @@ a trivial layer (a 16x16 matmul), for 32/64 layers and batch 1/16:
                  (batch = number of requests of that readiness).
 * `wait_deps`:   every layer already done; the forward waits on a `CombinedReadiness` of
                  `batch` readiness objects (its own load + loads of other requests).
-* `end_to_end`:  a `LoadScheduler` (CpuLane, OVERLAP, max_in_flight=2) issues `batch`
+* `end_to_end`:  a `LoadScheduler` (CpuLane, OVERLAP, max_in_flight=8, the engine's default) issues `batch`
                  zero-byte jobs per layer while the forward, in a worker thread, waits on
                  each layer: includes the thread hand-offs and event-loop wake-ups.
 
@@ -126,7 +126,8 @@ async def run_grid(max_in_flight: int) -> list[dict[str, Any]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", metavar="PATH", help="write {grid, per_layer_overhead_us}")
-    parser.add_argument("--max-in-flight", type=int, default=2, help="end_to_end scheduler bound")
+    parser.add_argument("--max-in-flight", type=int, default=8,
+                        help="end_to_end scheduler bound (default: the engine's, 8)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     rows = asyncio.run(run_grid(args.max_in_flight))

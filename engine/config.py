@@ -33,6 +33,9 @@ class EngineConfig:
     * ``pool_bytes``: bytes of the unified device pool (FULL + SWA + MAMBA).
     * ``rank`` / ``world_size``: this engine's tensor-parallel rank; keys
       carry the rank, restorable boundaries are intersected across ranks.
+    * ``max_in_flight``: layer fetches issued ahead of the forward. Each
+      issue is a hand-off to a worker thread (~50-100 us on a small CPU box),
+      so a deep queue keeps that cost off the forward's path.
     * ``link``: ``None`` (the store's own link) or ``"emulated:GBPS[,LAT_US]"``
       (a modeled NIC over an in-memory store; benchmark only).
     """
@@ -50,7 +53,7 @@ class EngineConfig:
     segment_bytes: int = 512 << 20
     client_buffer_bytes: int = 64 << 20
     store_timeout_s: float = 30.0
-    max_in_flight: int = 2
+    max_in_flight: int = 8
     group_size: int = 1
     link: str | None = None
     layer_wait_timeout_s: float = 120.0

@@ -55,6 +55,9 @@ CASES: dict[str, Case] = {
     "negative count": lambda p, g: p.alloc(F, -1),
     "non-int count": lambda p, g: p.alloc(F, 1.5),  # type: ignore[arg-type]
     "unknown component": lambda p, g: p.alloc("attention", 1),  # type: ignore[arg-type]
+    "unknown component in can_alloc": lambda p, g: p.can_alloc({"kv": 1}),  # type: ignore[dict-item]
+    "non-int count in can_alloc": lambda p, g: p.can_alloc({F: 1.5}),  # type: ignore[dict-item]
+    "negative count in can_alloc": lambda p, g: p.can_alloc({S: -1}),
     "unknown component in free": lambda p, g: p.free("kv", g[F]),  # type: ignore[arg-type]
     "larger than the pool": lambda p, g: p.alloc(F, p.capacity(F) + 1),
     "negative in a joint demand": lambda p, g: p.alloc_many({F: 1, S: -2}),
@@ -129,4 +132,10 @@ def test_zero_count_is_empty() -> None:
     for pool in (UnifiedKVPool(SPEC, TOTAL), StaticKVPool(SPEC, TOTAL)):
         out = pool.alloc(F, 0)
         assert out is not None and out.numel() == 0 and out.dtype == torch.int64
+        pool.verify_byte_accounting()
+
+
+def test_oversize_query_is_false_not_an_error() -> None:
+    for pool in (UnifiedKVPool(SPEC, TOTAL), StaticKVPool(SPEC, TOTAL)):
+        assert not pool.can_alloc({F: pool.capacity(F) + 1})
         pool.verify_byte_accounting()
