@@ -30,6 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
 from layerlift.overlap import (
     CombinedReadiness,
     CpuLane,

@@ -111,6 +111,7 @@ class MultiEndedAllocator:
     # ---- lookup and chain walk --------------------------------------------
     @property
     def epoch(self) -> int:
+        """The capacity epoch: bumped by every state rebind (tests read it)."""
         return self._epoch.value
 
     def sub(self, name: str) -> SubAllocator:
@@ -138,6 +139,7 @@ class MultiEndedAllocator:
         return low, high
 
     def add_listener(self, listener: NameMoveListener) -> None:
+        """Call ``listener(name, old, new)`` after every move, bytes in place."""
         self._listeners.append(listener)
 
     # ---- allocation ---------------------------------------------------------

@@ -108,6 +108,17 @@ class KVPool(ABC):
     def can_alloc(self, demand: Mapping[Component, int]) -> bool:
         """Joint view: would ``alloc_many(demand)`` succeed now?"""
 
+    def relieve_for_alloc(self, demand: Mapping[Component, int]) -> bool:
+        """The shortfall ladder alone, without allocating: flush deferred
+        frees (a unified pool also moves unpinned float pages, telling the
+        move listeners). True once ``alloc_many(demand)`` would succeed
+        without further moves; False means evict or give up. Raises
+        ``PoolError`` on misuse. This default only flushes."""
+        if self.can_alloc(demand):
+            self.flush_deferred()  # can_alloc counts flushable pages as free
+            return True
+        return False
+
     @abstractmethod
     def used_size(self, component: Component) -> int:
         """Allocated pages of ``component`` (deferred ones included)."""

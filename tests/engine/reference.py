@@ -10,6 +10,7 @@ the two agreeing means something.
 from __future__ import annotations
 
 import torch
+
 from layerlift.engine.model import ForwardOutput, ForwardRequest, HybridModel
 from layerlift.pools.spec import Component, ModelSpec
 from layerlift.pools.views import kv_layer_view, mamba_layer_view

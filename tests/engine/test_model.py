@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from layerlift.engine.model import HybridModel
-from layerlift.pools.spec import Component, ModelSpec
 from reference import (
     ArrayPool,
     assert_lp_close,
@@ -16,6 +14,9 @@ from reference import (
     run,
     tokens_for,
 )
+
+from layerlift.engine.model import HybridModel
+from layerlift.pools.spec import Component, ModelSpec
 
 
 @pytest.mark.parametrize(("preset", "n"), [("tiny", 333), ("tiny128", 420)])

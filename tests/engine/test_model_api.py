@@ -6,9 +6,10 @@ import time
 
 import pytest
 import torch
+from reference import ArrayPool, assert_lp_close, page_table, run, tokens_for
+
 from layerlift.engine.model import ForwardRequest, HybridModel
 from layerlift.pools.spec import Component, ModelSpec
-from reference import ArrayPool, assert_lp_close, page_table, run, tokens_for
 
 SPEC = ModelSpec.preset("tiny")
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from layerlift.engine.model_ssd import ssd_scan
 
 

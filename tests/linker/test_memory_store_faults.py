@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -17,16 +18,22 @@ from layerlift.linker.store_base import (
     StoreUnavailable,
 )
 
+_KEEP_ALIVE: list[torch.Tensor] = []
+
 
 @pytest.fixture
-def store() -> MemoryStore:
-    return MemoryStore(timeout_s=1.0)
+def store() -> Iterator[MemoryStore]:
+    yield MemoryStore(timeout_s=1.0)
+    _KEEP_ALIVE.clear()
 
 
 def _put(store: MemoryStore, keys: list[str], size: int = 64) -> torch.Tensor:
     src = torch.arange(len(keys) * size, dtype=torch.uint8).view(len(keys), size)
     store.register(src)
     store.put(keys, [int(r.data_ptr()) for r in src], [size] * len(keys))
+    # Keep `src` alive for the test: callers drop it, and a later buffer at
+    # the same address would collide with its registration (a flaky StoreError).
+    _KEEP_ALIVE.append(src)
     return src
 
 

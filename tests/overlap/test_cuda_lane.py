@@ -8,6 +8,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 import torch
+from overlap_fakes import WAIT_S, FetchRecorder, ForwardThread
+
 from layerlift.overlap import (
     Completion,
     CudaLane,
@@ -18,7 +20,6 @@ from layerlift.overlap import (
     LoadPolicy,
     LoadScheduler,
 )
-from overlap_fakes import WAIT_S, FetchRecorder, ForwardThread
 
 pytestmark = [
     pytest.mark.gpu,

@@ -7,6 +7,7 @@ import time
 
 import numpy as np
 import pytest
+
 from layerlift.overlap import EmulatedLink, parse_link
 
 MIB = 1 << 20

@@ -6,6 +6,8 @@ import asyncio
 import threading
 
 import pytest
+from overlap_fakes import WAIT_S
+
 from layerlift.overlap import (
     CombinedReadiness,
     LayerLoadCancelled,
@@ -15,7 +17,6 @@ from layerlift.overlap import (
     LoadPolicy,
     wait_all,
 )
-from overlap_fakes import WAIT_S
 
 REQS = frozenset({"a", "b"})
 

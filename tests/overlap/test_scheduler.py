@@ -8,6 +8,8 @@ from collections.abc import AsyncIterator
 
 import numpy as np
 import pytest
+from overlap_fakes import WAIT_S, FetchRecorder, ForwardThread
+
 from layerlift.overlap import (
     CpuLane,
     LayerJob,
@@ -18,7 +20,6 @@ from layerlift.overlap import (
     LoadPolicy,
     LoadScheduler,
 )
-from overlap_fakes import WAIT_S, FetchRecorder, ForwardThread
 
 
 @pytest.fixture

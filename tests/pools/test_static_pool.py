@@ -89,3 +89,13 @@ def test_views_work_on_static_pool() -> None:
     _conv, ssm = pool.mamba_view(layer)
     ssm[slot].fill_(3.0)
     assert torch.all(pool.mamba_view(layer)[1][slot] == 3.0)
+
+
+def test_relieve_for_alloc_only_flushes() -> None:
+    pool = StaticKVPool(SPEC, TOTAL, fractions={F: 2, M: 1, S: 1})
+    pages = pool.alloc(S, 16)
+    assert pages is not None
+    pool.free_deferred(S, pages[:2])
+    assert pool.relieve_for_alloc({S: 2}) and pool.used_size(S) == 14
+    assert not pool.relieve_for_alloc({S: 3})
+    pool.verify_byte_accounting()

@@ -253,3 +253,21 @@ def test_coupled_demand_slides_float(spec: ModelSpec) -> None:
     assert out is not None
     pool.verify_byte_accounting()
     assert pool.used_size(M) == 2
+
+
+def test_relieve_for_alloc_is_the_ladder_alone(spec: ModelSpec) -> None:
+    pool = make_pool(spec)
+    live = _tracked(pool)
+    slots = pool.alloc(M, 3)  # at the midpoint
+    assert slots is not None
+    for s in slots.tolist():
+        write_marker(pool, M, s, 7 + s)
+        live[(M, s)] = 7 + s
+    demand = {F: 40}
+    assert not pool.core.fits_now({"full": 40})
+    assert pool.relieve_for_alloc(demand)  # moves the float, allocates nothing
+    assert pool.used_size(F) == 0 and pool.core.fits_now({"full": 40})
+    _check_markers(pool, live)
+    assert not pool.relieve_for_alloc({F: 60})  # impossible: nothing moves
+    assert pool.alloc(F, 40) is not None
+    pool.verify_byte_accounting()

@@ -1,0 +1,133 @@
+"""Mooncake client settings (`MooncakeConfig`) and the meaning of Mooncake's
+return codes (`code_error`)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from layerlift.linker.store_base import StoreError, StoreIOError, StoreUnavailable
+
+__all__ = [
+    "ERROR_NAMES", "EXISTS", "LEASED", "MISSING", "UNAVAILABLE_CODES", "MooncakeConfig",
+    "code_error",
+]
+
+_HOST_PORT = re.compile(r"^(?P<host>[A-Za-z0-9._-]+|\[[0-9A-Fa-f:]+\]):(?P<port>\d{1,5})$")
+_METADATA_URL = re.compile(
+    r"^http://(?:[A-Za-z0-9._-]+|\[[0-9A-Fa-f:]+\]):(?P<port>\d{1,5})/metadata$"
+)
+_DEVICE = re.compile(r"^[A-Za-z0-9_.:-]+$")
+_PROTOCOLS = ("tcp", "rdma")
+
+
+def _port_ok(port: str) -> bool:
+    return 0 < int(port) < 65536
+
+
+@dataclass(frozen=True, slots=True)
+class MooncakeConfig:
+    """Connection settings of one Mooncake Store client. Validated on construction.
+
+    - `master_address`: the master's RPC endpoint, "HOST:PORT".
+    - `metadata_server`: "P2PHANDSHAKE", or the master's HTTP metadata server
+      "http://HOST:PORT/metadata".
+    - `protocol`: "tcp" or "rdma"; `rdma_devices` (e.g. ("mlx5_0",)) only with rdma.
+    - `local_hostname`: the address other clients use to reach this one.
+    - `global_segment_size`: bytes this client contributes to the cluster's
+      pool; 0 makes it a pure client that only reads and writes others' memory.
+    - `local_buffer_size`: bytes of the client's staging buffer (used for
+      memory that is not registered).
+    - `timeout_s`: bound on every store call; `setup_timeout_s`: bound on the
+      initial connection (a client cannot reach a dead master for ~90 s).
+    - `workers`: threads that run the blocking Mooncake calls.
+
+    Raises ValueError with a readable sentence for any bad field.
+    """
+
+    master_address: str
+    metadata_server: str = "P2PHANDSHAKE"
+    protocol: str = "tcp"
+    rdma_devices: tuple[str, ...] = ()
+    local_hostname: str = "127.0.0.1"
+    global_segment_size: int = 512 << 20
+    local_buffer_size: int = 64 << 20
+    timeout_s: float = 10.0
+    setup_timeout_s: float = 30.0
+    workers: int = 4
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rdma_devices", tuple(self.rdma_devices))
+        match = _HOST_PORT.match(self.master_address)
+        if not match or not _port_ok(match["port"]):
+            raise ValueError(
+                f"master_address must look like 'HOST:PORT' (e.g. '127.0.0.1:50051'), "
+                f"got {self.master_address!r}."
+            )
+        url = _METADATA_URL.match(self.metadata_server)
+        if self.metadata_server != "P2PHANDSHAKE" and (not url or not _port_ok(url["port"])):
+            raise ValueError(
+                "metadata_server must be 'P2PHANDSHAKE' or 'http://HOST:PORT/metadata', "
+                f"got {self.metadata_server!r}."
+            )
+        self._check_transport()
+        self._check_sizes()
+
+    def _check_transport(self) -> None:
+        if self.protocol not in _PROTOCOLS:
+            raise ValueError(f"protocol must be 'tcp' or 'rdma', got {self.protocol!r}.")
+        if self.rdma_devices and self.protocol != "rdma":
+            raise ValueError("rdma_devices are only used with protocol='rdma'.")
+        bad = [d for d in self.rdma_devices if not isinstance(d, str) or not _DEVICE.match(d)]
+        if bad:
+            raise ValueError(f"RDMA device names must be like 'mlx5_0', got {bad!r}.")
+        if not _HOST_PORT.match(f"{self.local_hostname}:1"):
+            raise ValueError(
+                f"local_hostname must be a host name or address, got {self.local_hostname!r}."
+            )
+
+    def _check_sizes(self) -> None:
+        for name in ("global_segment_size", "local_buffer_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a number of bytes >= 0, got {value!r}.")
+        for name in ("timeout_s", "setup_timeout_s"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or not value > 0:
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}.")
+        if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 1:
+            raise ValueError(f"workers must be an integer >= 1, got {self.workers!r}.")
+
+    @property
+    def rdma_device_list(self) -> str:
+        """The comma-separated device list Mooncake's `setup` expects ("" for tcp)."""
+        return ",".join(self.rdma_devices)
+
+
+# Mooncake ErrorCode values (mooncake-store/include/types.h) this backend names in messages.
+ERROR_NAMES = {
+    -1: "INTERNAL_ERROR",
+    -200: "NO_AVAILABLE_HANDLE: the cluster is out of memory",
+    -600: "INVALID_PARAMS",
+    -704: "OBJECT_NOT_FOUND",
+    -705: "OBJECT_ALREADY_EXISTS",
+    -706: "OBJECT_HAS_LEASE",
+    -707: "LEASE_EXPIRED: the read took longer than the master's --default_kv_lease_ttl",
+    -800: "TRANSFER_FAIL",
+    -900: "RPC_FAIL: the master is unreachable",
+    -901: "RPC_TIMEOUT",
+}
+UNAVAILABLE_CODES = frozenset({-900, -901})
+MISSING, EXISTS, LEASED = -704, -705, -706
+
+
+def code_error(what: str, code: int, keys: Sequence[str] = ()) -> StoreError:
+    """The exception for Mooncake return code `code` of operation `what`."""
+    shown = f" for key(s) {', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''}" if keys else ""
+    message = (
+        f"Mooncake {what} failed{shown} with error {code} ({ERROR_NAMES.get(code, 'unknown')})."
+    )
+    if code in UNAVAILABLE_CODES:
+        return StoreUnavailable(message + " Check that mooncake_master is running and reachable.")
+    return StoreIOError(message)
