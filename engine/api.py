@@ -122,7 +122,7 @@ class Engine:
         self.lane = self._make_lane()
         policy = LoadPolicy(cfg.policy)
         scheduler = LoadScheduler(self.lane, policy, max_in_flight=cfg.max_in_flight,
-                                  group_size=cfg.group_size)
+                                  group_size=cfg.group_size, stream_size=cfg.stream_size)
         self.restore = RestoreStage(self.tree, self.pool, self.linkers, self.store,
                                     scheduler, world_size=cfg.world_size,
                                     wait_timeout_s=cfg.layer_wait_timeout_s)
@@ -161,7 +161,11 @@ class Engine:
         plans: list[LookupPlan] = []
         try:
             plans = await self._lookup_many(prompts)
-            handle = await self._load_locked(plans)
+            # COMMIT before issuing: the fetches then load exactly what the tree
+            # adopted (the step-by-step API issues first, as its contract says).
+            handle = await self._load_locked(plans, issue=False)
+            handle.commit()
+            await handle.issue()
         except BaseException:
             for p in plans:
                 self._release_plan(p)
@@ -199,7 +203,7 @@ class Engine:
             self._batch_lock.release()
             raise
 
-    async def _load_locked(self, plans: list[LookupPlan]) -> LoadHandle:
+    async def _load_locked(self, plans: list[LookupPlan], issue: bool = True) -> LoadHandle:
         t0 = time.perf_counter() - max((p.lookup_time for p in plans), default=0.0)
         txns: dict[int, RestoreTransaction] = {}
         computes: dict[int, ComputeAlloc] = {}
@@ -231,8 +235,10 @@ class Engine:
             if got is not None:
                 txns[plan.request_id] = got
         batch = self.restore.make_batch(plans, txns)
-        await self.restore.start(batch)
-        return LoadHandle(self, plans, batch, computes, t0, self._batch_lock.release)
+        handle = LoadHandle(self, plans, batch, computes, t0, self._batch_lock.release)
+        if issue:
+            await handle.issue()
+        return handle
 
     def _free_batch(self, computes: dict[int, ComputeAlloc]) -> None:
         from layerlift.engine.compute import free_compute

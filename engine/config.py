@@ -36,6 +36,8 @@ class EngineConfig:
     * ``max_in_flight``: layer fetches issued ahead of the forward. Each
       issue is a hand-off to a worker thread (~50-100 us on a small CPU box),
       so a deep queue keeps that cost off the forward's path.
+    * ``stream_size``: under ``overlap`` on the CPU lane, layers fetched per
+      worker call; each layer is still released the moment it landed.
     * ``link``: ``None`` (the store's own link) or ``"emulated:GBPS[,LAT_US]"``
       (a modeled NIC over an in-memory store; benchmark only).
     """
@@ -54,6 +56,7 @@ class EngineConfig:
     client_buffer_bytes: int = 64 << 20
     store_timeout_s: float = 30.0
     max_in_flight: int = 8
+    stream_size: int = 4
     group_size: int = 1
     link: str | None = None
     layer_wait_timeout_s: float = 120.0
@@ -81,8 +84,8 @@ class EngineConfig:
             )
         if self.protocol not in ("tcp", "rdma"):
             raise ValueError(f"protocol must be 'tcp' or 'rdma', got {self.protocol!r}")
-        if self.max_in_flight < 1 or self.group_size < 1:
-            raise ValueError("max_in_flight and group_size must be at least 1")
+        if self.max_in_flight < 1 or self.group_size < 1 or self.stream_size < 1:
+            raise ValueError("max_in_flight, group_size and stream_size must be at least 1")
         if "/" in self.namespace or not self.namespace:
             raise ValueError(f"namespace must be a non-empty name without '/': {self.namespace!r}")
         if self.link is not None and not self.link.startswith("emulated:"):

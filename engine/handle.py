@@ -61,13 +61,20 @@ class LoadHandle:
         self._release_lock = release_lock
         self._pins: dict[int, list[tuple[Component, torch.Tensor]]] = {}
         self._closed = False
-        self.load_issued = time.perf_counter() - started
+        self.load_issued = 0.0
         self._recomputed: set[int] = set()
         self._abort_future: asyncio.Task[None] | None = None
 
     @property
     def readiness(self) -> LayerReadiness:
         return self.batch.readiness
+
+    async def issue(self) -> None:
+        """Open the store session and hand the per-layer fetches to the
+        scheduler (returns at once). Idempotent."""
+        if self.batch.task is None and not self.batch.finished:
+            await self.engine.restore.start(self.batch)
+            self.load_issued = time.perf_counter() - self.started
 
     # ---- COMMIT ----------------------------------------------------------------
     def commit(self) -> LayerReadiness:
@@ -102,9 +109,7 @@ class LoadHandle:
 
     async def _finish_load(self, unpublish_all: bool = False) -> frozenset[object]:
         """End the batch's load; unpublish (and unpin) the restores that failed."""
-        failed = await self.engine.restore.finish(self.batch)
-        if unpublish_all:
-            failed = frozenset(self.batch.inserted)
+        failed = await self.engine.restore.finish(self.batch, abort=unpublish_all)
         if failed:
             self._unpin(failed)
             self.engine.restore.unpublish(self.batch, failed)
@@ -117,6 +122,7 @@ class LoadHandle:
         A restore that fails at layer k is recomputed (exact results)."""
         if not self.batch.committed:
             self.commit()
+        await self.issue()
         try:
             out, timings = await self._forward_with_retry()
             ttft = time.perf_counter() - self.started

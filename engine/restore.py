@@ -180,10 +180,16 @@ class RestoreStage:
         """Gather the PREPAREd transfers of a batch into one load: one job
         per layer covering every request."""
         load = BatchLoad(self.pool, self.store, self.link, self.staging_alloc)
+        seen: set[str] = set()
         for rid, txn in txns.items():
             for c, t in txn.transfers.items():
+                # Two requests of a batch restoring the same page: only the first
+                # (which commits first, so the tree adopts its slot) loads it.
                 assert t.device_indices is not None
-                load.items[c].add(list(t.keys), t.device_indices.tolist(), rid)
+                rows = [i for i, k in enumerate(t.keys) if k not in seen]
+                seen.update(t.keys)
+                idx = t.device_indices.tolist()
+                load.items[c].add([t.keys[i] for i in rows], [idx[i] for i in rows], rid)
         readiness = LayerReadiness(
             self.pool.spec.num_layers, requests=frozenset(txns),
             default_timeout=self.wait_timeout_s,
@@ -257,12 +263,12 @@ class RestoreStage:
             batch.deps[rid] = {owner[u] for u in used if u in owner} - {rid}
 
     # ---- end of a load -------------------------------------------------------------
-    async def finish(self, batch: RestoreBatch) -> frozenset[Hashable]:
+    async def finish(self, batch: RestoreBatch, *, abort: bool = False) -> frozenset[Hashable]:
         """Wait until no fetch runs, close the session and the staging, and
         finish every transaction whose data landed (clears ``pending``,
         unpins). Returns the requests whose load failed, with the requests
-        that depend on their pages: ``unpublish`` them next. Idempotent (a
-        second call returns an empty set)."""
+        that depend on their pages (with ``abort``: every request): ``unpublish``
+        them next. Idempotent (a second call returns an empty set)."""
         if batch.finished:
             return frozenset()
         batch.finished = True
@@ -271,6 +277,8 @@ class RestoreStage:
         await anyio.to_thread.run_sync(batch.session.close)
         batch.load.close_staging()
         failed = _with_dependents(batch.readiness.failed_requests(), batch.deps)
+        if abort:  # ABORT after COMMIT: every restore leaves, landed or not
+            failed = frozenset(batch.txns)
         for rid, txn in batch.txns.items():
             if rid not in failed and txn.state is TransactionState.COMMITTED:
                 txn.finish()

@@ -177,6 +177,11 @@ class Landing:
 
 
 LandedCallback = Callable[[Landing], None]
+JobCallback = Callable[[int, frozenset[RequestId], BaseException | None], bool]
+"""``on_job(layer, requests, error)``: called in the worker thread right after one
+job's fetch returned (``error`` None) or raised, before the unit's next job runs.
+Returning True stops the unit: its remaining jobs are not run (the callback's owner
+marks them)."""
 
 
 class Lane(ABC):
@@ -190,10 +195,16 @@ class Lane(ABC):
     """
 
     name: str
+    streams_jobs: bool = False
+    """True when ``fetch_into`` honours ``on_job`` (a layer can be released while
+    later layers of the same unit still load)."""
 
     @abstractmethod
     def fetch_into(
-        self, jobs: Sequence[LayerJob], on_landed: LandedCallback | None = None
+        self,
+        jobs: Sequence[LayerJob],
+        on_landed: LandedCallback | None = None,
+        on_job: JobCallback | None = None,
     ) -> asyncio.Future[Landing]:
         """Issue `jobs` as one unit: run their fetches in order in one worker-thread call.
 
@@ -203,7 +214,9 @@ class Lane(ABC):
         `on_landed`, if given, runs in the worker thread right after the unit landed
         (CPU: fetches returned; CUDA: H2D enqueued and `event` recorded), before the
         future resolves: use it to release the forward without an event-loop hop.
-        Exceptions raised by `on_landed` propagate through the future.
+        Exceptions raised by `on_landed` propagate through the future. `on_job`, where
+        the lane `streams_jobs`, runs after each job (see `JobCallback`); other lanes
+        ignore it.
 
         Cancelling the returned future does not stop the unit (a running fetch cannot be
         interrupted); it only discards the result. Callers that need quiescence keep

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from .base import JobFailure, LandedCallback, Landing, Lane, LayerJob, RequestId
+from .base import JobCallback, JobFailure, LandedCallback, Landing, Lane, LayerJob, RequestId
 from .notify import Completion, make_notifier
 
 
@@ -38,18 +38,26 @@ def _snapshot(jobs: Sequence[LayerJob]) -> tuple[_Issued, ...]:
     return tuple(_Issued(j.layer, j.fetch, j.requests, tuple(j.h2d or ())) for j in jobs)
 
 
-def _run_fetches(unit: Sequence[_Issued]) -> tuple[Landing, list[_Issued]]:
-    """Run every fetch of `unit` in order; return the landing and the jobs that landed."""
+def _run_fetches(
+    unit: Sequence[_Issued], on_job: JobCallback | None = None
+) -> tuple[Landing, list[_Issued]]:
+    """Run every fetch of `unit` in order; return the landing and the jobs that landed.
+    `on_job` (if any) hears of each job as soon as it returned or raised, and may stop
+    the unit there."""
     started = time.perf_counter()
     failures: list[JobFailure] = []
     landed: list[_Issued] = []
     for job in unit:
+        error: Exception | None = None
         try:
             job.fetch()
         except Exception as exc:  # recorded, re-raised to the forward by the readiness
+            error = exc
             failures.append(JobFailure(job.layer, job.requests, exc))
         else:
             landed.append(job)
+        if on_job is not None and on_job(job.layer, job.requests, error):
+            break
     layers = tuple(sorted({j.layer for j in unit}))
     return Landing(layers, started, time.perf_counter(), tuple(failures)), landed
 
@@ -58,8 +66,11 @@ class CpuLane(Lane):
     """Fetches run in a bounded thread pool; a unit has landed when its fetches returned.
 
     The destination is host memory the fetch writes directly (the pool on CPU), so there
-    is no device event: `Landing.event` and `Landing.device_done` are None.
+    is no device event: `Landing.event` and `Landing.device_done` are None. It streams
+    jobs: `on_job` releases each layer as soon as its own fetch returned.
     """
+
+    streams_jobs = True
 
     def __init__(self, max_workers: int = 2, *, name: str = "cpu") -> None:
         if not 1 <= max_workers <= 64:
@@ -69,17 +80,22 @@ class CpuLane(Lane):
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix=f"layerlift-{name}")
 
     def fetch_into(
-        self, jobs: Sequence[LayerJob], on_landed: LandedCallback | None = None
+        self,
+        jobs: Sequence[LayerJob],
+        on_landed: LandedCallback | None = None,
+        on_job: JobCallback | None = None,
     ) -> asyncio.Future[Landing]:
         loop = asyncio.get_running_loop()
         unit = _snapshot(jobs)
         fut: asyncio.Future[Landing] = loop.create_future()
-        self._pool.submit(_deliver, loop, fut, lambda: self._run(unit, on_landed))
+        self._pool.submit(_deliver, loop, fut, lambda: self._run(unit, on_landed, on_job))
         return fut
 
     @staticmethod
-    def _run(unit: tuple[_Issued, ...], on_landed: LandedCallback | None) -> Landing:
-        landing, _ = _run_fetches(unit)
+    def _run(
+        unit: tuple[_Issued, ...], on_landed: LandedCallback | None, on_job: JobCallback | None
+    ) -> Landing:
+        landing, _ = _run_fetches(unit, on_job)
         if on_landed is not None:
             on_landed(landing)
         return landing
@@ -131,8 +147,12 @@ class CudaLane(Lane):
         return self._torch.empty(nbytes, dtype=self._torch.uint8, pin_memory=True)
 
     def fetch_into(
-        self, jobs: Sequence[LayerJob], on_landed: LandedCallback | None = None
+        self,
+        jobs: Sequence[LayerJob],
+        on_landed: LandedCallback | None = None,
+        on_job: JobCallback | None = None,
     ) -> asyncio.Future[Landing]:
+        # Does not stream: a unit's H2D copies share one event (see class docstring).
         loop = asyncio.get_running_loop()
         unit = _snapshot(jobs)
         device_done: asyncio.Future[None] = loop.create_future()

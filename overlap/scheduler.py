@@ -17,10 +17,19 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .base import Landing, Lane, LayerJob, LayerLoadCancelled, LoadPolicy, RequestId
+from .base import (
+    JobCallback,
+    Landing,
+    Lane,
+    LayerJob,
+    LayerLoadCancelled,
+    LoadPolicy,
+    RequestId,
+)
 from .readiness import LayerReadiness
 
 
@@ -51,7 +60,11 @@ class LoadScheduler:
     """Issues layer jobs on `lane` according to `policy`. Reusable; holds no batch state.
 
     max_in_flight: units issued but not yet landed (host side). group_size: layers per
-    unit under GROUPS (ignored otherwise).
+    unit under GROUPS (ignored otherwise). stream_size: layers per unit under OVERLAP on
+    a lane that `streams_jobs` (CPU): the unit's layers are fetched one after the other
+    in one worker call and each is released the moment its own fetch returned, so the
+    per-layer granularity stays while the thread hand-off (tens of microseconds on a
+    small box) is paid once per `stream_size` layers.
     """
 
     def __init__(
@@ -61,15 +74,21 @@ class LoadScheduler:
         *,
         max_in_flight: int = 2,
         group_size: int = 4,
+        stream_size: int = 1,
     ) -> None:
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
         if group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {group_size}")
+        if stream_size < 1:
+            raise ValueError(f"stream_size must be >= 1, got {stream_size}")
         self.lane = lane
         self.policy = policy
         self.max_in_flight = max_in_flight
         self.group_size = group_size if policy is LoadPolicy.GROUPS else 1
+        self.streaming = policy is LoadPolicy.OVERLAP and lane.streams_jobs and stream_size > 1
+        if self.streaming:
+            self.group_size = stream_size
 
     def start(self, jobs: Sequence[LayerJob], readiness: LayerReadiness) -> LoadTask:
         """Start loading `jobs` into `readiness`; call on the event loop (RuntimeError else).
@@ -110,6 +129,7 @@ class LoadTask:
         self._barrier = sched.policy is LoadPolicy.BARRIER
         self._next = 0  # index of the first unit not yet issued
         self._stopped: BaseException | None = None
+        self._cancelled = False  # read by streaming workers: stop at the next layer
         self._host_inflight = 0  # units issued whose fetches have not returned
         self._outstanding = 0  # units issued whose fetches or device copies still run
         self._quiet = asyncio.Event()
@@ -133,6 +153,7 @@ class LoadTask:
         and are marked as they land. Await `wait_quiescent()` before reusing or freeing
         their destination memory. Idempotent; no effect once everything was issued.
         """
+        self._cancelled = True
         if self._stopped is None:
             self._stopped = LayerLoadCancelled(-1, None, frozenset(), reason)
         self._fail_unissued(None, reason)
@@ -168,15 +189,45 @@ class LoadTask:
         nbytes = {layer: 0 for layer in unit.layers}
         for job in unit.jobs:
             nbytes[job.layer] += job.nbytes
-        on_landed = None if self._barrier else self._mark_landed
+        on_landed = None if self._barrier or self._sched.streaming else self._mark_landed
+        on_job = self._job_marker(unit) if self._sched.streaming else None
         try:
-            fut = self._sched.lane.fetch_into(unit.jobs, on_landed)
+            fut = self._sched.lane.fetch_into(unit.jobs, on_landed, on_job)
         except Exception as exc:  # the lane refused the unit (closed, invalid job)
             self._fail_unit(unit, exc)
             return
         self._host_inflight += 1
         self._outstanding += 1
         fut.add_done_callback(functools.partial(self._on_host_landed, unit, issued, nbytes))
+
+    def _job_marker(self, unit: _Unit) -> JobCallback:
+        """Worker thread (OVERLAP, streaming): release a layer once all its jobs in this
+        unit returned; a failed job marks its requests failed first. The unit stops at
+        a failure or a cancellation, and its remaining layers are marked cancelled."""
+        left = Counter(job.layer for job in unit.jobs)
+        readiness = self._readiness
+        first_error: list[BaseException] = []
+
+        def on_job(layer: int, requests: frozenset[RequestId], error: BaseException | None) -> bool:
+            if error is not None:
+                readiness.mark_failed(layer, error, requests or None)
+                first_error.append(error)
+            left[layer] -= 1
+            if left[layer] > 0:  # finish the layer: its other jobs serve other requests
+                return False
+            readiness.mark_done(layer)
+            # Stop at our own failure or a cancel; another unit's failure at a later
+            # layer must not cancel the earlier layers this unit still carries.
+            if not first_error and not self._cancelled:
+                return False
+            cause = first_error[0] if first_error else None
+            reason = "not issued: an earlier layer failed or the load was cancelled"
+            for lay in sorted(lay for lay, n in left.items() if n > 0):
+                reqs = _layer_requests(unit, lay) or readiness.requests
+                readiness.mark_failed(lay, LayerLoadCancelled(lay, cause, reqs, reason))
+            return True
+
+        return on_job
 
     def _mark_landed(self, landing: Landing) -> None:
         """Worker thread (OVERLAP/GROUPS): failures first, so no waiter slips past them."""
