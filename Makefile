@@ -7,7 +7,8 @@ test: setup
 	.venv/bin/python -m pytest -q
 
 bench: setup
-	.venv/bin/layerlift bench ttft --quick --json bench/results/ttft_quick.json
+	.venv/bin/layerlift bench ttft --quick --json bench/results/ttft_quick.json \
+		--markdown bench/results/ttft_quick.md --plot bench/results/ttft_quick.png
 
 lint: setup
 	.venv/bin/ruff check engine overlap pools linker layerlift tests bench

@@ -7,7 +7,7 @@ a trivial layer (a 16x16 matmul), for 32/64 layers and batch 1/16:
                  (batch = number of requests of that readiness).
 * `wait_deps`:   every layer already done; the forward waits on a `CombinedReadiness` of
                  `batch` readiness objects (its own load + loads of other requests).
-* `end_to_end`:  a `LoadScheduler` (CpuLane, OVERLAP, max_in_flight=8, stream_size=4:
+* `end_to_end`:  a `LoadScheduler` (CpuLane, OVERLAP, max_in_flight=8, stream_size=64:
                  the engine's defaults) issues one zero-byte job per layer carrying all
                  `batch` requests (as the engine does: one store call per layer for the
                  whole batch) while the forward, in a worker thread, waits on each layer:
@@ -140,8 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", help="write {grid, per_layer_overhead_us}")
     parser.add_argument("--max-in-flight", type=int, default=8,
                         help="end_to_end scheduler bound (default: the engine's, 8)")
-    parser.add_argument("--stream-size", type=int, default=4,
-                        help="layers per worker call (default: the engine's, 4; 1 = one "
+    parser.add_argument("--stream-size", type=int, default=64,
+                        help="layers per worker call (default: the engine's, 64; 1 = one "
                              "hand-off per layer)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)

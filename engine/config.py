@@ -56,7 +56,7 @@ class EngineConfig:
     client_buffer_bytes: int = 64 << 20
     store_timeout_s: float = 30.0
     max_in_flight: int = 8
-    stream_size: int = 4
+    stream_size: int = 64
     group_size: int = 1
     link: str | None = None
     layer_wait_timeout_s: float = 120.0

@@ -19,7 +19,7 @@ import functools
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .base import (
     JobCallback,
@@ -54,6 +54,7 @@ class LayerTiming:
 class _Unit:
     layers: tuple[int, ...]
     jobs: list[LayerJob]
+    landed_at: dict[int, float] = field(default_factory=dict)  # streaming: per layer
 
 
 class LoadScheduler:
@@ -215,6 +216,7 @@ class LoadTask:
             left[layer] -= 1
             if left[layer] > 0:  # finish the layer: its other jobs serve other requests
                 return False
+            unit.landed_at[layer] = time.perf_counter()
             readiness.mark_done(layer)
             # Stop at our own failure or a cancel; another unit's failure at a later
             # layer must not cancel the earlier layers this unit still carries.
@@ -253,17 +255,15 @@ class LoadTask:
                 self._readiness.mark_failed(f.layer, f.error, f.requests or None)
         if landing.failures:
             self._stop(landing.failures[0].error)
+        # A streamed unit records when each of its layers landed; a layer starts
+        # when the one before it in the unit landed.
+        landed = {lay: unit.landed_at.get(lay, landing.finished) for lay in unit.layers}
+        starts = [landing.started, *(landed[lay] for lay in unit.layers[:-1])]
         rows = [
             LayerTiming(
-                lay,
-                nbytes[lay],
-                issued,
-                landing.started,
-                landing.finished,
-                None,
-                lay in failed_layers,
+                lay, nbytes[lay], issued, start, landed[lay], None, lay in failed_layers
             )
-            for lay in unit.layers
+            for lay, start in zip(unit.layers, starts, strict=True)
         ]
         self.timings.extend(rows)
         self._landed_layers.extend(unit.layers)
