@@ -20,6 +20,7 @@ Contract (single-threaded: the event-loop thread mutates the tree):
 from __future__ import annotations
 
 import bisect
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
@@ -58,7 +59,16 @@ class UnifiedRadixTree(TreePaths):
         self._next_id = 0
         self._clock = 0
         self.root = self._new_node(None, np.zeros(0, dtype=np.int64), 0, [])
-        pool.add_move_listener(self._on_move)
+        # A weak listener: the pool must not keep the tree (and, through it,
+        # the pool's own buffer) alive in a reference cycle after both are dropped.
+        on_move = weakref.WeakMethod(self._on_move)
+
+        def relay(component: Component, old: torch.Tensor, new: torch.Tensor) -> None:
+            method = on_move()
+            if method is not None:
+                method(component, old, new)
+
+        pool.add_move_listener(relay)
 
     # ---- queries -------------------------------------------------------------
     def __len__(self) -> int:

@@ -17,6 +17,7 @@ hybrid allocator picks one manager per spec):
 from __future__ import annotations
 
 import heapq
+import weakref
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -51,7 +52,9 @@ class TreeComponent(ABC):
     component: Component
 
     def __init__(self, tree: UnifiedRadixTree) -> None:
-        self.tree = tree
+        # A proxy, not a reference: the tree owns its components, and a cycle
+        # would keep the tree and its pool's buffer alive until the next GC.
+        self.tree: UnifiedRadixTree = weakref.proxy(tree)
 
     @abstractmethod
     def blank(self, n_pages: int) -> ComponentData:
