@@ -70,10 +70,17 @@ class Engine:
     Raises ``ValueError`` for a config that cannot work (pool too small for
     one request, a model on another device). ``store`` injects an already
     open store (tests wrap one with faults); the engine then does not close it.
+
+    Tensor parallelism: each rank runs its own engine (``rank``/``world_size``
+    in the config; keys carry the rank). A restore must end at a boundary
+    every rank can restore, so a TP scheduler drives the step-by-step API:
+    ``plan = await lookup(tokens)``, all-gather ``plan.restorable``,
+    ``plan.restrict_to(other_ranks_sets)``, then ``load``. ``prefill`` is the
+    single-rank path.
     """
 
     def __init__(self, model: HybridModel, cfg: EngineConfig, *, store: Store | None = None,
-                 peers: Sequence[Store] = (), debug: DebugSwitches | None = None) -> None:
+                 debug: DebugSwitches | None = None) -> None:
         need = min_pool_bytes(model.spec)
         if cfg.pool_bytes < need:
             raise ValueError(
@@ -83,7 +90,6 @@ class Engine:
             )
         self.model, self.cfg = model, cfg
         self.debug = debug or DebugSwitches()
-        self.peers = tuple(peers)
         self._injected = store
         self._handle: StoreHandle | None = None
         self._batch_lock = asyncio.Lock()
@@ -176,7 +182,7 @@ class Engine:
     async def _lookup_many(self, prompts: Sequence[Sequence[int] | np.ndarray]) -> list[LookupPlan]:
         t0 = time.perf_counter()
         plans = [self._match(p) for p in prompts]
-        await self.restore.lookup(plans, self.peers)
+        await self.restore.lookup(plans)
         for p in plans:
             p.lookup_time = time.perf_counter() - t0
         return plans

@@ -3,11 +3,13 @@ and where the restore will end."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from layerlift.linker.contract import PoolTransfer
+from layerlift.linker.restorable import choose_boundary, intersect_ranks
 from layerlift.pools.spec import Component, ModelSpec
 from layerlift.pools.tree import MatchResult
 
@@ -60,6 +62,15 @@ class LookupPlan:
     @property
     def restores(self) -> bool:
         return self.boundary > self.device_pages
+
+    def restrict_to(self, other_ranks: Iterable[frozenset[int]]) -> None:
+        """Intersect this rank's restorable set with the other ranks' (tensor
+        parallelism: a restore must end where every rank can restore) and
+        choose the deepest common boundary. Call before ``Engine.load``."""
+        self.restorable = intersect_ranks([self.restorable, *other_ranks])
+        if not self.restorable:
+            raise ValueError("the ranks share no restorable boundary, not even the device hit")
+        self.boundary = choose_boundary(self.restorable)
 
     def drop_restore(self, reason: str) -> None:
         """Compute from the device boundary instead of restoring."""

@@ -28,7 +28,7 @@ from layerlift.engine.loads import BatchLoad
 from layerlift.engine.plan import LookupPlan
 from layerlift.linker.components import ComponentLinker
 from layerlift.linker.contract import LinkerTransferPhase, LinkRequest
-from layerlift.linker.restorable import choose_boundary, intersect_ranks, restorable_boundaries
+from layerlift.linker.restorable import choose_boundary, restorable_boundaries
 from layerlift.linker.store_base import Store, StoreError
 from layerlift.linker.transaction import RestoreTransaction, TransactionState
 from layerlift.overlap.base import LayerJob
@@ -102,10 +102,11 @@ class RestoreStage:
         self.store_down = False
 
     # ---- LOOKUP --------------------------------------------------------------
-    async def lookup(self, plans: Sequence[LookupPlan], peers: Sequence[Store] = ()) -> None:
+    async def lookup(self, plans: Sequence[LookupPlan]) -> None:
         """One ``exists`` call for every key of every plan; sets ``restorable``
-        and ``boundary``. With ``peers`` (other ranks' stores), the sets are
-        intersected. A store failure is not an error: the plans compute."""
+        and ``boundary`` (this rank's view: with tensor parallelism the caller
+        intersects the ranks' sets, ``LookupPlan.restrict_to``). A store
+        failure is not an error: the plans compute."""
         for plan in plans:
             req = LinkRequest(plan.hashes[: plan.usable_pages], plan.device_pages)
             plan.lookup = {
@@ -118,14 +119,12 @@ class RestoreStage:
                 p.restorable, p.boundary = frozenset({p.device_pages}), p.device_pages
             return
         try:
-            answers = [await anyio.to_thread.run_sync(s.exists, keys)
-                       for s in (self.store, *peers)]
+            answers = await anyio.to_thread.run_sync(self.store.exists, keys)
         except StoreError as exc:
             self._store_failed(plans, exc)
             return
         self._recovered()
-        for rank_answers in answers:
-            self._assign(plans, rank_answers)
+        self._assign(plans, answers)
 
     def _assign(self, plans: Sequence[LookupPlan], answers: list[bool]) -> None:
         pos = 0
@@ -135,11 +134,9 @@ class RestoreStage:
                 n = 0 if t is None else len(t.keys)
                 found[c] = answers[pos : pos + n]
                 pos += n
-            got = restorable_boundaries(
+            plan.restorable = restorable_boundaries(
                 plan.spec, plan.device_pages, plan.usable_pages, plan.lookup, found
             )
-            first = not plan.restorable
-            plan.restorable = got if first else intersect_ranks([plan.restorable, got])
             plan.boundary = choose_boundary(plan.restorable)
 
     def _store_failed(self, plans: Sequence[LookupPlan], exc: StoreError) -> None:
