@@ -46,7 +46,6 @@ class _Run:
     full: torch.Tensor
     swa: torch.Tensor
     cow: int | None
-    recomputed: bool = False
 
 
 class LoadHandle:
@@ -119,19 +118,32 @@ class LoadHandle:
     async def forward(self) -> list[PrefillResult]:
         """Run the forward (committing first if needed), insert the computed
         pages, start their offload, release everything; one result per plan.
-        A restore that fails at layer k is recomputed (exact results)."""
+
+        A restore that fails at layer k is recomputed (exact results). Raises
+        ``EngineError`` if a recompute does not fit in the pool, RuntimeError
+        if the handle was aborted. On any exception, and on cancellation (which
+        takes effect once the forward thread finished its pass: a running
+        forward is never abandoned), the batch is ABORTed before the exception
+        propagates: fetches stopped, restores unpublished, every slot freed.
+        """
+        if self._closed:
+            raise RuntimeError("this load was aborted or has finished")
         if not self.batch.committed:
             self.commit()
-        await self.issue()
         try:
+            await self.issue()
             out, timings = await self._forward_with_retry()
             ttft = time.perf_counter() - self.started
             await self._finish_load()
-            results = self._results(out, timings, ttft)
-            self._insert_computed()
-            return results
-        finally:
-            self._close()
+        except BaseException:
+            self.abort()
+            assert self._abort_future is not None
+            await asyncio.shield(self._abort_future)
+            raise
+        results = self._results(out, timings, ttft)
+        self._insert_computed()
+        self._close()
+        return results
 
     async def _forward_with_retry(self) -> tuple[ForwardOutput, Timings]:
         for _attempt in range(3):
@@ -279,7 +291,7 @@ class LoadHandle:
         """ABORT: stop the loads and release everything; the tree ends as it
         was before this batch's COMMIT. Returns at once; ``await aclose()``
         waits until in-flight fetches stopped and the slots are free."""
-        if self._closed:
+        if self._closed or self._abort_future is not None:
             return
         if self.batch.task is not None:
             self.batch.task.cancel("aborted")
