@@ -1,5 +1,5 @@
 # The README's two commands: `make bench` (the main job) and `make test`.
-.PHONY: setup test bench lint
+.PHONY: setup test bench lint typecheck
 setup:
 	bash scripts/setup.sh
 
@@ -11,4 +11,12 @@ bench: setup
 		--markdown bench/results/ttft_quick.md --plot bench/results/ttft_quick.png
 
 lint: setup
-	.venv/bin/ruff check engine overlap pools linker layerlift tests bench
+	.venv/bin/ruff check engine overlap pools linker layerlift tests bench examples
+
+# mypy cannot follow setuptools' package-dir mapping (layerlift.engine -> engine/),
+# so it checks a tree of symlinks laid out as the installed package.
+typecheck: setup
+	rm -rf build/typecheck && mkdir -p build/typecheck/layerlift
+	ln -s $(CURDIR)/layerlift/*.py build/typecheck/layerlift/
+	for p in engine overlap pools linker; do ln -s $(CURDIR)/$$p build/typecheck/layerlift/$$p; done
+	cd build/typecheck && ../../.venv/bin/mypy --strict -p layerlift

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from layerlift.engine.config import EngineConfig
 from layerlift.linker.master import EmbeddedMaster
 from layerlift.linker.memory_store import MemoryStore
-from layerlift.linker.mooncake_store import MooncakeConfig, MooncakeStore
+from layerlift.linker.mooncake_config import MooncakeConfig
+from layerlift.linker.mooncake_store import MooncakeStore
 from layerlift.linker.store_base import Store
 from layerlift.overlap.link import EmulatedLink, parse_link
 

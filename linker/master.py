@@ -27,7 +27,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
-from layerlift.linker.mooncake_store import MooncakeConfig
+from layerlift.linker.mooncake_config import MooncakeConfig
 from layerlift.linker.store_base import StoreUnavailable
 
 _BINARY = "mooncake_master"

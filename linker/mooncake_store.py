@@ -43,6 +43,8 @@ from layerlift.linker.store_base import (
     check_batch,
 )
 
+__all__ = ["MooncakeConfig", "MooncakeStore"]  # MooncakeConfig re-exported
+
 _log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 

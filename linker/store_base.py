@@ -89,8 +89,9 @@ def buffer_span(buffer: TensorLike | int, nbytes: int | None) -> tuple[int, int]
     return ptr, nbytes
 
 
-def check_batch(keys: Sequence[str], *columns: Sequence[object]) -> None:
-    """Raise ValueError unless every column has one entry per key."""
+def check_batch(keys: Sequence[object], *columns: Sequence[object]) -> None:
+    """Raise ValueError unless every column has one entry per key (or per
+    entry of the first column)."""
     for column in columns:
         if len(column) != len(keys):
             raise ValueError(

@@ -289,7 +289,8 @@ class UnifiedRadixTree(TreePaths):
     def _ancestry(self, node: TreeNode) -> list[TreeNode]:
         if not self.contains(node):
             raise ValueError(f"{node} is not in this tree (evicted?)")
-        chain, cur = [], node
+        chain: list[TreeNode] = []
+        cur: TreeNode | None = node
         while cur is not None:
             chain.append(cur)
             cur = cur.parent

@@ -175,8 +175,8 @@ class FullComponent(_PageComponent):
                 freed[comp] += count
             if not parent.is_root and parent.is_leaf and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access[Component.FULL], parent.node_id, parent))
-        for c, comp in self.tree.components.items():
-            comp.free(sinks[c])
+        for c, component in self.tree.components.items():
+            component.free(sinks[c])
         return freed
 
 
