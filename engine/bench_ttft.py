@@ -41,14 +41,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
-import math
 import sys
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -56,121 +53,26 @@ import numpy as np
 import torch
 
 from layerlift.engine.api import Engine
+from layerlift.engine.bench_report import STRATEGIES, format_markdown, format_table, write_plot
+from layerlift.engine.bench_stats import KL_TOL, Samples, summarize
+from layerlift.engine.bench_stores import LinkStores, Point, pool_bytes, store_bytes
 from layerlift.engine.config import EngineConfig
 from layerlift.engine.model import HybridModel
 from layerlift.engine.results import PrefillResult
-from layerlift.linker.memory_store import MemoryStore
 from layerlift.overlap.link import parse_link
-from layerlift.pools.spec import Component, ModelSpec
+from layerlift.pools.spec import ModelSpec
 
 __all__ = ["DEFAULT_EMULATED", "main", "run_bench"]
 
-STRATEGIES = ("recompute", "barrier", "overlap")
 # Chosen on the 2-core CPU machine (torch 1 thread) for preset "small", suffix 64, batch 1:
 # the suffix forward takes ~130-150 ms there, the restore of P = 512 / 1024 / 2048 tokens
 # moves ~8 / 13 / 21 MB, so 0.1 GB/s puts Σa at ~0.6x / 1x / 1.5x of Σc (within 2x).
 # On a GPU the forward is far faster: pass a faster link there (e.g. emulated:25,5).
 DEFAULT_EMULATED = "emulated:0.1,10"
-KL_TOL = 1e-9
 CORES_NOTE = (
     "note: on this machine the real Mooncake link (loopback TCP) and the forward share "
     "{cores} CPU core(s); the emulated link models a NIC that costs no CPU."
 )
-
-
-@dataclass(frozen=True, slots=True)
-class Point:
-    preset: str
-    prefix: int
-    suffix: int
-    batch: int
-
-
-# ---------------------------------------------------------------------------- stores
-class _TrackingStore:
-    """Delegates to a store and remembers the keys put, so a point can be removed."""
-
-    def __init__(self, inner: Any) -> None:
-        self._inner = inner
-        self.put_keys: list[str] = []
-
-    def put(self, keys: Sequence[str], *args: Any, **kw: Any) -> Any:
-        out = self._inner.put(keys, *args, **kw)
-        self.put_keys.extend(keys)
-        return out
-
-    def forget(self) -> None:
-        keys, self.put_keys = self.put_keys, []
-        for i in range(0, len(keys), 512):
-            # a lease still held refuses it: harmless, the keys are namespaced per point
-            with contextlib.suppress(Exception):
-                self._inner.remove(keys[i:i + 512])
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-
-class _LinkStores:
-    """The store(s) of one link mode; ``store`` is what the engines get injected."""
-
-    def __init__(self, link: str, segment_bytes: int) -> None:
-        self.link = link
-        self.master = None
-        self._closers: list[Any] = []
-        if parse_link(link) is None:  # mooncake
-            from layerlift.linker.master import EmbeddedMaster
-            from layerlift.linker.mooncake_store import MooncakeStore
-
-            # A read lease covers a whole batch's restore (all layers, read while the
-            # forward runs): the embedded default of 50 ms expires mid-restore on a busy
-            # 2-core machine (LEASE_EXPIRED), so give it seconds, as `layerlift master` does.
-            self.master = EmbeddedMaster(lease_ttl_ms=5000).start()
-            try:
-                holder = MooncakeStore(self.master.config(global_segment_size=segment_bytes,
-                                                          timeout_s=60.0))
-                self._closers.append(holder)
-                client = MooncakeStore(self.master.config(global_segment_size=0,
-                                                          local_buffer_size=16 << 20,
-                                                          timeout_s=60.0))
-                self._closers.insert(0, client)
-            except BaseException:
-                self.close()
-                raise
-            inner: Any = client
-            self.engine_link: str | None = None
-        else:
-            inner = MemoryStore(timeout_s=60.0)
-            self._closers.append(inner)
-            self.engine_link = link
-        self.store = _TrackingStore(inner)
-
-    def close(self) -> None:
-        for s in self._closers:
-            with contextlib.suppress(Exception):
-                s.close()
-        self._closers.clear()
-        if self.master is not None:
-            self.master.stop()
-            self.master = None
-
-
-# ---------------------------------------------------------------------------- helpers
-def _pool_bytes(spec: ModelSpec, points: Sequence[Point]) -> int:
-    need = 0
-    for p in points:
-        pages = p.batch * (math.ceil((p.prefix + p.suffix) / spec.page_size) + 2)
-        per = spec.page_bytes(Component.FULL) + spec.page_bytes(Component.SWA)
-        slots = p.batch * (3 + (p.prefix + p.suffix) // spec.track_interval + 2)
-        need = max(need, 2 * pages * per + slots * spec.page_bytes(Component.MAMBA))
-    return need + (8 << 20)
-
-
-def _store_bytes(spec: ModelSpec, points: Sequence[Point]) -> int:
-    per_tok = (spec.page_bytes(Component.FULL) + spec.page_bytes(Component.SWA)) / spec.page_size
-    # every point's prefixes (removal after a point may be refused while a lease is held)
-    toks = sum(p.batch * p.prefix for p in points)
-    ckpt = sum(p.batch * (p.prefix // spec.track_interval + 1) for p in points)
-    return int(1.25 * (toks * per_tok + ckpt * spec.page_bytes(Component.MAMBA))) + (64 << 20)
 
 
 def _prompts(spec: ModelSpec, pt: Point, seed: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
@@ -186,10 +88,6 @@ def _kl(ref: PrefillResult, got: PrefillResult) -> float:
     lp = torch.log_softmax(ref.next_token_logprobs.double(), -1)
     lq = torch.log_softmax(got.next_token_logprobs.double(), -1)
     return float((lp.exp() * (lp - lq)).sum().clamp_min(0.0))
-
-
-def _pct(xs: Sequence[float], q: float) -> float:
-    return float(np.percentile(np.asarray(xs, dtype=np.float64), q))
 
 
 def _profile(res: PrefillResult) -> tuple[list[float], list[float]]:
@@ -233,8 +131,8 @@ async def _run_link(link: str, preset: str, points: list[Point], args: argparse.
                     progress: _Progress) -> list[dict[str, Any]]:
     spec = ModelSpec.preset(preset)
     model = HybridModel(spec, seed=0, device=args.device)
-    pool_bytes = _pool_bytes(spec, points)
-    stores = await asyncio.to_thread(_LinkStores, link, _store_bytes(spec, points))
+    pool_size = pool_bytes(spec, points)
+    stores = await asyncio.to_thread(LinkStores, link, store_bytes(spec, points))
     run_id = uuid.uuid4().hex[:8]
     label = parse_link(link).label if parse_link(link) else "mooncake-tcp-loopback"  # type: ignore[union-attr]
     out: list[dict[str, Any]] = []
@@ -244,7 +142,7 @@ async def _run_link(link: str, preset: str, points: list[Point], args: argparse.
 
             def cfg(policy: str, namespace: str, offload: bool) -> EngineConfig:
                 return EngineConfig(store="memory", policy=policy, device=args.device,
-                                    pool_bytes=pool_bytes, namespace=namespace,
+                                    pool_bytes=pool_size, namespace=namespace,
                                     offload=offload, link=stores.engine_link)
 
             engines = {
@@ -280,18 +178,8 @@ async def _run_point(label: str, link: str, pt: Point, spec: ModelSpec, engines:
         raise RuntimeError(f"offload of the prefixes failed at {desc}: {report.errors[:2]}")
     writer.drop_device_cache()
 
-    ttft: dict[str, list[float]] = {s: [] for s in STRATEGIES}
-    fstart: dict[str, list[float]] = {s: [] for s in STRATEGIES}
-    prof_a: list[list[float]] = []
-    prof_c: list[list[float]] = []
-    over_wait: list[list[float]] = []
-    over_c: list[list[float]] = []
-    paired: list[float] = []  # per-repeat efficiency: barrier and overlap of the same repeat
+    smp = Samples()
     room_i = 0.0
-    max_kl = 0.0
-    restored: set[int] = set()
-    computed: set[int] = set()
-    fallbacks: list[str] = []
     expect_restore = {"recompute": 0, "barrier": pt.prefix, "overlap": pt.prefix}
     for rep in range(args.warmup + args.repeats):
         measured = rep >= args.warmup
@@ -304,188 +192,34 @@ async def _run_point(label: str, link: str, pt: Point, spec: ModelSpec, engines:
                 ref = res
             for r in res:
                 if r.fallback_reason or r.recomputed_after_failure:
-                    fallbacks.append(f"{s}: {r.fallback_reason}")
+                    smp.fallbacks.append(f"{s}: {r.fallback_reason}")
                 if s != "recompute":
-                    restored.add(r.restored_tokens)
-                    computed.add(r.computed_tokens)
+                    smp.restored.add(r.restored_tokens)
+                    smp.computed.add(r.computed_tokens)
                 if r.restored_tokens != expect_restore[s]:
-                    fallbacks.append(f"{s}: restored {r.restored_tokens} != {expect_restore[s]}")
+                    smp.fallbacks.append(f"{s}: restored {r.restored_tokens} != {expect_restore[s]}")
             assert ref is not None
             if s != "recompute":
-                max_kl = max(max_kl, *(_kl(a, b) for a, b in zip(ref, res, strict=True)))
+                smp.max_kl = max(smp.max_kl, *(_kl(a, b) for a, b in zip(ref, res, strict=True)))
             if not measured:
                 continue
             t = res[0].timings
-            ttft[s].append(t.ttft)
-            fstart[s].append(t.forward_start)
+            smp.ttft[s].append(t.ttft)
+            smp.fstart[s].append(t.forward_start)
             if s == "barrier":
                 a, c = _profile(res[0])
-                prof_a.append(a)
-                prof_c.append(c)
+                smp.prof_a.append(a)
+                smp.prof_c.append(c)
                 room_i = min(sum(a) - a[0], sum(c) - c[-1])
             elif s == "overlap":
                 if room_i > 1e-3:
-                    paired.append((ttft["barrier"][-1] - t.ttft) / room_i)
-                over_wait.append(list(t.layer_wait))
-                over_c.append(list(t.layer_compute))
+                    smp.paired.append((smp.ttft["barrier"][-1] - t.ttft) / room_i)
+                smp.over_wait.append(list(t.layer_wait))
+                smp.over_c.append(list(t.layer_compute))
         progress.show(f"{desc} rep {rep + 1}/{args.warmup + args.repeats}")
     progress.step(desc)
 
-    p50 = {s: _pct(ttft[s], 50) for s in STRATEGIES}
-    p90 = {s: _pct(ttft[s], 90) for s in STRATEGIES}
-    a_med = np.median(np.asarray(prof_a), axis=0)
-    c_med = np.median(np.asarray(prof_c), axis=0)
-    load_s, compute_s = float(a_med.sum()), float(c_med.sum())
-    overhead = p50["barrier"] - load_s - compute_s
-    ideal = max(load_s + float(c_med[-1]), float(a_med[0]) + compute_s)
-    bound = overhead + ideal
-    room = p50["barrier"] - bound
-    eff = (p50["barrier"] - p50["overlap"]) / room if room > 1e-3 else None
-    # the recurrence F_l = max(A_l, F_{l-1}) + c_l with the measured a and c
-    f_l = 0.0
-    for a_l, c_l in zip(np.cumsum(a_med), c_med, strict=True):
-        f_l = max(float(a_l), f_l) + float(c_l)
-    w_med = np.median(np.asarray(over_wait), axis=0)
-    oc_med = np.median(np.asarray(over_c), axis=0)
-    return {
-        "link": label,
-        "link_arg": link,
-        "preset": pt.preset,
-        "prefix_tokens": pt.prefix,
-        "suffix_tokens": pt.suffix,
-        "batch": pt.batch,
-        "repeats": args.repeats,
-        "warmup": args.warmup,
-        "ttft_s": p50,
-        "ttft_p90_s": p90,
-        "ttft_all_s": ttft,
-        "load_s": load_s,
-        "compute_s": compute_s,
-        "overhead_s": overhead,
-        "bound_s": bound,
-        "model_overlap_s": overhead + f_l,
-        "efficiency": eff,
-        "efficiency_paired": float(np.median(paired)) if paired else None,
-        # against what per-layer overlap can reach for this per-layer profile (the
-        # recurrence), not the looser bound: how much of the achievable gain was had
-        "efficiency_model": _ratio(p50["barrier"] - p50["overlap"],
-                                   p50["barrier"] - (overhead + f_l)),
-        "load_compute_ratio": load_s / compute_s if compute_s > 0 else None,
-        "speedup": p50["barrier"] / p50["overlap"] if p50["overlap"] > 0 else None,
-        "speedup_vs_recompute": p50["recompute"] / p50["overlap"] if p50["overlap"] > 0 else None,
-        "overlap_slower_pct": 100.0 * (p50["overlap"] / p50["barrier"] - 1.0),
-        "forward_start_s": {s: _pct(fstart[s], 50) for s in ("barrier", "overlap")},
-        "overlap_wait_first_s": float(w_med[0]),
-        "overlap_wait_rest_s": float(w_med[1:].sum()),
-        "overlap_compute_s": float(oc_med.sum()),
-        "layer_load_s": [float(x) for x in a_med],
-        "layer_compute_s": [float(x) for x in c_med],
-        "overlap_layer_wait_s": [float(x) for x in w_med],
-        "restored_tokens": sorted(restored)[0] if len(restored) == 1 else sorted(restored),
-        "computed_tokens": sorted(computed)[0] if len(computed) == 1 else sorted(computed),
-        "expected_restored_tokens": pt.prefix,
-        "restore_ok": not fallbacks,
-        "problems": fallbacks[:5],
-        "max_kl": max_kl,
-        "kl_ok": max_kl <= KL_TOL,
-    }
-
-
-# ---------------------------------------------------------------------------- output
-def _ms(x: float | None) -> str:
-    return "-" if x is None else f"{1e3 * x:.1f}"
-
-
-def _f(x: float | None, nd: int = 2) -> str:
-    return "-" if x is None else f"{x:.{nd}f}"
-
-
-COLUMNS = ("link", "preset", "P", "S", "B", "recomp ms", "barrier ms", "overlap ms",
-           "p90 b/o ms", "load ms", "compute ms", "a/c", "bound ms", "fwd start b/o ms",
-           "model ms", "eff", "eff pair", "eff model", "speedup", "restored", "computed",
-           "max KL", "ok")
-
-
-def _ratio(num: float, den: float) -> float | None:
-    return num / den if den > 1e-3 else None
-
-
-def _row(p: dict[str, Any]) -> list[str]:
-    t, t9, fs = p["ttft_s"], p["ttft_p90_s"], p["forward_start_s"]
-    ok = p["kl_ok"] and p["restore_ok"]
-    return [p["link"], p["preset"], str(p["prefix_tokens"]), str(p["suffix_tokens"]),
-            str(p["batch"]), _ms(t["recompute"]), _ms(t["barrier"]), _ms(t["overlap"]),
-            f"{_ms(t9['barrier'])}/{_ms(t9['overlap'])}", _ms(p["load_s"]),
-            _ms(p["compute_s"]), _f(p["load_compute_ratio"]), _ms(p["bound_s"]),
-            f"{_ms(fs['barrier'])}/{_ms(fs['overlap'])}", _ms(p["model_overlap_s"]),
-            _f(p["efficiency"]), _f(p["efficiency_paired"]), _f(p["efficiency_model"]),
-            _f(p["speedup"]), str(p["restored_tokens"]), str(p["computed_tokens"]),
-            f"{p['max_kl']:.1e}", "yes" if ok else "NO"]
-
-
-def format_table(points: Sequence[dict[str, Any]]) -> str:
-    rows = [list(COLUMNS)] + [_row(p) for p in points]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-def format_markdown(points: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
-    out = ["# LayerLift TTFT benchmark", "",
-           f"- command: `{meta['command']}`",
-           f"- machine: {meta['cores']} CPU core(s), device `{meta['device']}`, "
-           f"torch threads {meta['torch_threads']}; wall time {meta['wall_s']:.0f} s",
-           f"- TTFT p50 over {meta['repeats']} repeats after {meta['warmup']} warm-up; "
-           "strategies interleaved per repeat on the same prompts",
-           "- link `mooncake-tcp-loopback`: real Mooncake transfers over loopback TCP "
-           "(they share the CPU cores with the forward); `emulated:…`: a modeled NIC "
-           "(real bytes, no CPU cost)",
-           "- load/compute: per-layer profile of the barrier run; bound = overhead + "
-           "max(Σa + c_last, a_0 + Σc), overhead = T_barrier − Σa − Σc; "
-           "eff = (T_barrier − T_overlap)/(T_barrier − bound)", "",
-           "| " + " | ".join(COLUMNS) + " |",
-           "|" + "|".join("---" for _ in COLUMNS) + "|"]
-    out += ["| " + " | ".join(_row(p)) + " |" for p in points]
-    return "\n".join(out) + "\n"
-
-
-def write_plot(points: Sequence[dict[str, Any]], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    links = list(dict.fromkeys(p["link"] for p in points))
-    fig, axes = plt.subplots(1, len(links), figsize=(6 * len(links), 4.5), squeeze=False)
-    colors = {"recompute": "tab:gray", "barrier": "tab:red", "overlap": "tab:blue",
-              "bound": "tab:green"}
-    styles = ["-", "--", ":", "-."]
-    for ax, link in zip(axes[0], links, strict=True):
-        mine = [p for p in points if p["link"] == link]
-        groups = list(dict.fromkeys((p["preset"], p["suffix_tokens"], p["batch"]) for p in mine))
-        for gi, g in enumerate(groups):
-            pts = sorted((p for p in mine if (p["preset"], p["suffix_tokens"], p["batch"]) == g),
-                         key=lambda p: p["prefix_tokens"])
-            x = [p["prefix_tokens"] for p in pts]
-            tag = f"{g[0]} S={g[1]} B={g[2]}"
-            ls = styles[gi % len(styles)]
-            for s in STRATEGIES:
-                ax.plot(x, [1e3 * p["ttft_s"][s] for p in pts], ls, marker="o",
-                        color=colors[s], label=f"{s} ({tag})")
-            ax.plot(x, [1e3 * p["bound_s"] for p in pts], ls, marker="x", color=colors["bound"],
-                    alpha=0.7, label=f"bound ({tag})")
-        ax.set_title(f"link: {link}")
-        ax.set_xlabel("prefix tokens (restored)")
-        ax.set_ylabel("TTFT p50 (ms)")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")  # recompute dwarfs the restores on a linear axis
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=6)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return summarize(label, link, pt, args.repeats, args.warmup, smp)
 
 
 # ---------------------------------------------------------------------------- CLI

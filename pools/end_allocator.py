@@ -15,6 +15,7 @@ views simulate the shortfall ladder exactly (see ``allocator.py``).
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -79,7 +80,7 @@ def _rebound(arr: np.ndarray, idx: np.ndarray, value: object) -> np.ndarray:
     return out
 
 
-class SubAllocator:
+class SubAllocator(ABC):
     """Page accounting of one sub-pool; subclasses decide placement.
 
     Only the pool's owner thread calls these. Public mutators validate first
@@ -131,14 +132,14 @@ class SubAllocator:
         ext = self.extent()
         return None if ext is None else (ext[0] * self.unit, ext[1] * self.unit)
 
+    @abstractmethod
     def room(self, low_b: int, high_b: int) -> int:
         """Pages ``pick`` could return between neighbour bounds (bytes)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def pick(self, n: int, low_b: int, high_b: int) -> np.ndarray | None:
         """Which ``n`` free pages to take between the byte bounds ``low_b`` /
         ``high_b`` left by the neighbours, or ``None`` if they do not fit."""
-        raise NotImplementedError
 
     def movable(self) -> np.ndarray:
         """Boolean mask of pages that may be relocated (used and unpinned)."""

@@ -8,6 +8,7 @@ A mixin of :class:`layerlift.pools.tree.UnifiedRadixTree`; it only reads
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -19,15 +20,16 @@ from layerlift.pools.tree_node import TreeNode
 __all__ = ["TreePaths"]
 
 
-class TreePaths:
+class TreePaths(ABC):
     """Walks and path bookkeeping shared by the tree's operations."""
 
     root: TreeNode
     page_size: int
     spec: ModelSpec
 
+    @abstractmethod
     def contains(self, node: TreeNode) -> bool:
-        raise NotImplementedError
+        """Whether ``node`` is still in the tree (not evicted)."""
 
     # ---- offload bookkeeping --------------------------------------------------
     def window_pages(self, node: TreeNode) -> list[tuple[TreeNode, int]]:
