@@ -88,6 +88,11 @@ class Engine:
                 f"at least {need} bytes (two checkpoint intervals of FULL and SWA pages "
                 "plus three Mamba state slots)"
             )
+        if torch.device(model.device).type != torch.device(cfg.device).type:
+            raise ValueError(
+                f"the model lives on {model.device} but the engine is configured for "
+                f"{cfg.device}: build HybridModel(spec, seed, device={cfg.device!r})"
+            )
         self.model, self.cfg = model, cfg
         self.debug = debug or DebugSwitches()
         self._injected = store

@@ -21,7 +21,7 @@ from layerlift.overlap.link import EmulatedLink
 from layerlift.pools.base import KVPool
 from layerlift.pools.spec import Component
 
-__all__ = ["BatchLoad", "LoadItems"]
+__all__ = ["BatchLoad", "LoadItems", "PageScatter"]
 
 
 @dataclass(slots=True)
@@ -127,7 +127,7 @@ class BatchLoad:
             start = self._layer_offsets[layer]
             host = self._staging[start : start + n * size]
             ptrs = [self._staging_ptr + start + i * size for i in range(n)]
-            h2d = [(host, _PageScatter(self.pool.buffer, self.pool.page_bytes(component),
+            h2d = [(host, PageScatter(self.pool.buffer, self.pool.page_bytes(component),
                                        offset, size, items.indices))]
         else:
             base = np.asarray(items.indices, dtype=np.int64) * self.pool.page_bytes(component)
@@ -154,20 +154,22 @@ def _noop() -> None:
     return None
 
 
-class _PageScatter:
+class PageScatter:
     """Device side of one layer's H2D copy: slice ``[offset, offset + size)``
     of every page in ``indices``. The lane calls ``copy_(host)`` on its load
-    stream: one H2D copy and one ``index_copy_`` kernel, no host sync."""
+    stream: one H2D copy and one scatter kernel, no host sync."""
 
     def __init__(self, buffer: torch.Tensor, page_bytes: int, offset: int, size: int,
                  indices: list[int]) -> None:
         rows = buffer.numel() // page_bytes
         self.view = buffer.as_strided((rows, size), (page_bytes, 1),
                                       buffer.storage_offset() + offset)
-        self.indices = torch.tensor(indices, dtype=torch.int64).pin_memory()
+        self.indices = torch.tensor(indices, dtype=torch.int64)
+        if buffer.is_cuda:  # pinned, so the index upload is asynchronous too
+            self.indices = self.indices.pin_memory()
 
     def copy_(self, host: torch.Tensor, non_blocking: bool = True) -> None:
         device = self.view.device
         src = host.view(-1, self.view.shape[1]).to(device, non_blocking=non_blocking)
         idx = self.indices.to(device, non_blocking=non_blocking)
-        self.view.index_copy_(0, idx, src)
+        self.view[idx] = src  # index_put_ on the strided per-layer view
