@@ -20,7 +20,7 @@ import anyio
 import numpy as np
 import torch
 
-from layerlift.engine.compute import ComputeAlloc, alloc_compute
+from layerlift.engine.compute import ComputeAlloc, alloc_compute, free_compute
 from layerlift.engine.config import EngineConfig
 from layerlift.engine.handle import EngineError, LoadHandle
 from layerlift.engine.model import HybridModel
@@ -118,8 +118,8 @@ class Engine:
             self.store = self._handle.store
         else:
             self.store = self._injected
-        # cli/bench fix: an emulated ``cfg.link`` also applies to an injected store
-        # (the benchmark shares one store between engines); before, it was ignored.
+        # An emulated link applies to an injected store too (the benchmark shares
+        # one store between engines).
         if self._handle is not None:
             self.link = self._handle.link
         else:
@@ -222,9 +222,8 @@ class Engine:
             got = self.restore.prepare(plan)
             comp = alloc_compute(self.pool, self.tree, plan)
             if comp is None and self.offloader.pending:
-                # FIX (e2e tests): background offloads pin pages and lock their
-                # nodes; under pressure wait for them (they end on their own)
-                # rather than dropping the restore or failing the request.
+                # Offloads in flight pin pages and lock nodes; they end on their
+                # own, so under pressure wait for them before giving anything up.
                 await self.offloader.wait()
                 comp = alloc_compute(self.pool, self.tree, plan)
             if comp is None and got is not None:
@@ -232,12 +231,7 @@ class Engine:
                 got = None
                 comp = alloc_compute(self.pool, self.tree, plan)
             if comp is None:
-                self._free_batch(computes)
-                # FIX (e2e tests): the PREPAREd restores of the batch's earlier
-                # plans kept their (pinned) slots allocated forever: free them.
-                by_id = {p.request_id: p for p in plans}
-                for rid, prepared in txns.items():
-                    self.restore.abort_plan(by_id[rid], prepared, "the batch did not fit")
+                self._free_batch(plans, txns, computes)
                 raise EngineError(
                     f"the device pool ({self.cfg.pool_bytes} bytes) cannot hold request "
                     f"{plan.request_id} ({len(plan.tokens)} tokens) even after evicting the cache"
@@ -251,10 +245,14 @@ class Engine:
             await handle.issue()
         return handle
 
-    def _free_batch(self, computes: dict[int, ComputeAlloc]) -> None:
-        from layerlift.engine.compute import free_compute
+    def _free_batch(self, plans: list[LookupPlan], txns: dict[int, RestoreTransaction],
+                    computes: dict[int, ComputeAlloc]) -> None:
+        """A batch that does not fit: free what its earlier plans already took."""
         for comp in computes.values():
             free_compute(self.pool, comp)
+        by_id = {p.request_id: p for p in plans}
+        for rid, txn in txns.items():
+            self.restore.abort_plan(by_id[rid], txn, "the batch did not fit")
 
     def _alloc_compute(self, plan: LookupPlan) -> ComputeAlloc:
         comp = alloc_compute(self.pool, self.tree, plan)

@@ -49,8 +49,7 @@ def alloc_compute(pool: KVPool, tree: UnifiedRadixTree, plan: LookupPlan) -> Com
     forward of ``plan`` writes. ``None`` if the pool cannot hold it even
     after eviction."""
     demand, capture = _needs(plan)
-    # FIX (e2e tests): a demand larger than the whole buffer made alloc_many
-    # raise PoolError (not EngineError) and leaked the batch; it can never fit.
+    # More than the whole buffer can never fit (and alloc_many raises for it).
     if sum(n * pool.page_bytes(c) for c, n in demand.items()) > pool.buffer.numel():
         return None
     got = pool.alloc_many(demand)
@@ -58,9 +57,9 @@ def alloc_compute(pool: KVPool, tree: UnifiedRadixTree, plan: LookupPlan) -> Com
         short = {c: max(0, n - pool.available_size(c)) for c, n in demand.items()}
         tree.evict(short)
         got = pool.alloc_many(demand)
-    # FIX (e2e tests): the tri-pool shares bytes between components, so each
-    # component's own shortfall may not free enough; keep evicting (LRU) while
-    # the tree still gives pages back, instead of failing with cache left.
+    # The sub-pools share bytes, so evicting each component's own shortfall may
+    # free room in the wrong place: keep evicting (LRU) while the tree gives
+    # pages back, rather than failing while cache is left.
     while got is None and any(tree.evict(demand).values()):
         got = pool.alloc_many(demand)
     if got is None:
