@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections import defaultdict
@@ -111,3 +112,8 @@ class ForwardThread(threading.Thread):
 
     def layers_run(self) -> list[int]:
         return [layer for layer, _ in self.ran]
+
+
+async def until(event: threading.Event) -> None:
+    """Await a threading.Event without blocking the event loop."""
+    assert await asyncio.to_thread(event.wait, WAIT_S), "event never set"

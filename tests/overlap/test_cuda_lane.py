@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import AsyncIterator
 
 import pytest
 import torch
-from overlap_fakes import WAIT_S, FetchRecorder, ForwardThread
+from overlap_fakes import WAIT_S, FetchRecorder, ForwardThread, until
 
 from layerlift.overlap import (
     Completion,
@@ -28,9 +27,6 @@ pytestmark = [
 
 NUM_LAYERS, ELEMS = 6, 1 << 16
 
-
-async def until(event: threading.Event) -> None:
-    assert await asyncio.to_thread(event.wait, WAIT_S), "event never set"
 
 
 @pytest.fixture(params=[Completion.AUTO, Completion.WATCHER])

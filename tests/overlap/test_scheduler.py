@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import threading
-from collections.abc import AsyncIterator
 
 import numpy as np
 import pytest
-from overlap_fakes import WAIT_S, FetchRecorder, ForwardThread
+from overlap_fakes import WAIT_S, FetchRecorder, ForwardThread, until
 
 from layerlift.overlap import (
     CpuLane,
@@ -20,18 +18,6 @@ from layerlift.overlap import (
     LoadPolicy,
     LoadScheduler,
 )
-
-
-@pytest.fixture
-async def lane() -> AsyncIterator[CpuLane]:
-    lane = CpuLane(max_workers=4)
-    yield lane
-    lane.close()
-
-
-async def until(event: threading.Event) -> None:
-    """Await a threading.Event without blocking the loop."""
-    assert await asyncio.to_thread(event.wait, WAIT_S), "event never set"
 
 
 async def test_overlap_runs_earlier_layers_while_layer_k_is_blocked(lane: CpuLane) -> None:

@@ -4,11 +4,9 @@ call, each released as soon as its own fetch returned. Ordered by events."""
 from __future__ import annotations
 
 import asyncio
-import threading
-from collections.abc import AsyncIterator
 
 import pytest
-from overlap_fakes import WAIT_S, FetchRecorder, ForwardThread
+from overlap_fakes import WAIT_S, FetchRecorder, ForwardThread, until
 
 from layerlift.overlap import (
     CpuLane,
@@ -18,17 +16,6 @@ from layerlift.overlap import (
     LoadPolicy,
     LoadScheduler,
 )
-
-
-@pytest.fixture
-async def lane() -> AsyncIterator[CpuLane]:
-    lane = CpuLane(max_workers=2)
-    yield lane
-    lane.close()
-
-
-async def until(event: threading.Event) -> None:
-    assert await asyncio.to_thread(event.wait, WAIT_S), "event never set"
 
 
 def _sched(lane: CpuLane, max_in_flight: int = 1) -> LoadScheduler:
