@@ -135,7 +135,7 @@ class Engine:
         scheduler = LoadScheduler(self.lane, policy, max_in_flight=cfg.max_in_flight,
                                   group_size=cfg.group_size, stream_size=cfg.stream_size)
         self.restore = RestoreStage(self.tree, self.pool, self.linkers, self.store,
-                                    scheduler, world_size=cfg.world_size,
+                                    scheduler,
                                     wait_timeout_s=cfg.layer_wait_timeout_s)
         self.restore.link = self.link
         if isinstance(self.lane, CudaLane):

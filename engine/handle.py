@@ -188,11 +188,13 @@ class LoadHandle:
         deps: list[ReadinessView] = []
         if self.batch.task is not None and not self.batch.finished:
             deps.append(self.batch.readiness)
+        # Nodes another batch published but had not finished loading. With the
+        # batch lock held from lookup to the end of a forward this stays empty;
+        # it is what keeps a plan correct if that ever changes.
         for plan in self.plans:
             for pending in plan.match.pending:
-                for r in pending if isinstance(pending, tuple) else (pending,):
-                    if all(r is not x for x in deps):
-                        deps.append(r)
+                if isinstance(pending, LayerReadiness) and all(pending is not x for x in deps):
+                    deps.append(pending)
         return deps
 
     def _forward_thread(self, runs: Sequence[_Run],

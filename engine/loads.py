@@ -3,8 +3,9 @@
 A restore of a batch loads, for every component, a list of *items*: (store
 key, device page/slot, owning request). Layer ``l`` of kind ``c`` needs slice
 ``l`` of every item of ``c``: that is one ranged ``get_ranges`` call, whatever
-the number of requests. The lists may be trimmed (COMMIT drops duplicates)
-until the scheduler issues the layer: the job reads them only when it runs.
+the number of requests. COMMIT may trim the lists (it drops duplicates) and
+then ``refresh`` rebuilds the jobs; a job the scheduler already issued keeps
+the snapshot the lane took at issue time.
 """
 
 from __future__ import annotations
@@ -51,9 +52,9 @@ class LoadItems:
 class BatchLoad:
     """Builds the :class:`LayerJob` of every layer of one batch's restore.
 
-    ``items`` is shared with the engine's COMMIT, which trims it; a job reads
-    it when the scheduler issues the job (on the event loop), and hands the
-    worker thread an immutable snapshot.
+    ``items`` is shared with the engine's COMMIT, which trims it and calls
+    ``refresh``; each job's fetch closes over immutable copies of its layer's
+    keys and addresses, so a worker never sees a list change under it.
     """
 
     def __init__(self, pool: KVPool, store: Store, link: EmulatedLink | None,
@@ -97,17 +98,6 @@ class BatchLoad:
     @property
     def keys(self) -> list[str]:
         return [k for items in self.items.values() for k in items.keys]
-
-    @property
-    def nbytes(self) -> int:
-        spec = self.pool.spec
-        return sum(len(self.items[c]) * spec.page_bytes(c) for c in Component)
-
-    def owners_of_keys(self, keys: set[str]) -> frozenset[Hashable]:
-        return frozenset(
-            o for items in self.items.values()
-            for k, o in zip(items.keys, items.owners, strict=True) if k in keys
-        )
 
     def jobs(self) -> list[LayerJob]:
         """One job per layer; a layer with nothing to load gets a no-op job."""

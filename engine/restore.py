@@ -90,14 +90,12 @@ class RestoreStage:
         store: Store,
         scheduler: LoadScheduler,
         *,
-        world_size: int = 1,
         wait_timeout_s: float = 120.0,
     ) -> None:
         self.tree, self.pool, self.linkers, self.store = tree, pool, linkers, store
         self.scheduler = scheduler
         self.link: EmulatedLink | None = None  # set by the engine before loads start
         self.staging_alloc: Callable[[int], torch.Tensor] | None = None  # CUDA lane's
-        self.world_size = world_size
         self.wait_timeout_s = wait_timeout_s
         self.store_down = False
 

@@ -25,7 +25,6 @@ class StoreHandle:
     store: Store
     master: EmbeddedMaster | None
     link: EmulatedLink | None
-    label: str
 
     def close(self) -> None:
         try:
@@ -59,11 +58,11 @@ def open_store(cfg: EngineConfig) -> StoreHandle:
     link = parse_link(cfg.link) if cfg.link else None
     target = cfg.store_target()
     if target.kind == "memory":
-        return StoreHandle(MemoryStore(), None, link, "memory" if link is None else link.label)
+        return StoreHandle(MemoryStore(), None, link)
     if target.kind == "mooncake":
         assert target.master_address is not None
         store = MooncakeStore(_mooncake_config(cfg, target.master_address, cfg.metadata))
-        return StoreHandle(store, None, link, f"mooncake://{target.master_address}")
+        return StoreHandle(store, None, link)
     # A read lease of 5 s: the 50 ms test default expires under large reads (-707).
     master = EmbeddedMaster(lease_ttl_ms=5000).start()
     try:
@@ -72,5 +71,4 @@ def open_store(cfg: EngineConfig) -> StoreHandle:
         master.stop()
         raise
     log.info("embedded mooncake_master at %s (log: %s)", master.master_address, master.log_path)
-    label = "mooncake-tcp-loopback" if link is None else link.label
-    return StoreHandle(store, master, link, label)
+    return StoreHandle(store, master, link)
