@@ -17,6 +17,6 @@ lint: setup
 # so it checks a tree of symlinks laid out as the installed package.
 typecheck: setup
 	rm -rf build/typecheck && mkdir -p build/typecheck/layerlift
-	ln -s $(CURDIR)/layerlift/*.py build/typecheck/layerlift/
-	for p in engine overlap pools linker; do ln -s $(CURDIR)/$$p build/typecheck/layerlift/$$p; done
+	ln -s $(CURDIR)/layerlift/*.py $(CURDIR)/layerlift/testing build/typecheck/layerlift/
+	for p in engine overlap pools linker bench; do ln -s $(CURDIR)/$$p build/typecheck/layerlift/$$p; done
 	cd build/typecheck && ../../.venv/bin/mypy --strict -p layerlift

@@ -1,6 +1,355 @@
-"""`python bench/ttft.py [options]` = `layerlift bench ttft [options]` (see engine/bench_ttft.py)."""
+"""`layerlift bench ttft`: time to first token of recompute, barrier restore and
+overlap restore on the same prompts (DESIGN.md section 5).
+
+Per link mode and model preset the harness opens ONE store shared by four engines:
+
+* ``writer``    (policy overlap, offload on,  namespace A): computes each point's prefixes
+  once (round 0) and offloads them; ``wait_offloads()`` before measuring.
+* ``recompute`` (offload off, namespace B): nothing in the store matches, so the whole
+  prompt is computed (its lookup is a miss: a cheap ``exists`` call).
+* ``barrier``   (policy barrier, offload off, namespace A): the forward starts when every
+  layer has landed.
+* ``overlap``   (policy overlap, offload off, namespace A): layer l waits for layer l only.
+
+The measuring engines never offload, so the store holds exactly the prefixes and every
+restore is of ``prefix_tokens`` tokens. Each repeat runs the three strategies back to back
+(interleaved), each after ``drop_device_cache()``; TTFT is ``result.timings.ttft`` (from the
+``prefill`` call to the next-token distribution). After a point its keys are removed.
+
+Link modes: ``mooncake`` — one ``mooncake_master`` started here, one client that holds the
+segment (``global_segment_size``) and one pure client (segment 0) that the engines share,
+so every restore is a real Mooncake TCP transfer over loopback; ``emulated:GBPS[,LAT_US]``
+— a shared in-process ``MemoryStore`` whose fetches copy the real bytes into the pools and
+then sleep until a modeled NIC would have delivered them (costs no CPU).
+
+Per-layer profile (from the barrier run, where loading and computing never overlap):
+``A_l`` = when layer l landed minus when the loads were issued (running max), ``a_l`` =
+``A_l - A_{l-1}``, ``c_l`` = the barrier forward's ``layer_compute``. ``load_s = Σa``,
+``compute_s = Σc``. The fixed overhead ``T_barrier - Σa - Σc`` (lookup, PREPARE, issuing,
+thread hand-offs, logits) is charged to the bound unchanged, so
+``bound = overhead + max(Σa + c_last, a_0 + Σc)`` and
+``T_barrier - bound = min(Σa - a_0, Σc - c_last)`` is the most overlap can save.
+``efficiency = (T_barrier - T_overlap) / (T_barrier - bound)`` (None when that is < 1 ms).
+The bound is not always reachable: when a layer with a heavy load also computes heavily
+and only light layers follow, even a perfect overlap pays that compute after the last
+big load. ``model_overlap_s`` runs the recurrence ``F_l = max(A_l, F_{l-1}) + c_l`` on the
+measured profile (plus the same overhead) and ``efficiency_model`` measures the overlap
+against it: the share of the achievable gain actually had.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
 import sys
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
-from layerlift.engine.cli import main
+import numpy as np
+import torch
 
-sys.exit(main(["bench", "ttft", *sys.argv[1:]]))
+from layerlift.engine.api import Engine
+from layerlift.bench.report import STRATEGIES, format_markdown, format_table, write_plot
+from layerlift.bench.stats import KL_TOL, Samples, summarize
+from layerlift.bench.stores import LinkStores, Point, pool_bytes, store_bytes
+from layerlift.engine.config import EngineConfig
+from layerlift.engine.model import HybridModel
+from layerlift.engine.results import PrefillResult
+from layerlift.overlap.link import parse_link
+from layerlift.pools.spec import ModelSpec
+
+__all__ = ["DEFAULT_EMULATED", "main", "run_bench"]
+
+# Chosen on the 2-core CPU machine (torch 1 thread) for preset "small", suffix 64, batch 1:
+# the suffix forward takes ~130-150 ms there, the restore of P = 512 / 1024 / 2048 tokens
+# moves ~8 / 13 / 21 MB, so 0.1 GB/s puts Σa at ~0.6x / 1x / 1.5x of Σc (within 2x).
+# On a GPU the forward is far faster: pass a faster link there (e.g. emulated:25,5).
+DEFAULT_EMULATED = "emulated:0.1,10"
+CORES_NOTE = (
+    "note: on this machine the real Mooncake link (loopback TCP) and the forward share "
+    "{cores} CPU core(s); the emulated link models a NIC that costs no CPU."
+)
+
+
+def _prompts(spec: ModelSpec, pt: Point, seed: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    full = [rng.integers(0, spec.vocab_size, pt.prefix + pt.suffix, dtype=np.int64)
+            for _ in range(pt.batch)]
+    return [f[: pt.prefix] for f in full], full
+
+
+def _kl(ref: PrefillResult, got: PrefillResult) -> float:
+    # renormalise in float64: the float32 log-probs are normalised only to ~1e-7, which
+    # would otherwise dominate the first-order term of the KL
+    lp = torch.log_softmax(ref.next_token_logprobs.double(), -1)
+    lq = torch.log_softmax(got.next_token_logprobs.double(), -1)
+    return float((lp.exp() * (lp - lq)).sum().clamp_min(0.0))
+
+
+def _profile(res: PrefillResult) -> tuple[list[float], list[float]]:
+    """Per-layer load times a_l and compute times c_l of a barrier run."""
+    t = res.timings
+    a, last = [], t.load_issued
+    for landed in t.layer_landed:
+        cur = max(last, landed) if landed > 0 else last
+        a.append(cur - last)
+        last = cur
+    return a, list(t.layer_compute)
+
+
+class _Progress:
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total, self.done, self.enabled = total, 0, enabled and total > 0
+        self.t0 = time.perf_counter()
+
+    def show(self, what: str) -> None:
+        if not self.enabled:
+            return
+        width = 24
+        fill = int(width * self.done / self.total)
+        el = time.perf_counter() - self.t0
+        sys.stderr.write(f"\r[{'#' * fill}{'.' * (width - fill)}] {self.done}/{self.total} "
+                         f"{el:5.0f}s  {what[:70]:<70}")
+        sys.stderr.flush()
+
+    def step(self, what: str) -> None:
+        self.done += 1
+        self.show(what)
+
+    def end(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+# ---------------------------------------------------------------------------- one link
+async def _run_link(link: str, preset: str, points: list[Point], args: argparse.Namespace,
+                    progress: _Progress) -> list[dict[str, Any]]:
+    spec = ModelSpec.preset(preset)
+    model = HybridModel(spec, seed=0, device=args.device)
+    pool_size = pool_bytes(spec, points)
+    stores = await asyncio.to_thread(LinkStores, link, store_bytes(spec, points))
+    run_id = uuid.uuid4().hex[:8]
+    label = parse_link(link).label if parse_link(link) else "mooncake-tcp-loopback"  # type: ignore[union-attr]
+    out: list[dict[str, Any]] = []
+    try:
+        for k, pt in enumerate(points):
+            ns = f"bench-{run_id}-{k}"
+
+            def cfg(policy: str, namespace: str, offload: bool) -> EngineConfig:
+                return EngineConfig(store="memory", policy=policy, device=args.device,
+                                    pool_bytes=pool_size, namespace=namespace,
+                                    offload=offload, link=stores.engine_link)
+
+            engines = {
+                "writer": Engine(model, cfg("overlap", ns, True), store=stores.store),  # type: ignore[arg-type]
+                "recompute": Engine(model, cfg("overlap", ns + "-none", False), store=stores.store),  # type: ignore[arg-type]
+                "barrier": Engine(model, cfg("barrier", ns, False), store=stores.store),  # type: ignore[arg-type]
+                "overlap": Engine(model, cfg("overlap", ns, False), store=stores.store),  # type: ignore[arg-type]
+            }
+            started = []
+            try:
+                for e in engines.values():
+                    await e.start()
+                    started.append(e)
+                out.append(await _run_point(label, link, pt, spec, engines, args, progress))
+            finally:
+                for e in reversed(started):
+                    await e.close()
+                stores.store.forget()
+    finally:
+        await asyncio.to_thread(stores.close)
+    return out
+
+
+async def _run_point(label: str, link: str, pt: Point, spec: ModelSpec, engines: dict[str, Engine],
+                     args: argparse.Namespace, progress: _Progress) -> dict[str, Any]:
+    desc = f"{label} {pt.preset} P={pt.prefix} S={pt.suffix} B={pt.batch}"
+    progress.show(desc + " (round 0)")
+    prefixes, prompts = _prompts(spec, pt, seed=args.seed + pt.prefix * 7 + pt.batch)
+    writer = engines["writer"]
+    await writer.prefill(prefixes)
+    report = await writer.wait_offloads()
+    if not report.ok:
+        raise RuntimeError(f"offload of the prefixes failed at {desc}: {report.errors[:2]}")
+    writer.drop_device_cache()
+
+    smp = Samples()
+    room_i = 0.0
+    expect_restore = {"recompute": 0, "barrier": pt.prefix, "overlap": pt.prefix}
+    for rep in range(args.warmup + args.repeats):
+        measured = rep >= args.warmup
+        ref: list[PrefillResult] | None = None
+        for s in STRATEGIES:
+            eng = engines[s]
+            eng.drop_device_cache()
+            res = await eng.prefill(prompts)
+            if s == "recompute":
+                ref = res
+            for r in res:
+                if r.fallback_reason or r.recomputed_after_failure:
+                    smp.fallbacks.append(f"{s}: {r.fallback_reason}")
+                if s != "recompute":
+                    smp.restored.add(r.restored_tokens)
+                    smp.computed.add(r.computed_tokens)
+                if r.restored_tokens != expect_restore[s]:
+                    smp.fallbacks.append(f"{s}: restored {r.restored_tokens} != {expect_restore[s]}")
+            assert ref is not None
+            if s != "recompute":
+                smp.max_kl = max(smp.max_kl, *(_kl(a, b) for a, b in zip(ref, res, strict=True)))
+            if not measured:
+                continue
+            t = res[0].timings
+            smp.ttft[s].append(t.ttft)
+            smp.fstart[s].append(t.forward_start)
+            if s == "barrier":
+                a, c = _profile(res[0])
+                smp.prof_a.append(a)
+                smp.prof_c.append(c)
+                room_i = min(sum(a) - a[0], sum(c) - c[-1])
+            elif s == "overlap":
+                if room_i > 1e-3:
+                    smp.paired.append((smp.ttft["barrier"][-1] - t.ttft) / room_i)
+                smp.over_wait.append(list(t.layer_wait))
+                smp.over_c.append(list(t.layer_compute))
+        progress.show(f"{desc} rep {rep + 1}/{args.warmup + args.repeats}")
+    progress.step(desc)
+
+    return summarize(label, link, pt, args.repeats, args.warmup, smp)
+
+
+# ---------------------------------------------------------------------------- CLI
+QUICK = dict(preset=["small"], prefix=[512, 1024, 2048], suffix=[64], batch=[1],
+             repeats=3, warmup=1)
+# ~9 min on the 2-core box (recompute of 4096 x 2 tokens dominates); medium, longer
+# suffixes and batch 4 are available through the options.
+FULL = dict(preset=["small"], prefix=[512, 1024, 2048, 4096], suffix=[64],
+            batch=[1, 2], repeats=5, warmup=1)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.replace(" ", "").split(",") if x]
+
+
+def _strs(text: str) -> list[str]:
+    return [x for x in text.replace(" ", "").split(",") if x]
+
+
+def _links(text: str) -> list[str]:
+    """'mooncake,emulated:2,10,emulated:1' -> ['mooncake', 'emulated:2,10', 'emulated:1']."""
+    out: list[str] = []
+    for part in _strs(text):
+        if part == "mooncake" or part.startswith("emulated:"):
+            out.append(part)
+        elif out and out[-1].startswith("emulated:") and out[-1].count(",") == 0:
+            out[-1] += "," + part  # the latency of the previous emulated link
+        else:
+            raise ValueError(f"bad link list {text!r}: use e.g. 'mooncake,emulated:2,10'")
+    for link in out:
+        parse_link(link)  # validates
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="layerlift bench ttft",
+        description="TTFT of recompute vs barrier restore vs overlap restore (p50/p90).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--preset", type=_strs, default=None,
+                    help=f"model preset(s), comma separated; one of {ModelSpec.preset_names()} "
+                         f"(default {','.join(FULL['preset'])})")  # type: ignore[arg-type]
+    ap.add_argument("--prefix", type=_ints, default=None, help="prefix lengths (restored tokens)")
+    ap.add_argument("--suffix", type=_ints, default=None, help="suffix lengths (computed tokens)")
+    ap.add_argument("--batch", type=_ints, default=None, help="batch sizes")
+    ap.add_argument("--repeats", type=int, default=None, help="measured repeats per point")
+    ap.add_argument("--warmup", type=int, default=None, help="warm-up repeats per point")
+    ap.add_argument("--links", type=_links, default=None,
+                    help=f"link modes (default 'mooncake,{DEFAULT_EMULATED}')")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    ap.add_argument("--quick", action="store_true",
+                    help="small grid (small preset, P 512/1024/2048, S 64, B 1, 3 repeats)")
+    ap.add_argument("--seed", type=int, default=0, help="prompt seed")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch CPU threads (default: 1 on cpu, leaving a core to the link "
+                         "and keeping timings stable on a shared 2-core machine)")
+    ap.add_argument("--json", default=None, help="write the results as JSON here")
+    ap.add_argument("--markdown", default=None, help="write a Markdown table here")
+    ap.add_argument("--plot", default=None, help="write a PNG plot here (needs matplotlib)")
+    ap.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    return ap
+
+
+def _grid(args: argparse.Namespace) -> None:
+    base = QUICK if args.quick else FULL
+    for key in ("preset", "prefix", "suffix", "batch", "repeats", "warmup"):
+        if getattr(args, key) is None:
+            setattr(args, key, base[key])
+    if args.links is None:
+        args.links = ["mooncake", DEFAULT_EMULATED]
+    if args.repeats < 1 or args.warmup < 0:
+        raise SystemExit("error: --repeats must be >= 1 and --warmup >= 0")
+    for p in args.preset:
+        spec = ModelSpec.preset(p)
+        for n in args.prefix:
+            if n <= 0 or n % spec.track_interval:
+                raise SystemExit(f"error: prefix {n} must be a positive multiple of preset {p}'s "
+                                 f"track_interval ({spec.track_interval}) to be restorable whole")
+
+
+async def run_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Run the grid of ``args`` (parsed by :func:`build_parser`); one dict per point."""
+    points = [Point(pr, p, s, b) for pr in args.preset for b in args.batch for s in args.suffix
+              for p in args.prefix]
+    progress = _Progress(len(points) * len(args.links), not args.no_progress)
+    out: list[dict[str, Any]] = []
+    try:
+        for link in args.links:
+            for preset in args.preset:
+                mine = [p for p in points if p.preset == preset]
+                out += await _run_link(link, preset, mine, args, progress)
+    finally:
+        progress.end()
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _grid(args)
+    import os
+
+    if args.threads is None and args.device == "cpu":
+        args.threads = 1
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cores = os.cpu_count() or 1
+    t0 = time.perf_counter()
+    points = asyncio.run(run_bench(args))
+    wall = time.perf_counter() - t0
+    meta = {"command": "layerlift bench ttft " + " ".join(sys.argv[1:] if argv is None else argv),
+            "cores": cores, "device": args.device, "torch_threads": torch.get_num_threads(),
+            "wall_s": wall, "repeats": args.repeats, "warmup": args.warmup,
+            "links": args.links, "kl_tol": KL_TOL}
+    print(format_table(points))
+    if args.device == "cpu":
+        print(CORES_NOTE.format(cores=cores))
+    for p in points:
+        if not p["kl_ok"]:
+            print(f"FLAG: {p['link']} P={p['prefix_tokens']} B={p['batch']}: max KL "
+                  f"{p['max_kl']:.2e} > {KL_TOL:g}")
+        if not p["restore_ok"]:
+            print(f"FLAG: {p['link']} P={p['prefix_tokens']} B={p['batch']}: {p['problems']}")
+    print(f"wall time {wall:.1f} s")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"meta": meta, "points": points}, indent=1))
+    if args.markdown:
+        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.markdown).write_text(format_markdown(points, meta))
+    if args.plot:
+        write_plot(points, args.plot)
+    ok = all(p["kl_ok"] and p["restore_ok"] for p in points)
+    return 0 if ok else 1

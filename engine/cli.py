@@ -34,7 +34,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return master_main(args[1:])
     if args[0] == "bench":
         if len(args) >= 2 and args[1] == "ttft":
-            from layerlift.engine.bench_ttft import main as ttft_main
+            from layerlift.bench.ttft import main as ttft_main
 
             return ttft_main(args[2:])
         print("usage: layerlift bench ttft [options]   (the only benchmark so far)",

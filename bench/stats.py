@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from layerlift.engine.bench_report import STRATEGIES
-from layerlift.engine.bench_stores import Point
+from layerlift.bench.report import STRATEGIES
+from layerlift.bench.stores import Point
 
 __all__ = ["KL_TOL", "Samples", "summarize"]
 

@@ -1,12 +1,10 @@
-"""Fault and debug switches for tests (never for serving).
+"""Fault injection for tests (never for serving).
 
-* :class:`FaultyStore` wraps any :class:`~layerlift.linker.store_base.Store`
-  (a real Mooncake client included) and injects delays or failures into
-  chosen calls: a per-layer ranged read is recognised by its source offset,
-  so a test can fail "layer 5" of a restore without knowing the keys.
-* :class:`~layerlift.engine.api.DebugSwitches` (re-exported) skips the MAMBA
-  load at COMMIT or the per-layer waits: negative controls that must make
-  the results wrong.
+:class:`FaultyStore` wraps any :class:`~layerlift.linker.store_base.Store`
+(a real Mooncake client included) and injects delays or failures into chosen
+calls: a per-layer ranged read is recognised by its source offset, so a test
+can fail "layer 5" of a restore without knowing the keys. ``skip_reads``
+is a negative control: the reads of one component return without writing.
 """
 
 from __future__ import annotations
@@ -15,11 +13,10 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from layerlift.engine.api import DebugSwitches
 from layerlift.linker.store_base import Store, StoreIOError, StoreUnavailable, TensorLike
 from layerlift.pools.spec import ModelSpec
 
-__all__ = ["DebugSwitches", "FaultyStore", "LayerFault"]
+__all__ = ["FaultyStore", "LayerFault"]
 
 
 @dataclass(slots=True)
@@ -38,9 +35,12 @@ class FaultyStore(Store):
     """A :class:`Store` that forwards to ``inner`` and injects faults.
 
     ``fail_layer(layer, exc)`` / ``gate_layer(layer, event)`` act on the
-    per-layer ranged reads of ``spec``'s layer; ``fail_exists``/``fail_put``
-    make those calls raise; ``down = True`` makes every call raise
-    ``StoreUnavailable`` (the master went away) until set back. Thread-safe.
+    per-layer ranged reads of ``spec``'s layer; ``fail_exists`` /
+    ``fail_session`` / ``fail_put`` make those calls raise (``gate_put``
+    holds puts until set); ``skip_reads(component)`` makes that component's
+    ranged reads write nothing (a negative control); ``down = True`` makes
+    every call raise ``StoreUnavailable`` (the master went away) until set
+    back. Thread-safe.
     """
 
     def __init__(self, inner: Store, spec: ModelSpec) -> None:
@@ -50,6 +50,9 @@ class FaultyStore(Store):
         self._layer_faults: dict[int, LayerFault] = {}
         self.fail_exists: BaseException | None = None
         self.fail_put: BaseException | None = None
+        self.fail_session: BaseException | None = None
+        self.gate_put: threading.Event | None = None
+        self.skipped: set[str] = set()
         self.down = False
         self.ranged_calls: list[int] = []  # layer of each ranged read, in call order
 
@@ -68,10 +71,18 @@ class FaultyStore(Store):
             self._layer_faults[layer] = fault
         return fault
 
+    def skip_reads(self, component: str, skip: bool = True) -> None:
+        """Negative control: ranged reads of ``component`` ("full", "swa",
+        "mamba") return without writing a byte."""
+        with self._lock:
+            (self.skipped.add if skip else self.skipped.discard)(component)
+
     def clear(self) -> None:
         with self._lock:
             self._layer_faults.clear()
-        self.fail_exists = self.fail_put = None
+            self.skipped.clear()
+        self.fail_exists = self.fail_put = self.fail_session = None
+        self.gate_put = None
         self.down = False
 
     # ---- Store ------------------------------------------------------------------
@@ -93,6 +104,9 @@ class FaultyStore(Store):
 
     def put(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> None:
         self._check_up()
+        gate = self.gate_put
+        if gate is not None and not gate.wait(self.timeout_s):
+            raise StoreIOError("injected put gate never opened")
         if self.fail_put is not None:
             raise self.fail_put
         self.inner.put(keys, ptrs, sizes)
@@ -112,10 +126,14 @@ class FaultyStore(Store):
                 raise StoreIOError(f"injected gate of layer {layer} never opened")
             if fault.error is not None:
                 raise fault.error
+        if keys and keys[0].split("/")[-3] in self.skipped:
+            return
         self.inner.get_ranges(keys, dst_ptrs, sizes, src_offsets)
 
     def open_session(self, keys: Sequence[str]):  # type: ignore[no-untyped-def]
         self._check_up()
+        if self.fail_session is not None:
+            raise self.fail_session
         return self.inner.open_session(keys)
 
     def remove(self, keys: Sequence[str]) -> None:
