@@ -1,0 +1,244 @@
+"""The serving loop (``layerlift.engine.serve``): token budget, FIFO,
+backpressure, shutdown both ways, exact results, engine errors per batch.
+
+A real engine runs every batch; :class:`GatedEngine` only holds a batch at
+the engine's door until a test releases it, so tests order tasks with events."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+
+from layerlift import Engine, EngineConfig, EngineError, HybridModel, ModelSpec, PrefillResult
+from layerlift.engine.serve import QueueFull, ServeConfig, Server, ServerClosed
+from layerlift.linker.mooncake_store import MooncakeStore
+from layerlift.testing import KL_EXACT, kl_divergence
+
+SPEC = ModelSpec.preset("tiny")
+
+
+class GatedEngine:
+    """Delegates ``prefill`` to a real engine; records every batch's prompt
+    lengths; batch ``i`` waits for ``release(i)`` when gated, and fails with
+    ``EngineError`` when listed in ``fail``."""
+
+    def __init__(self, engine: Engine, gated: Sequence[int] = (), fail: Sequence[int] = ()) -> None:
+        self.engine = engine
+        self.batches: list[list[int]] = []
+        self.entered = [asyncio.Event() for _ in range(16)]
+        self.gates = {i: asyncio.Event() for i in gated}
+        self.fail = set(fail)
+
+    def release(self, i: int) -> None:
+        self.gates[i].set()
+
+    async def prefill(self, prompts: Sequence[Sequence[int] | np.ndarray]) -> list[PrefillResult]:
+        i = len(self.batches)
+        self.batches.append([len(p) for p in prompts])
+        self.entered[i].set()
+        if i in self.gates:
+            await self.gates[i].wait()
+        if i in self.fail:
+            raise EngineError(f"injected failure of batch {i}")
+        return await self.engine.prefill(prompts)
+
+
+def prompt(n: int, seed: int, shared: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    head = np.random.default_rng(999).integers(0, SPEC.vocab_size, shared)
+    return np.concatenate([head, rng.integers(0, SPEC.vocab_size, n - shared)]).astype(np.int64)
+
+
+@pytest.fixture
+async def engine(tiny_model: HybridModel) -> Engine:
+    async with Engine(tiny_model, EngineConfig(store="memory", pool_bytes=16 << 20)) as eng:
+        yield eng  # type: ignore[misc]
+
+
+async def yield_until(cond: object, limit: int = 200) -> None:
+    """Give other tasks turns (no wall-clock sleep) until ``cond()`` holds."""
+    for _ in range(limit):
+        if cond():  # type: ignore[operator]
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("condition never held")
+
+
+async def test_budget_is_respected_in_fifo_order(engine: Engine) -> None:
+    gated = GatedEngine(engine, gated=[0])
+    sizes = [100, 120, 150, 60, 300, 40, 40]
+    async with Server(gated, ServeConfig(max_batch_tokens=280)) as server:
+        first = asyncio.create_task(server.submit(prompt(sizes[0], 0)))
+        await gated.entered[0].wait()  # batch 0 holds the engine; the rest queue up
+        rest = [server.submit_nowait(prompt(n, i + 1)) for i, n in enumerate(sizes[1:])]
+        assert server.queued == len(sizes) - 1
+        gated.release(0)
+        served = [await first, *[await f for f in rest]]
+    # FIFO packing under 280: [120, 150] (+60 would be 330), [60] (+300 > 280),
+    # [300] alone (larger than the budget), [40, 40].
+    assert gated.batches == [[100], [120, 150], [60], [300], [40, 40]]
+    assert [s.batch_id for s in served] == [0, 1, 1, 2, 3, 4, 4]
+    for s, n in zip(served, sizes, strict=True):
+        r = s.result
+        assert r.device_hit_tokens + r.restored_tokens + r.computed_tokens == n
+        assert 0 <= s.queue_s <= s.ttft_s
+    assert server.stats.batches == 5 and server.stats.served == len(sizes)
+
+
+async def test_batch_request_cap(engine: Engine) -> None:
+    gated = GatedEngine(engine, gated=[0])
+    async with Server(gated, ServeConfig(max_batch_tokens=10_000, max_batch_requests=2)) as server:
+        first = asyncio.create_task(server.submit(prompt(50, 0)))
+        await gated.entered[0].wait()
+        rest = [server.submit_nowait(prompt(50, i)) for i in range(1, 6)]
+        gated.release(0)
+        await first
+        await asyncio.gather(*rest)
+    assert [len(b) for b in gated.batches] == [1, 2, 2, 1]
+
+
+async def test_backpressure_submit_waits_and_submit_nowait_raises(engine: Engine) -> None:
+    gated = GatedEngine(engine, gated=[0])
+    async with Server(gated, ServeConfig(max_queue=2, max_batch_requests=1)) as server:
+        first = asyncio.create_task(server.submit(prompt(40, 0)))
+        await gated.entered[0].wait()
+        queued = [server.submit_nowait(prompt(40, 1)), server.submit_nowait(prompt(40, 2))]
+        with pytest.raises(QueueFull, match="max_queue=2"):
+            server.submit_nowait(prompt(40, 3))
+        blocked = asyncio.create_task(server.submit(prompt(40, 4)))
+        await yield_until(lambda: server.queued == 2)
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert not blocked.done() and server.queued == 2  # waits for room, not queued
+        gated.release(0)
+        await first
+        await asyncio.gather(*queued)
+        last = await blocked
+    assert last.batch_id == 3  # admitted after the two queued ones
+
+
+async def test_close_finishes_what_is_queued(engine: Engine) -> None:
+    gated = GatedEngine(engine, gated=[0])
+    server = Server(gated, ServeConfig(max_batch_requests=1))
+    server.start()
+    first = asyncio.create_task(server.submit(prompt(40, 0)))
+    await gated.entered[0].wait()
+    queued = [server.submit_nowait(prompt(40, i)) for i in (1, 2)]
+    closing = asyncio.create_task(server.aclose())
+    await yield_until(lambda: server._closing)
+    with pytest.raises(ServerClosed, match="closing"):
+        server.submit_nowait(prompt(40, 3))
+    gated.release(0)
+    await closing
+    assert (await first).batch_id == 0
+    assert [(await f).batch_id for f in queued] == [1, 2]
+    assert server.stats.dropped == 0
+
+
+async def test_close_with_cancel_fails_queued_and_blocked_requests(engine: Engine) -> None:
+    gated = GatedEngine(engine, gated=[0])
+    server = Server(gated, ServeConfig(max_batch_requests=1, max_queue=2))
+    server.start()
+    first = asyncio.create_task(server.submit(prompt(40, 0)))
+    await gated.entered[0].wait()
+    queued = [server.submit_nowait(prompt(40, i)) for i in (1, 2)]
+    blocked = asyncio.create_task(server.submit(prompt(40, 3)))
+    await yield_until(lambda: server.queued == 2)
+    closing = asyncio.create_task(server.aclose(cancel_pending=True))
+    await yield_until(lambda: server.queued == 0)
+    gated.release(0)
+    await closing
+    assert (await first).result.computed_tokens == 40  # the running batch finished
+    for f in queued:
+        with pytest.raises(ServerClosed, match="before this request ran"):
+            await f
+    with pytest.raises(ServerClosed):
+        await blocked
+    assert gated.batches == [[40]] and server.stats.dropped == 2
+    with pytest.raises(ServerClosed):
+        await server.submit(prompt(40, 4))
+
+
+async def test_engine_error_fails_its_batch_only(engine: Engine) -> None:
+    gated = GatedEngine(engine, gated=[0], fail=[1])
+    async with Server(gated, ServeConfig(max_batch_tokens=100)) as server:
+        first = asyncio.create_task(server.submit(prompt(90, 0)))
+        await gated.entered[0].wait()
+        doomed = [server.submit_nowait(prompt(45, i)) for i in (1, 2)]
+        after = server.submit_nowait(prompt(80, 3))
+        gated.release(0)
+        await first
+        for f in doomed:
+            with pytest.raises(EngineError, match="injected failure of batch 1"):
+                await f
+        assert (await after).batch_id == 2
+        again = await server.submit(prompt(80, 3))  # still serving; the device cache hits
+    assert again.result.device_hit_tokens > 0
+    assert server.stats.failed == 2
+
+
+async def test_cancelled_awaiter_leaves_the_queue(engine: Engine) -> None:
+    gated = GatedEngine(engine, gated=[0])
+    async with Server(gated, ServeConfig(max_batch_requests=1)) as server:
+        first = asyncio.create_task(server.submit(prompt(40, 0)))
+        await gated.entered[0].wait()
+        gone = asyncio.create_task(server.submit(prompt(40, 1)))
+        kept = asyncio.create_task(server.submit(prompt(40, 2)))
+        await yield_until(lambda: server.queued == 2)
+        gone.cancel()
+        gated.release(0)
+        await first
+        assert (await kept).batch_id == 1
+    assert gated.batches == [[40], [40]]
+
+
+def test_config_is_validated() -> None:
+    with pytest.raises(ValueError, match="max_batch_tokens must be at least 1"):
+        ServeConfig(max_batch_tokens=0)
+
+
+async def _cold(model: HybridModel, prompts: list[np.ndarray]) -> list[PrefillResult]:
+    out = []
+    for p in prompts:  # a fresh engine per prompt: nothing cached anywhere
+        async with Engine(model, EngineConfig(store="memory", offload=False,
+                                              pool_bytes=16 << 20)) as cold:
+            out.extend(await cold.prefill([p]))
+    return out
+
+
+async def _serve_all(server: Server, prompts: list[np.ndarray]) -> list[PrefillResult]:
+    served = await asyncio.gather(*(server.submit(p) for p in prompts))
+    return [s.result for s in served]
+
+
+async def test_results_are_exact_against_a_cold_engine(tiny_model: HybridModel) -> None:
+    prompts = [prompt(150 + 17 * i, i, shared=96) for i in range(6)]
+    cfg = EngineConfig(store="memory", pool_bytes=16 << 20)
+    async with Engine(tiny_model, cfg) as eng, Server(eng, ServeConfig(max_batch_tokens=400)) as s:
+        first = await _serve_all(s, prompts[:3])
+        await eng.wait_offloads()
+        eng.drop_device_cache()  # the rest restores the shared prefix from the store
+        second = await _serve_all(s, prompts[3:])
+    got = first + second
+    assert sum(r.restored_tokens for r in second) > 0
+    for ref, res in zip(await _cold(tiny_model, prompts), got, strict=True):
+        assert kl_divergence(ref.next_token_logprobs, res.next_token_logprobs) <= KL_EXACT
+
+
+@pytest.mark.mooncake
+async def test_real_mooncake_restores_through_the_server(
+        mc_client: MooncakeStore, tiny_model: HybridModel, namespace: str) -> None:
+    prompts = [prompt(200 + 9 * i, 10 + i, shared=128) for i in range(4)]
+    cfg = EngineConfig(store="embedded", namespace=namespace, pool_bytes=16 << 20)
+    async with Engine(tiny_model, cfg, store=mc_client) as eng, Server(eng) as server:
+        await server.submit(prompts[0])
+        report = await eng.wait_offloads()
+        assert report.ok and report.objects > 0
+        eng.drop_device_cache()
+        got = await _serve_all(server, prompts[1:])
+    assert all(r.restored_tokens == 128 for r in got)
+    for ref, res in zip(await _cold(tiny_model, prompts[1:]), got, strict=True):
+        assert kl_divergence(ref.next_token_logprobs, res.next_token_logprobs) <= KL_EXACT
