@@ -1,13 +1,14 @@
-"""A small continuous-batching serving loop on top of LayerLift's Engine.
+"""A small serving loop on top of LayerLift's Engine and its Server.
 
-Requests arrive on an asyncio queue. Every iteration the loop admits waiting
-requests (up to ``--max-batch`` running at once) and runs *one*
-``engine.prefill`` over every running sequence: a newly admitted request gets
-its first token (its TTFT is measured from its arrival), a running one gets
-its next greedy token. Decoding simply re-runs prefill on prompt + generated
-tokens: the engine's radix tree turns that into a device hit up to the last
-checkpoint plus a few computed tokens, and the result is exact. A real server
-would decode with a KV cache; this loop only shows the engine's API.
+Each request is one task: it submits its prompt to a
+:class:`layerlift.engine.serve.Server` (continuous batching of prefills
+under a token budget), takes the greedy token and submits prompt +
+generated tokens again until it has ``--new-tokens`` tokens. The server
+batches whatever is queued when the engine is free, so concurrent requests
+share engine calls; TTFT is measured from the first submit. Decoding simply
+re-runs prefill: the engine's radix tree turns that into a device hit up to
+the last checkpoint plus a few computed tokens, and the result is exact. A
+real server would decode with a KV cache; this loop only shows the API.
 
 Prompts share a system prefix, so later requests hit the device cache or
 restore from the store (``restored`` in the output).
@@ -28,21 +29,20 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from layerlift import Engine, EngineConfig, HybridModel, ModelSpec
+from layerlift.engine.serve import ServeConfig, Server
 
 
 @dataclass(eq=False)
 class Request:
-    """One request: its prompt, when it arrived, what it produced."""
+    """One request: its prompt, what it produced and its first-token times."""
 
     rid: int
     prompt: np.ndarray
     max_new_tokens: int
-    arrival: float = field(default_factory=time.perf_counter)
     generated: list[int] = field(default_factory=list)
     ttft: float | None = None
     restored_tokens: int = 0
     device_hit_tokens: int = 0
-    done: asyncio.Event = field(default_factory=asyncio.Event)
 
     def sequence(self) -> np.ndarray:
         return np.concatenate([self.prompt, np.asarray(self.generated, dtype=np.int64)])
@@ -52,56 +52,16 @@ class Request:
         return len(self.generated) >= self.max_new_tokens
 
 
-class ServingLoop:
-    """Admits requests from ``queue`` and steps every running one per iteration."""
-
-    def __init__(self, engine: Engine, max_batch: int) -> None:
-        if max_batch < 1:
-            raise ValueError(f"max_batch must be at least 1, got {max_batch}")
-        self.engine = engine
-        self.max_batch = max_batch
-        self.queue: asyncio.Queue[Request | None] = asyncio.Queue()
-        self.iterations = 0
-
-    async def submit(self, request: Request) -> None:
-        request.arrival = time.perf_counter()
-        await self.queue.put(request)
-
-    async def run(self) -> None:
-        """Serve until ``None`` was queued and every admitted request finished."""
-        running: list[Request] = []
-        closing = False
-        while True:
-            if not running and not closing:
-                first = await self.queue.get()  # idle: wait for work
-                if first is None:
-                    closing = True
-                else:
-                    running.append(first)
-            while not closing and len(running) < self.max_batch and not self.queue.empty():
-                nxt = self.queue.get_nowait()
-                if nxt is None:
-                    closing = True
-                else:
-                    running.append(nxt)
-            if not running:
-                return
-            await self._step(running)
-            for req in [r for r in running if r.finished]:
-                running.remove(req)
-                req.done.set()
-
-    async def _step(self, running: list[Request]) -> None:
-        """One engine call for the whole batch: one greedy token per request."""
-        self.iterations += 1
-        results = await self.engine.prefill([r.sequence() for r in running])
-        now = time.perf_counter()
-        for req, res in zip(running, results, strict=True):
-            if req.ttft is None:
-                req.ttft = now - req.arrival
-                req.restored_tokens = res.restored_tokens
-                req.device_hit_tokens = res.device_hit_tokens
-            req.generated.append(int(res.next_token_logprobs.argmax()))
+async def run_request(server: Server, req: Request) -> None:
+    """Submit until the request has all its tokens."""
+    while not req.finished:
+        served = await server.submit(req.sequence())
+        res = served.result
+        if req.ttft is None:
+            req.ttft = served.ttft_s
+            req.restored_tokens = res.restored_tokens
+            req.device_hit_tokens = res.device_hit_tokens
+        req.generated.append(int(res.next_token_logprobs.argmax()))
 
 
 def make_prompts(spec: ModelSpec, n: int, system_len: int, user_len: int,
@@ -114,20 +74,18 @@ def make_prompts(spec: ModelSpec, n: int, system_len: int, user_len: int,
 
 
 async def serve(engine: Engine, prompts: Sequence[np.ndarray], *, max_batch: int,
-                new_tokens: int, arrival_gap_s: float = 0.0) -> list[Request]:
-    """Feed ``prompts`` to a serving loop (one every ``arrival_gap_s``) and
-    return the finished requests, in arrival order."""
-    loop = ServingLoop(engine, max_batch)
-    server = asyncio.create_task(loop.run())
+                new_tokens: int, arrival_gap_s: float = 0.0,
+                max_batch_tokens: int = 4096) -> list[Request]:
+    """Feed ``prompts`` to a server (one every ``arrival_gap_s``) and return
+    the finished requests, in arrival order."""
     requests = [Request(i, p, new_tokens) for i, p in enumerate(prompts)]
-    try:
+    cfg = ServeConfig(max_batch_tokens=max_batch_tokens, max_batch_requests=max_batch)
+    async with Server(engine, cfg) as server:
+        tasks = []
         for req in requests:
-            await loop.submit(req)
+            tasks.append(asyncio.create_task(run_request(server, req)))
             await asyncio.sleep(arrival_gap_s)  # 0: just yield to the server
-        await loop.queue.put(None)
-        await server
-    finally:
-        server.cancel()
+        await asyncio.gather(*tasks)
     return requests
 
 
@@ -137,7 +95,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--store", choices=["memory", "embedded"], default="memory",
                     help="in-process store, or a real Mooncake master started for the run")
     ap.add_argument("--requests", type=int, default=8, help="number of requests")
-    ap.add_argument("--max-batch", type=int, default=4, help="requests running at once")
+    ap.add_argument("--max-batch", type=int, default=4, help="requests per engine call")
+    ap.add_argument("--max-batch-tokens", type=int, default=4096, help="prompt tokens per call")
     ap.add_argument("--new-tokens", type=int, default=4, help="greedy tokens per request")
     ap.add_argument("--system-len", type=int, default=96, help="shared prefix tokens")
     ap.add_argument("--user-len", type=int, default=40, help="per-request tokens")
@@ -165,7 +124,8 @@ async def amain(args: argparse.Namespace) -> list[Request]:
         engine.drop_device_cache()
         t0 = time.perf_counter()
         done = await serve(engine, prompts, max_batch=args.max_batch,
-                           new_tokens=args.new_tokens, arrival_gap_s=args.arrival_gap_ms / 1e3)
+                           new_tokens=args.new_tokens, arrival_gap_s=args.arrival_gap_ms / 1e3,
+                           max_batch_tokens=args.max_batch_tokens)
         wall = time.perf_counter() - t0
         report = await engine.wait_offloads()
     for r in done:
