@@ -1,0 +1,176 @@
+"""Restore or recompute, per request: a cost model learned from the engine's
+own timings.
+
+Restoring ``R`` tokens moves their bytes over the link, layer by layer;
+computing them costs forward time. On a slow link a short prefix is cheaper
+to compute, and a long one is cheaper to restore. The model estimates both
+and :meth:`CostModel.decide` picks the cheaper (a :class:`Decision` says
+which and why).
+
+What it learns (exponential moving averages, starting from priors so the
+first decisions are sensible):
+
+* the link, from each restore's per-layer load times: a layer that moves
+  ``x`` bytes takes ``latency + x / bandwidth``. ``observe_load`` fits that
+  line by least squares over EMAs of ``x``, ``y``, ``x*x``, ``x*y`` (the
+  priors enter as two pseudo-points, so one observation never gives a
+  degenerate fit);
+* the forward, from each batch's per-layer compute times: seconds per
+  computed token (``observe_forward``).
+
+Estimates follow DESIGN.md section 5 for one request with per-layer load
+``a`` and compute ``c`` over ``L`` layers:
+
+* recompute: ``c_tok * (R + S)`` (S = suffix tokens computed either way);
+* barrier restore: ``L * a + c_tok * S``;
+* overlap restore: ``max(L * a + c_last, a + c_tok * S)`` with
+  ``c_last = c_tok * S / L`` (the per-layer overlap bound).
+
+Pure logic: no clocks, no engine state. Not thread-safe; call it from the
+event loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["CostModel", "CostPriors", "Decision"]
+
+
+@dataclass(frozen=True, slots=True)
+class CostPriors:
+    """Starting estimates, used until timings were observed: a 1 GB/s link
+    with 50 us per layer call, and 0.2 ms of forward per token (the
+    ``small`` preset on one CPU core is about that)."""
+
+    bandwidth_bytes_per_s: float = 1e9
+    layer_latency_s: float = 50e-6
+    compute_s_per_token: float = 2e-4
+
+    def __post_init__(self) -> None:
+        if self.bandwidth_bytes_per_s <= 0 or self.compute_s_per_token <= 0:
+            raise ValueError("bandwidth_bytes_per_s and compute_s_per_token must be positive")
+        if self.layer_latency_s < 0:
+            raise ValueError("layer_latency_s must not be negative")
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """Whether to restore, why, and the two estimates (seconds)."""
+
+    restore: bool
+    reason: str
+    est_restore_s: float
+    est_compute_s: float
+
+
+class CostModel:
+    """Online estimates of link and compute cost for one engine.
+
+    ``alpha`` is the weight of a new observation in every moving average
+    (0 < alpha <= 1). ``num_layers`` splits a restore's bytes over layers.
+    """
+
+    def __init__(self, num_layers: int, priors: CostPriors | None = None,
+                 alpha: float = 0.2) -> None:
+        if num_layers < 1:
+            raise ValueError(f"num_layers must be at least 1, got {num_layers}")
+        if not 0 < alpha <= 1:
+            raise ValueError(f"alpha must lie in (0, 1], got {alpha}")
+        self.num_layers, self.alpha = num_layers, alpha
+        self.priors = priors or CostPriors()
+        p = self.priors
+        # Two pseudo-points on the prior line: 0 bytes and 1 MiB per layer.
+        x0, x1 = 0.0, float(1 << 20)
+        y0, y1 = p.layer_latency_s, p.layer_latency_s + x1 / p.bandwidth_bytes_per_s
+        self._mx, self._my = (x0 + x1) / 2, (y0 + y1) / 2
+        self._mxx, self._mxy = (x0 * x0 + x1 * x1) / 2, (x0 * y0 + x1 * y1) / 2
+        self._c_tok = p.compute_s_per_token
+        self.load_observations = 0
+        self.forward_observations = 0
+
+    # ---- what was learned ---------------------------------------------------------
+    @property
+    def bandwidth_bytes_per_s(self) -> float:
+        slope = self._slope()
+        return float("inf") if slope <= 0 else 1.0 / slope
+
+    @property
+    def layer_latency_s(self) -> float:
+        return max(0.0, self._my - self._slope() * self._mx)
+
+    @property
+    def compute_s_per_token(self) -> float:
+        return self._c_tok
+
+    def _slope(self) -> float:
+        var = self._mxx - self._mx * self._mx
+        if var <= 1e-9 * max(self._mxx, 1.0):  # every observation at one size: no slope
+            return 1.0 / self.priors.bandwidth_bytes_per_s
+        return max(0.0, (self._mxy - self._mx * self._my) / var)
+
+    # ---- observing -------------------------------------------------------------------
+    def observe_load(self, layer_bytes: Sequence[int], layer_seconds: Sequence[float]) -> None:
+        """One restore's per-layer bytes and load times (a layer's time is
+        from the previous layer's landing, or the issue, to its own; layers
+        that moved nothing are skipped). ``ValueError`` on mismatched lengths
+        or negative values."""
+        if len(layer_bytes) != len(layer_seconds):
+            raise ValueError(f"{len(layer_bytes)} byte counts for {len(layer_seconds)} times")
+        for x, y in zip(layer_bytes, layer_seconds, strict=True):
+            if x < 0 or y < 0:
+                raise ValueError("layer bytes and seconds must not be negative")
+            if x == 0:
+                continue
+            a = self.alpha
+            self._mx += a * (x - self._mx)
+            self._my += a * (y - self._my)
+            self._mxx += a * (x * x - self._mxx)
+            self._mxy += a * (x * y - self._mxy)
+            self.load_observations += 1
+
+    def observe_forward(self, computed_tokens: int, forward_seconds: float) -> None:
+        """One forward that computed ``computed_tokens`` (all requests of the
+        batch) in ``forward_seconds`` (the sum of its per-layer compute)."""
+        if computed_tokens < 0 or forward_seconds < 0:
+            raise ValueError("computed_tokens and forward_seconds must not be negative")
+        if computed_tokens == 0:
+            return
+        self._c_tok += self.alpha * (forward_seconds / computed_tokens - self._c_tok)
+        self.forward_observations += 1
+
+    # ---- estimating ----------------------------------------------------------------------
+    def load_seconds(self, restore_bytes: int) -> float:
+        """Estimated time to land ``restore_bytes`` over all layers."""
+        per_layer = restore_bytes / self.num_layers
+        return self.num_layers * (self.layer_latency_s + per_layer / self.bandwidth_bytes_per_s)
+
+    def decide(self, restore_tokens: int, restore_bytes: int, suffix_tokens: int, *,
+               overlap: bool = True) -> Decision:
+        """Restore ``restore_tokens`` (``restore_bytes`` over the link) and
+        compute ``suffix_tokens``, or compute all of them? Ties restore (the
+        restore also fills the device cache without a forward)."""
+        if min(restore_tokens, restore_bytes, suffix_tokens) < 0:
+            raise ValueError("token and byte counts must not be negative")
+        c = self._c_tok
+        est_compute = c * (restore_tokens + suffix_tokens)
+        if restore_tokens == 0:
+            return Decision(False, "nothing to restore", est_compute, est_compute)
+        load = self.load_seconds(restore_bytes)
+        suffix = c * suffix_tokens
+        if overlap:
+            first_layer = load / self.num_layers
+            est_restore = max(load + suffix / self.num_layers, first_layer + suffix)
+        else:
+            est_restore = load + suffix
+        gbps = self.bandwidth_bytes_per_s / 1e9
+        if est_restore <= est_compute:
+            reason = (f"restore: loading {restore_tokens} tokens ({restore_bytes} B at "
+                      f"{gbps:.3g} GB/s) ~{est_restore * 1e3:.2f} ms beats computing them "
+                      f"~{est_compute * 1e3:.2f} ms")
+            return Decision(True, reason, est_restore, est_compute)
+        reason = (f"recompute: computing {restore_tokens} tokens ~{est_compute * 1e3:.2f} ms "
+                  f"beats loading {restore_bytes} B at {gbps:.3g} GB/s "
+                  f"~{est_restore * 1e3:.2f} ms")
+        return Decision(False, reason, est_restore, est_compute)
