@@ -30,7 +30,8 @@ import asyncio
 import json
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -94,7 +95,7 @@ async def end_to_end(
     return end - t0
 
 
-async def median_of(fn: Callable[[], Any]) -> float:
+async def median_of(fn: Callable[[], Awaitable[float]]) -> float:
     samples = [await fn() for _ in range(REPS)]
     return statistics.median(samples)
 
@@ -107,14 +108,14 @@ async def run_grid(max_in_flight: int, stream_size: int) -> list[dict[str, Any]]
     try:
         for num_layers in (32, 64):
             for batch in (1, 16):
-                base = await median_of(lambda n=num_layers: timed_forward(n, None))
+                base = await median_of(partial(timed_forward, num_layers, None))
                 single = done_readiness(num_layers, batch)
                 deps = CombinedReadiness([done_readiness(num_layers, 1) for _ in range(batch)])
-                cases: dict[str, Callable[[], Any]] = {
-                    "wait_done": lambda n=num_layers, g=single: timed_forward(n, g),
-                    "wait_deps": lambda n=num_layers, g=deps: timed_forward(n, g),
-                    "end_to_end": lambda n=num_layers, b=batch: end_to_end(sched, n, b),
-                    "per_request": lambda n=num_layers, b=batch: end_to_end(sched, n, b, True),
+                cases: dict[str, Callable[[], Awaitable[float]]] = {
+                    "wait_done": partial(timed_forward, num_layers, single),
+                    "wait_deps": partial(timed_forward, num_layers, deps),
+                    "end_to_end": partial(end_to_end, sched, num_layers, batch),
+                    "per_request": partial(end_to_end, sched, num_layers, batch, True),
                 }
                 for mode, fn in cases.items():
                     with_waits = await median_of(fn)

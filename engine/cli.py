@@ -1,6 +1,7 @@
 """The ``layerlift`` console script.
 
     layerlift master [--rpc-port P ...]     run a mooncake_master in the foreground
+    layerlift store-node --master H:P ...   a Mooncake client contributing a segment
     layerlift bench ttft [options]          TTFT: recompute vs barrier vs overlap restore
 """
 
@@ -15,6 +16,8 @@ USAGE = """usage: layerlift <command> [options]
 commands:
   master        run a private mooncake_master on loopback until Ctrl-C
                 (layerlift master --help)
+  store-node    contribute a memory segment to a Mooncake cluster until SIGTERM
+                (layerlift store-node --help)
   bench ttft    time to first token: recompute vs barrier vs overlap restore
                 (layerlift bench ttft --help)
 """
@@ -32,6 +35,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from layerlift.linker.master import main as master_main
 
         return master_main(args[1:])
+    if args[0] == "store-node":
+        from layerlift.linker.store_node import main as store_node_main
+
+        return store_node_main(args[1:])
     if args[0] == "bench":
         if len(args) >= 2 and args[1] == "ttft":
             from layerlift.bench.ttft import main as ttft_main

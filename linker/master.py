@@ -1,5 +1,12 @@
 """`EmbeddedMaster`: run a private `mooncake_master` on loopback (tests, benchmarks, CLI).
 
+It binds what it can to `host` (default 127.0.0.1): the RPC server
+(`--rpc_address`) and the metrics server (`--metrics_host`). The HTTP metadata
+server is told the same host (`--http_metadata_server_host`) but Mooncake
+0.3.13 binds it to 0.0.0.0 regardless (seen with `ss -ltnp`): pass
+`http_metadata=False` where clients can use "P2PHANDSHAKE" instead (the
+engine's embedded default does), and the master listens on `host` only.
+
 The master runs in its own process group with its output in a log file. It is
 stopped on `stop()`, on leaving the `with` block (also on exceptions and
 KeyboardInterrupt) and, on Linux, killed by the kernel if the Python parent
@@ -53,10 +60,10 @@ def find_master_binary() -> str:
     )
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on `host` that was free a moment ago."""
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((host, 0))
         port: int = sock.getsockname()[1]
         return port
 
@@ -70,18 +77,21 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def _port_open(port: int) -> bool:
+def _port_open(host: str, port: int) -> bool:
     try:
-        socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+        socket.create_connection((host, port), timeout=0.2).close()
     except OSError:
         return False
     return True
 
 
 class EmbeddedMaster:
-    """A `mooncake_master` child process on 127.0.0.1. Not thread-safe; `stop()` is idempotent.
+    """A `mooncake_master` child process on `host`. Not thread-safe; `stop()` is idempotent.
 
-    Ports left as None are picked free. `lease_ttl_ms` is the master's
+    Ports left as None are picked free. `host` is the address it binds and
+    clients dial (127.0.0.1; a namespace host's address across namespaces).
+    `http_metadata=False` runs no HTTP metadata server (clients then use
+    "P2PHANDSHAKE"; `metadata_url` is that string). `lease_ttl_ms` is the master's
     `--default_kv_lease_ttl` (milliseconds): the default 50 ms lets tests
     `remove` soon after a read, but a read that takes longer than the lease
     fails with LEASE_EXPIRED (-707): use seconds for large transfers (the CLI
@@ -101,12 +111,16 @@ class EmbeddedMaster:
         start_timeout_s: float = 20.0,
         stop_timeout_s: float = 5.0,
         binary: str | None = None,
+        host: str = "127.0.0.1",
+        http_metadata: bool = True,
     ) -> None:
         if lease_ttl_ms <= 0 or start_timeout_s <= 0 or stop_timeout_s <= 0:
             raise ValueError("lease_ttl_ms, start_timeout_s and stop_timeout_s must be positive.")
-        self.rpc_port = rpc_port or free_port()
-        self.http_port = http_port or free_port()
-        self.metrics_port = metrics_port or free_port()
+        self.host = host
+        self.http_metadata = http_metadata
+        self.rpc_port = rpc_port or free_port(host)
+        self.http_port = http_port or free_port(host)
+        self.metrics_port = metrics_port or free_port(host)
         if log_path is None:
             log_path = Path(tempfile.mkdtemp(prefix="layerlift-master-")) / "mooncake_master.log"
         self.log_path = Path(log_path)
@@ -120,12 +134,15 @@ class EmbeddedMaster:
     @property
     def master_address(self) -> str:
         """The RPC address clients pass as `MooncakeConfig.master_address`."""
-        return f"127.0.0.1:{self.rpc_port}"
+        return f"{self.host}:{self.rpc_port}"
 
     @property
     def metadata_url(self) -> str:
-        """The HTTP metadata server clients pass as `MooncakeConfig.metadata_server`."""
-        return f"http://127.0.0.1:{self.http_port}/metadata"
+        """What clients pass as `MooncakeConfig.metadata_server`: the HTTP metadata
+        server's URL, or "P2PHANDSHAKE" when the master runs none."""
+        if not self.http_metadata:
+            return "P2PHANDSHAKE"
+        return f"http://{self.host}:{self.http_port}/metadata"
 
     @property
     def pid(self) -> int | None:
@@ -146,12 +163,17 @@ class EmbeddedMaster:
         return MooncakeConfig(**fields)
 
     def command(self) -> list[str]:
+        metadata = [
+            "--enable_http_metadata_server=true",
+            "--http_metadata_server_host", self.host,
+            "--http_metadata_server_port", str(self.http_port),
+        ] if self.http_metadata else ["--enable_http_metadata_server=false"]  # fmt: skip
         return [
             self._binary or find_master_binary(),
+            "--rpc_address", self.host,
             "--rpc_port", str(self.rpc_port),
-            "--enable_http_metadata_server=true",
-            "--http_metadata_server_host", "127.0.0.1",
-            "--http_metadata_server_port", str(self.http_port),
+            *metadata,
+            "--metrics_host", self.host,
             "--metrics_port", str(self.metrics_port),
             "--default_kv_lease_ttl", str(self.lease_ttl_ms),
         ]  # fmt: skip
@@ -182,8 +204,9 @@ class EmbeddedMaster:
     def _wait_ready(self) -> None:
         assert self._proc is not None
         deadline = time.monotonic() + self.start_timeout_s
-        for port in (self.rpc_port, self.http_port):
-            while not _port_open(port):
+        ports = (self.rpc_port, self.http_port) if self.http_metadata else (self.rpc_port,)
+        for port in ports:
+            while not _port_open(self.host, port):
                 if self._proc.poll() is not None:
                     raise StoreUnavailable(
                         f"mooncake_master exited with code {self._proc.returncode} during "
@@ -249,6 +272,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--metrics-port", type=int, default=None, help="metrics port")
     parser.add_argument("--log", default=None, help="log file (default: in a temp dir)")
     parser.add_argument("--lease-ttl-ms", type=int, default=5000, help="object read lease")
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address to bind and advertise (default 127.0.0.1)"
+    )
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     master = EmbeddedMaster(
@@ -257,6 +283,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         metrics_port=args.metrics_port,
         log_path=args.log,
         lease_ttl_ms=args.lease_ttl_ms,
+        host=args.host,
     )
     try:
         with master:
