@@ -156,8 +156,9 @@ class KVPool(ABC):
             self.buffer, self.spec, self.spec.kinds[layer], self.spec.local_index(layer)
         )
 
-    def mamba_view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Conv and SSM state views of global MAMBA layer ``layer``."""
+    def mamba_view(self, layer: int) -> tuple[torch.Tensor, ...]:
+        """The state tensors of global MAMBA layer ``layer`` (one view per
+        tensor of ``spec.mamba``, each ``[max_slots, *shape]``)."""
         if self.spec.kinds[layer] is not Component.MAMBA:
             raise PoolError(f"layer {layer} is {self.spec.kinds[layer].value}, not mamba")
         return mamba_layer_view(self.buffer, self.spec, self.spec.local_index(layer))

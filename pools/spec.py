@@ -6,20 +6,26 @@ A hybrid model mixes three layer kinds, each with its own device pool
 * ``FULL``  - full causal attention; KV indexed by token page.
 * ``SWA``   - sliding-window attention; KV indexed by token page, only the last
   ``swa_window`` tokens are ever read.
-* ``MAMBA`` - a recurrent mixer; its state (conv + SSM) is indexed by *slot*:
-  one slot holds the state of every Mamba layer at one token boundary.
+* ``MAMBA`` - a recurrent mixer (Mamba-2, gated DeltaNet, short conv...); its
+  state is any list of tensors (:class:`MambaSpec`) and is indexed by *slot*:
+  one slot holds the state of every recurrent layer at one token boundary.
 
 Byte layout (shared by the device pools and the store's page objects, see
 DESIGN.md section 4): a FULL page is ``[layer0 K|V][layer1 K|V]...`` over the
 FULL layers only, so a whole page is one contiguous copy and the slice of one
 layer is one contiguous range. SWA pages likewise; a MAMBA slot is
-``[layer0 conv|ssm][layer1 conv|ssm]...``.
+``[layer0 s0|s1..][layer1 s0|s1..]...``.
+
+:class:`ModelSpec` is the cache layout only; the reference model's
+hyperparameters (vocabulary, widths) ride along in :class:`ModelDims` and
+never reach the pools.
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, fields
 from enum import Enum
 from functools import cached_property
 
@@ -29,9 +35,12 @@ __all__ = [
     "AttentionSpec",
     "Component",
     "LayerSlice",
+    "PLACEHOLDER_PAGE_BYTES",
     "MambaSpec",
+    "ModelDims",
     "ModelSpec",
     "SlidingWindowSpec",
+    "StateTensorSpec",
 ]
 
 
@@ -103,43 +112,104 @@ class SlidingWindowSpec(AttentionSpec):
 
 
 @dataclass(frozen=True, slots=True)
-class MambaSpec:
-    """State of one Mamba-2-style layer: conv state ``[conv_dim, d_conv - 1]``
-    then SSM state ``[num_heads, head_dim, d_state]``, both in ``dtype``."""
+class StateTensorSpec:
+    """One recurrent state tensor of one layer (e.g. a conv or an SSM state),
+    without the batch dimension."""
 
-    num_heads: int
-    head_dim: int
-    d_state: int
-    d_conv: int
+    name: str
+    shape: tuple[int, ...]
     dtype: torch.dtype
 
-    @property
-    def d_inner(self) -> int:
-        return self.num_heads * self.head_dim
+    def __post_init__(self) -> None:
+        if not self.shape or any(int(n) <= 0 for n in self.shape):
+            raise ValueError(f"state tensor {self.name!r} needs a non-empty positive shape, "
+                             f"got {self.shape}")
 
     @property
-    def conv_dim(self) -> int:
-        return self.d_inner + 2 * self.d_state
+    def numel(self) -> int:
+        return math.prod(self.shape)
 
     @property
-    def conv_shape(self) -> tuple[int, int]:
-        return (self.conv_dim, self.d_conv - 1)
+    def nbytes(self) -> int:
+        return self.numel * _elem(self.dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class MambaSpec:
+    """The recurrent state of one MAMBA-kind layer: any list of tensors, each
+    with its own shape and dtype, laid out back to back in one slot.
+
+    Mamba-2 has ``(conv, ssm)``, gated DeltaNet ``(conv, recurrent)``, a short
+    convolution ``(conv,)``. Each tensor starts at a multiple of its element
+    size and the layer's slice is padded to a multiple of the largest one, so
+    every tensor of every layer of every slot is a plain typed view of the
+    pool's bytes.
+    """
+
+    tensors: tuple[StateTensorSpec, ...]
+
+    def __post_init__(self) -> None:
+        if not self.tensors:
+            raise ValueError("a recurrent layer needs at least one state tensor")
+
+    @classmethod
+    def mamba2(cls, num_heads: int, head_dim: int, d_state: int, d_conv: int,
+               dtype: torch.dtype = torch.float32) -> MambaSpec:
+        """Mamba-2 (one group): conv ``[num_heads*head_dim + 2*d_state, d_conv-1]``
+        then SSM ``[num_heads, head_dim, d_state]``."""
+        conv_dim = num_heads * head_dim + 2 * d_state
+        return cls((StateTensorSpec("conv", (conv_dim, d_conv - 1), dtype),
+                    StateTensorSpec("ssm", (num_heads, head_dim, d_state), dtype)))
 
     @property
-    def ssm_shape(self) -> tuple[int, int, int]:
-        return (self.num_heads, self.head_dim, self.d_state)
-
-    @property
-    def conv_bytes(self) -> int:
-        return self.conv_dim * (self.d_conv - 1) * _elem(self.dtype)
-
-    @property
-    def ssm_bytes(self) -> int:
-        return self.num_heads * self.head_dim * self.d_state * _elem(self.dtype)
+    def offsets(self) -> tuple[int, ...]:
+        """Byte offset of every tensor inside the layer's slice."""
+        out, at = [], 0
+        for t in self.tensors:
+            at = _round_up(at, _elem(t.dtype))
+            out.append(at)
+            at += t.nbytes
+        return tuple(out)
 
     @property
     def layer_slot_bytes(self) -> int:
-        return self.conv_bytes + self.ssm_bytes
+        end = self.offsets[-1] + self.tensors[-1].nbytes
+        return _round_up(end, max(_elem(t.dtype) for t in self.tensors))
+
+
+def _round_up(n: int, unit: int) -> int:
+    return -(-n // unit) * unit
+
+
+@dataclass(frozen=True, slots=True)
+class ModelDims:
+    """Hyperparameters of the reference model (``HybridModel``), not of the
+    cache: the pools never read them. ``mamba_*`` shape the reference model's
+    Mamba-2 mixer (and so its state, see :meth:`MambaSpec.mamba2`)."""
+
+    vocab_size: int = 512
+    hidden_size: int = 64
+    num_heads: int = 4
+    intermediate_size: int = 128
+    mamba_heads: int = 4
+    mamba_head_dim: int = 16
+    mamba_d_state: int = 16
+    mamba_d_conv: int = 4
+    rms_eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_heads", "intermediate_size",
+                     "mamba_heads", "mamba_head_dim", "mamba_d_state"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.mamba_d_conv < 2:
+            raise ValueError(f"mamba_d_conv must be at least 2, got {self.mamba_d_conv}")
+        if self.rms_eps <= 0:
+            raise ValueError(f"rms_eps must be positive, got {self.rms_eps}")
+
+    def mamba_state(self) -> MambaSpec:
+        return MambaSpec.mamba2(self.mamba_heads, self.mamba_head_dim, self.mamba_d_state,
+                                self.mamba_d_conv)
 
 
 class LayerSlice(tuple[Component, int, int, int]):
@@ -183,59 +253,52 @@ _PRESETS: dict[str, dict[str, object]] = {
     ),
 }
 
+_DIM_NAMES = frozenset(f.name for f in fields(ModelDims))
+
+PLACEHOLDER_PAGE_BYTES = 64
+"""Page (or slot) size of a component the model has no layer of (a model
+without sliding layers, or without recurrent ones): the engine and the store
+treat every model alike, so such a component keeps a tiny page that no layer
+reads or writes."""
+
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """The layout of a hybrid model: layer kinds, shapes, dtype and paging.
+    """The cache layout of a hybrid model: what the pools are built from.
 
-    ``layers`` names every layer's kind in order, e.g. ``"FSMSFSMM"``. Every
-    kind must occur at least once (LayerLift is for hybrid models). KV uses
-    ``dtype``; Mamba state is always float32 (recurrent state loses too much
-    precision in 16-bit). ``swa_window`` and ``track_interval`` are in tokens
-    and must be multiples of ``page_size``. Raises ``ValueError`` on any
-    inconsistency.
+    ``layers`` names every cache layer's kind in order, e.g. ``"FSMSFSMM"``
+    (``F`` full attention, ``S`` sliding window, ``M`` recurrent). KV of FULL
+    and SWA layers is ``[page_size, num_kv_heads, head_dim]`` K then V in
+    ``dtype``; a MAMBA layer's state is ``state`` (any list of tensors, each
+    with its own shape and dtype). ``swa_window`` and ``track_interval`` are in
+    tokens and must be multiples of ``page_size``. Raises ``ValueError`` on
+    any inconsistency.
+
+    ``dims`` are the reference model's hyperparameters (vocabulary, widths):
+    they are not part of the layout and the pools never read them. When
+    ``state`` is omitted it is the reference model's Mamba-2 state of
+    ``dims``.
     """
 
     layers: str
-    vocab_size: int = 512
-    hidden_size: int = 64
-    num_heads: int = 4
     num_kv_heads: int = 2
     head_dim: int = 16
-    intermediate_size: int = 128
-    mamba_heads: int = 4
-    mamba_head_dim: int = 16
-    mamba_d_state: int = 16
-    mamba_d_conv: int = 4
     page_size: int = 16
     swa_window: int = 64
     track_interval: int = 64
     dtype: str = "float32"
-    rms_eps: float = 1e-6
+    state: MambaSpec | None = None
+    dims: ModelDims = field(default_factory=ModelDims, compare=False)
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self) -> None:
         if not self.layers:
             raise ValueError("layers must name at least one layer, e.g. 'FSMSFSMM'")
-        kinds = {Component.from_letter(ch) for ch in self.layers}
-        missing = [c.letter for c in Component if c not in kinds]
-        if missing:
-            raise ValueError(
-                f"layers {self.layers!r} has no {'/'.join(missing)} layer: LayerLift "
-                "restores hybrid models and needs at least one F, one S and one M layer"
-            )
-        for name in ("vocab_size", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
-                     "intermediate_size", "mamba_heads", "mamba_head_dim", "mamba_d_state",
-                     "page_size", "swa_window", "track_interval"):
+        for ch in self.layers:
+            Component.from_letter(ch)
+        for name in ("num_kv_heads", "head_dim", "page_size", "swa_window", "track_interval"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.mamba_d_conv < 2:
-            raise ValueError(f"mamba_d_conv must be at least 2, got {self.mamba_d_conv}")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
-                f"({self.num_kv_heads}) for grouped-query attention"
-            )
         for name in ("swa_window", "track_interval"):
             if getattr(self, name) % self.page_size:
                 raise ValueError(
@@ -243,17 +306,19 @@ class ModelSpec:
                     f"page_size ({self.page_size} tokens)"
                 )
         _dtype(self.dtype)
-        if self.rms_eps <= 0:
-            raise ValueError(f"rms_eps must be positive, got {self.rms_eps}")
+        if self.state is None:
+            object.__setattr__(self, "state", self.dims.mamba_state())
 
     @classmethod
     def preset(cls, name: str, **overrides: object) -> ModelSpec:
         """A named layout: ``tiny`` (tests), ``tiny128`` (seed-scale pages),
-        ``small`` and ``medium`` (benchmarks)."""
+        ``small`` and ``medium`` (benchmarks). ``overrides`` may name layout
+        fields and :class:`ModelDims` fields alike."""
         if name not in _PRESETS:
             raise ValueError(f"unknown preset {name!r}; choose one of {sorted(_PRESETS)}")
         kwargs = {**_PRESETS[name], **overrides}
-        return cls(name=name, **kwargs)  # type: ignore[arg-type]
+        dims = {k: kwargs.pop(k) for k in list(kwargs) if k in _DIM_NAMES}
+        return cls(name=name, dims=ModelDims(**dims), **kwargs)  # type: ignore[arg-type]
 
     @staticmethod
     def preset_names() -> list[str]:
@@ -277,14 +342,16 @@ class ModelSpec:
         kind = self.kinds[layer]
         return self.kinds[:layer].count(kind)
 
+    @property
+    def vocab_size(self) -> int:
+        """Deprecated: the vocabulary is the model's (``model.vocab_size``),
+        not the cache layout's; kept while callers move over."""
+        return self.dims.vocab_size
+
     # ---- per-kind specs ---------------------------------------------------
     @property
     def kv_dtype(self) -> torch.dtype:
         return _dtype(self.dtype)
-
-    @property
-    def state_dtype(self) -> torch.dtype:
-        return torch.float32
 
     @cached_property
     def full(self) -> AttentionSpec:
@@ -296,12 +363,11 @@ class ModelSpec:
             self.num_kv_heads, self.head_dim, self.page_size, self.kv_dtype, self.swa_window
         )
 
-    @cached_property
+    @property
     def mamba(self) -> MambaSpec:
-        return MambaSpec(
-            self.mamba_heads, self.mamba_head_dim, self.mamba_d_state, self.mamba_d_conv,
-            self.state_dtype,
-        )
+        """The state layout of every MAMBA layer."""
+        assert self.state is not None  # set in __post_init__
+        return self.state
 
     @property
     def window_pages(self) -> int:
@@ -321,8 +387,10 @@ class ModelSpec:
         return self.mamba.layer_slot_bytes
 
     def page_bytes(self, component: Component) -> int:
-        """Bytes of one whole page (FULL/SWA) or slot (MAMBA): one store object."""
-        return self.layer_bytes(component) * len(self.layers_of(component))
+        """Bytes of one whole page (FULL/SWA) or slot (MAMBA): one store object.
+        A component without layers keeps a :data:`PLACEHOLDER_PAGE_BYTES` page."""
+        n = len(self.layers_of(component))
+        return self.layer_bytes(component) * n if n else PLACEHOLDER_PAGE_BYTES
 
     def layer_slice(self, layer: int) -> LayerSlice:
         """Where layer ``layer`` lives inside its component's page object."""
@@ -335,14 +403,14 @@ class ModelSpec:
     def fingerprint(self) -> str:
         """A short hash of everything that decides the bytes of a page object.
 
-        Two specs with a different layout, shape, dtype, page size, window or
-        track interval never share a fingerprint, so they never read each
-        other's store objects.
+        Two specs with a different layout, shape, dtype, page size, window,
+        track interval or state layout never share a fingerprint, so they
+        never read each other's store objects. The weights are not in it: the
+        engine adds the model's identity.
         """
+        state = tuple((t.name, t.shape, str(t.dtype)) for t in self.mamba.tensors)
         parts = (
             self.layers, self.num_kv_heads, self.head_dim, self.dtype, self.page_size,
-            self.swa_window, self.track_interval, self.mamba_heads, self.mamba_head_dim,
-            self.mamba_d_state, self.mamba_d_conv, str(self.state_dtype),
-            self.hidden_size, self.num_heads, self.vocab_size, self.intermediate_size,
+            self.swa_window, self.track_interval, state,
         )
         return hashlib.blake2b(repr(parts).encode(), digest_size=8).hexdigest()

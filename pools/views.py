@@ -24,6 +24,14 @@ def _typed(buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return buf[:usable].view(dtype)
 
 
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= n
+    return tuple(reversed(strides))
+
+
 def kv_layer_view(
     buf: torch.Tensor, spec: ModelSpec, component: Component, local_layer: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,26 +59,25 @@ def kv_layer_view(
 
 def mamba_layer_view(
     buf: torch.Tensor, spec: ModelSpec, local_layer: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Conv state ``[max_slots, conv_dim, d_conv - 1]`` and SSM state
-    ``[max_slots, num_heads, head_dim, d_state]`` of the ``local_layer``-th
-    Mamba layer, indexed by slot."""
+) -> tuple[torch.Tensor, ...]:
+    """Every state tensor of the ``local_layer``-th recurrent layer, in
+    ``spec.mamba.tensors`` order, each ``[max_slots, *shape]`` in its own
+    dtype and indexed by slot (Mamba-2: conv, ssm)."""
     n_layers = len(spec.layers_of(Component.MAMBA))
     if not 0 <= local_layer < n_layers:
         raise ValueError(f"mamba has {n_layers} layers, no layer {local_layer}")
     m = spec.mamba
-    typed = _typed(buf, m.dtype)
-    elem = typed.element_size()
-    slot_elems = spec.page_bytes(Component.MAMBA) // elem
-    base = local_layer * (m.layer_slot_bytes // elem)
-    max_slots = buf.numel() // spec.page_bytes(Component.MAMBA)
-    conv_shape = (max_slots, *m.conv_shape)
-    conv = typed.as_strided(
-        conv_shape, (slot_elems, m.d_conv - 1, 1), typed.storage_offset() + base
-    )
-    h, p, n = m.ssm_shape
-    ssm = typed.as_strided(
-        (max_slots, h, p, n), (slot_elems, p * n, n, 1),
-        typed.storage_offset() + base + m.conv_bytes // elem,
-    )
-    return conv, ssm
+    slot_bytes = spec.page_bytes(Component.MAMBA)
+    max_slots = buf.numel() // slot_bytes
+    base = local_layer * m.layer_slot_bytes
+    views = []
+    for t, offset in zip(m.tensors, m.offsets, strict=True):
+        typed = _typed(buf, t.dtype)
+        elem = typed.element_size()
+        # Offsets and slot sizes are multiples of every element size (MambaSpec).
+        assert slot_bytes % elem == 0 and (base + offset) % elem == 0
+        views.append(typed.as_strided(
+            (max_slots, *t.shape), (slot_bytes // elem, *_contiguous_strides(t.shape)),
+            typed.storage_offset() + (base + offset) // elem,
+        ))
+    return tuple(views)

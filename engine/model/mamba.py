@@ -12,17 +12,40 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from layerlift.engine.model_api import ForwardRequest, PoolViews
-from layerlift.engine.model_layers import Span, const_param, normal_param
-from layerlift.engine.model_ssd import ssd_scan
-from layerlift.pools.spec import ModelSpec
+from layerlift.engine.model.api import ForwardRequest, PoolViews
+from layerlift.engine.model.layers import Span, const_param, normal_param
+from layerlift.engine.model.ssd import ssd_scan
+from layerlift.pools.spec import ModelDims, ModelSpec
 
-__all__ = ["MambaMixer"]
+__all__ = ["Mamba2Shape", "MambaMixer"]
+
+
+@dataclass(frozen=True, slots=True)
+class Mamba2Shape:
+    """The mixer's widths, from the reference model's :class:`ModelDims`."""
+
+    num_heads: int
+    head_dim: int
+    d_state: int
+    d_conv: int
+
+    @classmethod
+    def of(cls, dims: ModelDims) -> Mamba2Shape:
+        return cls(dims.mamba_heads, dims.mamba_head_dim, dims.mamba_d_state, dims.mamba_d_conv)
+
+    @property
+    def d_inner(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.d_inner + 2 * self.d_state
 
 
 def _dt_bias(g: torch.Generator, heads: int) -> torch.Tensor:
@@ -40,9 +63,9 @@ class MambaMixer(nn.Module):
 
     def __init__(self, spec: ModelSpec, g: torch.Generator, out_std: float) -> None:
         super().__init__()
-        m = spec.mamba
+        m = Mamba2Shape.of(spec.dims)
         self.m = m
-        d = spec.hidden_size
+        d = spec.dims.hidden_size
         self.in_proj = normal_param(g, 2 * m.d_inner + 2 * m.d_state + m.num_heads, d, std=d**-0.5)
         self.conv_w = normal_param(g, m.conv_dim, m.d_conv, std=m.d_conv**-0.5)
         self.conv_b = normal_param(g, m.conv_dim, std=0.1)

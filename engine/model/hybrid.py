@@ -16,27 +16,26 @@ chosen by ``spec.kinds[l]``; then a final norm and the LM head.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import hashlib
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
-from layerlift.engine.model_api import (
+from layerlift.engine.model.api import (
     ForwardOutput,
     ForwardRequest,
     PoolViews,
     check_pool_indices,
     validate_requests,
 )
-from layerlift.engine.model_attention import KVIndex, PagedAttention, build_kv_index
-from layerlift.engine.model_layers import GatedMLP, RMSNorm, Span, normal_param
-from layerlift.engine.model_mamba import MambaMixer
+from layerlift.engine.model.attention import KVIndex, PagedAttention, build_kv_index
+from layerlift.engine.model.base import LayerHook
+from layerlift.engine.model.layers import GatedMLP, RMSNorm, Span, normal_param
+from layerlift.engine.model.mamba import MambaMixer
 from layerlift.pools.spec import Component, ModelSpec
 
 __all__ = ["ForwardOutput", "ForwardRequest", "HybridModel", "LayerHook", "PoolViews"]
-
-LayerHook = Callable[[int], None]
-"""Called with a layer index; see :meth:`HybridModel.forward_batch`."""
 
 # Scale of the embedding and of the LM head's logits. Chosen so the residual
 # stream is O(1) and next-token distributions are far from uniform (a KL test
@@ -57,32 +56,51 @@ class Block(nn.Module):
         super().__init__()
         self.kind = kind
         depth = spec.num_layers**-0.5
-        self.mixer_norm = RMSNorm(spec.hidden_size, spec.rms_eps)
+        dims = spec.dims
+        self.mixer_norm = RMSNorm(dims.hidden_size, dims.rms_eps)
         self.mixer: PagedAttention | MambaMixer
         if kind is Component.MAMBA:
             self.mixer = MambaMixer(spec, g, out_std=_MIXER_OUT * depth)
         else:
             self.mixer = PagedAttention(spec, g, out_std=_MIXER_OUT * depth)
-        self.mlp_norm = RMSNorm(spec.hidden_size, spec.rms_eps)
-        self.mlp = GatedMLP(g, spec.hidden_size, spec.intermediate_size, _MLP_OUT * depth)
+        self.mlp_norm = RMSNorm(dims.hidden_size, dims.rms_eps)
+        self.mlp = GatedMLP(g, dims.hidden_size, dims.intermediate_size, _MLP_OUT * depth)
 
 
 class HybridModel(nn.Module):
     """The reference hybrid model of ``spec``; weights are a pure function of
-    ``seed`` (drawn on the CPU with a private ``torch.Generator``, then moved
-    to ``device``). Computes in float32; KV is stored in ``spec.kv_dtype``,
-    Mamba state in float32."""
+    ``spec.dims`` and ``seed`` (drawn on the CPU with a private
+    ``torch.Generator``, then moved to ``device``). Computes in float32; KV is
+    stored in ``spec.kv_dtype``, Mamba-2 state (conv, ssm) in float32.
+
+    Implements the model protocol (:class:`~layerlift.engine.model.base.Model`).
+    Raises ``ValueError`` when ``spec``'s state layout is not the Mamba-2
+    state of its dims, or the query heads do not group over the KV heads."""
 
     def __init__(self, spec: ModelSpec, seed: int, device: str | torch.device = "cpu") -> None:
         super().__init__()
+        dims = spec.dims
+        if spec.layers_of(Component.MAMBA) and spec.mamba != dims.mamba_state():
+            raise ValueError(
+                "HybridModel computes a Mamba-2 state (conv, ssm) from spec.dims; spec.state "
+                f"{spec.mamba} is a different layout"
+            )
+        if dims.num_heads % spec.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({dims.num_heads}) must be a multiple of num_kv_heads "
+                f"({spec.num_kv_heads}) for grouped-query attention"
+            )
         self.spec = spec
         self.seed = seed
+        digest = hashlib.blake2b(repr(dims).encode(), digest_size=4).hexdigest()
+        self.identity = f"hybrid-{digest}-seed{seed}"
+        self.vocab_size = dims.vocab_size
         g = torch.Generator().manual_seed(seed)
-        d = spec.hidden_size
-        self.embed = normal_param(g, spec.vocab_size, d, std=_EMBED_STD)
+        d = dims.hidden_size
+        self.embed = normal_param(g, dims.vocab_size, d, std=_EMBED_STD)
         self.blocks = nn.ModuleList(Block(spec, kind, g) for kind in spec.kinds)
-        self.final_norm = RMSNorm(d, spec.rms_eps)
-        self.lm_head = normal_param(g, spec.vocab_size, d, std=_LOGIT_STD * d**-0.5)
+        self.final_norm = RMSNorm(d, dims.rms_eps)
+        self.lm_head = normal_param(g, dims.vocab_size, d, std=_LOGIT_STD * d**-0.5)
         self.to(device)
 
     @property
@@ -108,7 +126,7 @@ class HybridModel(nn.Module):
         or a page/slot index outside the pool (nothing is written then). Page
         tables must be CPU tensors.
         """
-        validate_requests(self.spec, requests)
+        validate_requests(self.spec, self.vocab_size, requests)
         check_pool_indices(self.spec, requests, pool)
         dev = self.device
         spans = _spans(requests)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from layerlift.engine.model import ForwardOutput, ForwardRequest, HybridModel
+from layerlift.engine.model.mamba import Mamba2Shape
 from layerlift.pools.spec import Component, ModelSpec
 from layerlift.pools.views import kv_layer_view, mamba_layer_view
 
@@ -64,7 +65,7 @@ class ArrayPool:
         kind = self.spec.kinds[layer]
         return kv_layer_view(self.regions[kind], self.spec, kind, self.spec.local_index(layer))
 
-    def mamba_view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def mamba_view(self, layer: int) -> tuple[torch.Tensor, ...]:
         region = self.regions[Component.MAMBA]
         return mamba_layer_view(region, self.spec, self.spec.local_index(layer))
 
@@ -96,7 +97,7 @@ def _attention(
     mixer: torch.nn.Module, x: torch.Tensor, spec: ModelSpec, window: int
 ) -> torch.Tensor:
     t = x.shape[0]
-    h, kvh, hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    h, kvh, hd = spec.dims.num_heads, spec.num_kv_heads, spec.head_dim
     q = _rope((x @ mixer.wq.T).reshape(t, h, hd))
     k = _rope((x @ mixer.wk.T).reshape(t, kvh, hd))
     v = (x @ mixer.wv.T).reshape(t, kvh, hd)
@@ -116,7 +117,7 @@ def _mamba(
     mixer: torch.nn.Module, x: torch.Tensor, spec: ModelSpec
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Step-by-step Mamba-2 from zero state; returns output and final (conv, ssm)."""
-    m = spec.mamba
+    m = Mamba2Shape.of(spec.dims)
     proj = x @ mixer.in_proj.T
     z = proj[:, : m.d_inner]
     xbc = proj[:, m.d_inner : m.d_inner + m.conv_dim]
@@ -142,7 +143,7 @@ def _dense(
     model: HybridModel, tokens: torch.Tensor
 ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
     spec = model.spec
-    eps = spec.rms_eps
+    eps = spec.dims.rms_eps
     h = model.embed[tokens]
     states = []
     for kind, block in zip(spec.kinds, model.blocks, strict=True):
@@ -189,7 +190,7 @@ def assert_lp_close(got: torch.Tensor, want: torch.Tensor) -> None:
 
 def tokens_for(spec: ModelSpec, n: int, seed: int = 1) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, spec.vocab_size, (n,), generator=g)
+    return torch.randint(0, spec.dims.vocab_size, (n,), generator=g)
 
 
 def run(

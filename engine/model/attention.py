@@ -17,8 +17,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from layerlift.engine.model_api import PoolViews
-from layerlift.engine.model_layers import Span, apply_rope, normal_param
+from layerlift.engine.model.api import PoolViews
+from layerlift.engine.model.layers import Span, apply_rope, normal_param
 from layerlift.pools.spec import ModelSpec
 
 __all__ = ["SWA_TILE", "KVIndex", "PagedAttention", "Tile", "build_kv_index"]
@@ -119,7 +119,7 @@ class PagedAttention(nn.Module):
     def __init__(self, spec: ModelSpec, g: torch.Generator, out_std: float) -> None:
         super().__init__()
         self.spec = spec
-        d, h, kvh, hd = spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim
+        d, h, kvh, hd = spec.dims.hidden_size, spec.dims.num_heads, spec.num_kv_heads, spec.head_dim
         self.wq = normal_param(g, h * hd, d, std=d**-0.5)
         self.wk = normal_param(g, kvh * hd, d, std=d**-0.5)
         self.wv = normal_param(g, kvh * hd, d, std=d**-0.5)
@@ -139,7 +139,7 @@ class PagedAttention(nn.Module):
         first, then reads every key (old and new) back through the pages."""
         spec = self.spec
         t = x.shape[0]
-        q = apply_rope((x @ self.wq.T).view(t, spec.num_heads, spec.head_dim), positions)
+        q = apply_rope((x @ self.wq.T).view(t, spec.dims.num_heads, spec.head_dim), positions)
         k = apply_rope((x @ self.wk.T).view(t, spec.num_kv_heads, spec.head_dim), positions)
         v = (x @ self.wv.T).view(t, spec.num_kv_heads, spec.head_dim)
         k_cache, v_cache = pool.kv_view(layer)
@@ -164,7 +164,7 @@ class PagedAttention(nn.Module):
         the ``num_heads // num_kv_heads`` query heads it serves."""
         spec = self.spec
         flat = cache.index_select(0, pages).reshape(-1, spec.num_kv_heads, spec.head_dim)
-        group = spec.num_heads // spec.num_kv_heads
+        group = spec.dims.num_heads // spec.num_kv_heads
         return flat[:n_keys].float().repeat_interleave(group, dim=1).transpose(0, 1)
 
     @staticmethod

@@ -125,7 +125,7 @@ def _req(**overrides: object) -> ForwardRequest:
         (dict(prefix_len=8), "prefix_len 8 is not a non-negative multiple"),
         (dict(tokens=torch.arange(0)), "tokens is empty"),
         (dict(tokens=torch.arange(20, dtype=torch.int32)), "1-D int64"),
-        (dict(tokens=torch.tensor([SPEC.vocab_size])), "token ids"),
+        (dict(tokens=torch.tensor([SPEC.dims.vocab_size])), "token ids"),
         (dict(full_pages=torch.arange(2)), "full_pages has 2 entries"),
         (dict(swa_pages=torch.arange(2)), "swa_pages has 2 entries"),
         (dict(capture={16: 3}), "outside the computed range"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from layerlift.engine.model_ssd import ssd_scan
+from layerlift.engine.model.ssd import ssd_scan
 
 
 def step_by_step(
