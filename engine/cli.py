@@ -26,7 +26,10 @@ commands:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status."""
     # Quiet Mooncake's glog output; must happen before mooncake is imported.
+    # Mooncake 0.3.13 sets glog's level from MC_LOG_LEVEL (TRACE/INFO/WARNING/ERROR,
+    # default INFO) and so overrides GLOG_minloglevel: set both.
     os.environ.setdefault("GLOG_minloglevel", "2")
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help", "help"):
         print(USAGE, end="")

@@ -7,7 +7,9 @@ the client itself can hang when the master is gone (a hung call then raises
 `StoreTimeout`; its thread is left to finish and never blocks interpreter exit).
 
 Mooncake logs through glog to stderr. This module never touches `os.environ`;
-set `GLOG_minloglevel=2` (errors only) or `3` before starting Python to quiet it.
+set `MC_LOG_LEVEL=ERROR` before the first client starts to quiet it (Mooncake
+0.3.13 sets glog's level from MC_LOG_LEVEL, default INFO, overriding
+`GLOG_minloglevel`; the `layerlift` CLI sets both).
 """
 
 from __future__ import annotations
