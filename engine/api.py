@@ -2,9 +2,10 @@
 
 Threads: every method runs on the event loop; the tree and the pool's
 allocator state are touched only there. Blocking store calls, fetches and the
-forward run in worker threads. One batch is in flight at a time (the batch
-lock, held from ``load`` until its forward or abort finished); offloads of
-earlier batches go on in the background.
+forward run in worker threads. One batch is on the device at a time (the
+batch lock, held from PREPARE until the batch's exit); offloads of earlier
+batches go on in the background. A batch's life cycle and all of its cleanup
+live in ``engine/batch.py``.
 """
 
 from __future__ import annotations
@@ -13,17 +14,18 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from types import TracebackType
+from typing import Any
 
 import anyio
 import numpy as np
 import torch
 
-from layerlift.engine.compute import ComputeAlloc, alloc_compute, free_compute
+from layerlift.engine.batch import Batch
+from layerlift.engine.compute import compute_bytes
 from layerlift.engine.config import EngineConfig
-from layerlift.engine.handle import EngineError, LoadHandle
-from layerlift.engine.model import HybridModel
+from layerlift.engine.context import EngineContext, EngineError, match_plan, release_plan
+from layerlift.engine.handle import LoadHandle
 from layerlift.engine.offload import Offloader, OffloadReport
 from layerlift.engine.plan import LookupPlan
 from layerlift.engine.restore import RestoreStage
@@ -32,27 +34,17 @@ from layerlift.engine.stores import StoreHandle, open_store
 from layerlift.linker.components import make_linkers
 from layerlift.linker.keys import KeySchema
 from layerlift.linker.store_base import Store
-from layerlift.linker.transaction import RestoreTransaction
 from layerlift.overlap.base import Lane, LoadPolicy
 from layerlift.overlap.lanes import CpuLane, CudaLane
 from layerlift.overlap.link import parse_link
 from layerlift.overlap.scheduler import LoadScheduler
 from layerlift.pools import UnifiedKVPool
-from layerlift.pools.hashing import page_hashes
 from layerlift.pools.spec import Component, ModelSpec
 from layerlift.pools.tree import UnifiedRadixTree
 
-__all__ = ["DebugSwitches", "Engine", "EngineError"]
+__all__ = ["Engine", "EngineError", "min_pool_bytes"]
 
 log = logging.getLogger("layerlift.engine")
-
-
-@dataclass(slots=True)
-class DebugSwitches:
-    """Negative controls for tests only: each one breaks correctness on purpose."""
-
-    skip_mamba_load: bool = False
-    skip_layer_waits: bool = False
 
 
 def min_pool_bytes(spec: ModelSpec) -> int:
@@ -79,8 +71,7 @@ class Engine:
     single-rank path.
     """
 
-    def __init__(self, model: HybridModel, cfg: EngineConfig, *, store: Store | None = None,
-                 debug: DebugSwitches | None = None) -> None:
+    def __init__(self, model: Any, cfg: EngineConfig, *, store: Store | None = None) -> None:
         need = min_pool_bytes(model.spec)
         if cfg.pool_bytes < need:
             raise ValueError(
@@ -94,11 +85,8 @@ class Engine:
                 f"{cfg.device}: build HybridModel(spec, seed, device={cfg.device!r})"
             )
         self.model, self.cfg = model, cfg
-        self.debug = debug or DebugSwitches()
         self._injected = store
         self._handle: StoreHandle | None = None
-        self._batch_lock = asyncio.Lock()
-        self._next_id = 0
         self._started = False
 
     # ---- lifecycle -------------------------------------------------------------
@@ -128,7 +116,7 @@ class Engine:
         if self.pool.buffer.device.type == "cpu":
             self.store.register(self.pool.buffer)
         self.tree = UnifiedRadixTree(spec, self.pool)
-        schema = KeySchema(cfg.namespace, f"{spec.fingerprint}-s{self.model.seed}", cfg.rank)
+        schema = KeySchema(cfg.namespace, f"{spec.fingerprint}-{_identity(self.model)}", cfg.rank)
         self.linkers = make_linkers(spec, self.pool, self.tree, schema)
         self.lane = self._make_lane()
         policy = LoadPolicy(cfg.policy)
@@ -141,6 +129,8 @@ class Engine:
         if isinstance(self.lane, CudaLane):
             self.restore.staging_alloc = self.lane.alloc_staging
         self.offloader = Offloader(self.tree, self.pool, self.linkers, self.store)
+        self._ctx = EngineContext(self.model, cfg, self.pool, self.tree, self.restore,
+                                  self.offloader, asyncio.Lock())
         self._started = True
 
     def _make_lane(self) -> Lane:
@@ -165,31 +155,79 @@ class Engine:
     # ---- one-call API ----------------------------------------------------------
     async def prefill(self, prompts: Sequence[Sequence[int] | np.ndarray]) -> list[PrefillResult]:
         """Restore what the store holds, compute the rest, offload in the
-        background; one result per prompt, in order."""
+        background; one result per prompt, in order.
+
+        Prompts that do not fit in the pool together are served in parts that
+        fit, in order. Raises ``ValueError`` for a malformed prompt and
+        ``EngineError`` for a prompt that cannot fit even alone (naming it and
+        the bytes it needs); after any exception or cancellation every lock,
+        pin and slot of the call is released."""
         if not prompts:
             return []
-        await self._batch_lock.acquire()
+        started = time.perf_counter()
+        ctx = self._context()
+        results: list[PrefillResult] = []
+        todo, take = list(prompts), len(prompts)
+        while todo:
+            # Prompts left over from a part are looked up again: the parts
+            # before them may have put their prefixes on the device.
+            plans = await self._lookup_locked(todo[:take], started)  # the lock passes on
+            try:
+                self._check_fits(plans)
+            except BaseException:
+                for plan in plans:
+                    release_plan(ctx, plan)
+                ctx.lock.release()
+                raise
+            try:
+                batch, rest = await Batch.prepare(ctx, plans, started)  # exits on failure
+            except EngineError:
+                for plan in plans:
+                    release_plan(ctx, plan)
+                if take == 1:
+                    raise
+                take = 1  # the other prompts' device hits held room: try it alone
+                continue
+            except BaseException:
+                for plan in plans:
+                    release_plan(ctx, plan)
+                raise
+            for plan in rest:
+                release_plan(ctx, plan)
+            todo, take = todo[len(plans) - len(rest):], len(todo)
+            await batch.issue()
+            results += await batch.run()  # COMMIT, then the forward
+        return results
+
+    def _check_fits(self, plans: Sequence[LookupPlan]) -> None:
+        """``EngineError`` for a prompt whose compute alone exceeds the pool."""
+        total = self.pool.buffer.numel()
+        for plan in plans:
+            need = compute_bytes(self.pool, plan, boundary=plan.device_pages)
+            if need > total:
+                raise EngineError(
+                    f"prompt {plan.request_id} ({len(plan.tokens)} tokens) cannot fit in the "
+                    f"device pool ({total} bytes) even alone: computing it needs {need} bytes "
+                    "of pages and state slots beyond its device hit")
+
+    async def _lookup_locked(self, prompts: Sequence[Sequence[int] | np.ndarray],
+                             started: float) -> list[LookupPlan]:
+        """Acquire the batch lock and LOOKUP every prompt; on return the
+        caller holds the lock and the plans (on an exception neither)."""
+        ctx = self._context()
+        await ctx.lock.acquire()
         plans: list[LookupPlan] = []
         try:
-            plans = await self._lookup_many(prompts)
-            # COMMIT before issuing: the fetches then load exactly what the tree
-            # adopted (the step-by-step API issues first, as its contract says).
-            handle = await self._load_locked(plans, issue=False)
-            handle.commit()
-            await handle.issue()
+            for tokens in prompts:
+                plans.append(match_plan(ctx, tokens))
+            await self.restore.lookup(plans)
         except BaseException:
-            for p in plans:
-                self._release_plan(p)
-            self._batch_lock.release()
+            for plan in plans:
+                release_plan(ctx, plan)
+            ctx.lock.release()
             raise
-        return await handle.forward()
-
-    async def _lookup_many(self, prompts: Sequence[Sequence[int] | np.ndarray]) -> list[LookupPlan]:
-        t0 = time.perf_counter()
-        plans = [self._match(p) for p in prompts]
-        await self.restore.lookup(plans)
-        for p in plans:
-            p.lookup_time = time.perf_counter() - t0
+        for plan in plans:
+            plan.lookup_time = time.perf_counter() - started
         return plans
 
     # ---- step by step ----------------------------------------------------------
@@ -198,102 +236,44 @@ class Engine:
         Locks the device hit until the plan is loaded and finished (or
         ``release_plan``). Waits while a batch is in flight, so a plan never
         sees data that is still loading."""
-        async with self._batch_lock:
-            return (await self._lookup_many([tokens]))[0]
+        (plan,) = await self._lookup_locked([tokens], time.perf_counter())
+        self._context().lock.release()
+        return plan
 
     async def load(self, plans: Sequence[LookupPlan]) -> LoadHandle:
         """LOAD + PREPARE every plan and issue the per-layer fetches of the
         whole batch (one store call per layer); returns at once. Waits if
-        another batch is in flight."""
-        await self._batch_lock.acquire()
+        another batch is in flight. Raises ``EngineError`` when the plans do
+        not fit in the pool together (load fewer at a time) or one cannot
+        fit alone; the plans are released then."""
+        ctx = self._context()
+        started = time.perf_counter() - max((p.lookup_time for p in plans), default=0.0)
+        await ctx.lock.acquire()
         try:
-            return await self._load_locked(list(plans))
+            batch, rest = await Batch.prepare(ctx, plans, started)
         except BaseException:
-            for p in plans:
-                self._release_plan(p)
-            self._batch_lock.release()
+            for plan in plans:
+                release_plan(ctx, plan)
             raise
-
-    async def _load_locked(self, plans: list[LookupPlan], issue: bool = True) -> LoadHandle:
-        t0 = time.perf_counter() - max((p.lookup_time for p in plans), default=0.0)
-        txns: dict[int, RestoreTransaction] = {}
-        computes: dict[int, ComputeAlloc] = {}
-        for plan in plans:
-            got = self.restore.prepare(plan)
-            comp = alloc_compute(self.pool, self.tree, plan)
-            if comp is None and self.offloader.pending:
-                # Offloads in flight pin pages and lock nodes; they end on their
-                # own, so under pressure wait for them before giving anything up.
-                await self.offloader.wait()
-                comp = alloc_compute(self.pool, self.tree, plan)
-            if comp is None and got is not None:
-                self.restore.abort_plan(plan, got, "not enough device memory to restore")
-                got = None
-                comp = alloc_compute(self.pool, self.tree, plan)
-            if comp is None:
-                self._free_batch(plans, txns, computes)
-                raise EngineError(
-                    f"the device pool ({self.cfg.pool_bytes} bytes) cannot hold request "
-                    f"{plan.request_id} ({len(plan.tokens)} tokens) even after evicting the cache"
-                )
-            computes[plan.request_id] = comp
-            if got is not None:
-                txns[plan.request_id] = got
-        batch = self.restore.make_batch(plans, txns)
-        handle = LoadHandle(self, plans, batch, computes, t0, self._batch_lock.release)
-        if issue:
-            await handle.issue()
-        return handle
-
-    def _free_batch(self, plans: list[LookupPlan], txns: dict[int, RestoreTransaction],
-                    computes: dict[int, ComputeAlloc]) -> None:
-        """A batch that does not fit: free what its earlier plans already took."""
-        for comp in computes.values():
-            free_compute(self.pool, comp)
-        by_id = {p.request_id: p for p in plans}
-        for rid, txn in txns.items():
-            self.restore.abort_plan(by_id[rid], txn, "the batch did not fit")
-
-    def _alloc_compute(self, plan: LookupPlan) -> ComputeAlloc:
-        comp = alloc_compute(self.pool, self.tree, plan)
-        if comp is None:
-            raise EngineError(f"the device pool cannot hold request {plan.request_id}")
-        return comp
-
-    # ---- plans --------------------------------------------------------------------
-    def _match(self, tokens: Sequence[int] | np.ndarray) -> LookupPlan:
-        spec = self.model.spec
-        arr = np.asarray(tokens, dtype=np.int64)
-        if arr.ndim != 1 or len(arr) == 0:
-            raise ValueError("a prompt must be a non-empty 1-D sequence of token ids")
-        if arr.min() < 0 or arr.max() >= spec.vocab_size:
-            raise ValueError(f"token ids must lie in [0, {spec.vocab_size}) for this model")
-        match = self.tree.match_prefix(arr)
-        self.tree.lock(match.node)
-        plan = LookupPlan(self._next_id, arr, tuple(page_hashes(arr, spec.page_size)), match, spec)
-        self._next_id += 1
-        d, w = match.boundary_pages, spec.window_pages
-        pins = [(Component.FULL, match.full_indices), (Component.SWA, match.swa_indices[max(0, d - w):]),
-                (Component.MAMBA, torch.tensor([] if match.mamba_slot is None else [match.mamba_slot],
-                                               dtype=torch.int64))]
-        for c, idx in pins:
-            if len(idx):
-                self.pool.pin(c, idx)
-                plan.pins.append((c, idx))
-        return plan
-
-    def _release_plan(self, plan: LookupPlan) -> None:
-        if plan.released:
-            return
-        plan.released = True
-        for c, idx in plan.pins:
-            self.pool.unpin(c, idx)  # type: ignore[arg-type]
-        plan.pins.clear()
-        self.tree.unlock(plan.match.node)
+        if rest:
+            err = EngineError(
+                f"plans {[p.request_id for p in rest]} do not fit in the device pool together "
+                f"with plans {[p.request_id for p in batch.plans]}: load them in a later batch")
+            await batch.close(err)
+            for plan in rest:
+                release_plan(ctx, plan)
+            raise err
+        await batch.issue()
+        return LoadHandle(batch)
 
     def release_plan(self, plan: LookupPlan) -> None:
         """Drop a plan that will not be loaded (unlocks its device hit)."""
-        self._release_plan(plan)
+        release_plan(self._context(), plan)
+
+    def _context(self) -> EngineContext:
+        if not self._started:
+            raise RuntimeError("the engine is not started: use `async with Engine(...)`")
+        return self._ctx
 
     # ---- cache control ------------------------------------------------------------
     def drop_device_cache(self) -> None:
@@ -306,3 +286,11 @@ class Engine:
         """Wait until every pending offload has landed or failed; the report
         says how many objects were stored and how many puts failed."""
         return await self.offloader.wait()
+
+
+def _identity(model: Any) -> str:
+    """The model's identity for the key fingerprint."""
+    identity = getattr(model, "identity", None)
+    if identity is None:
+        return f"s{model.seed}"
+    return str(identity)

@@ -45,6 +45,14 @@ class LoadItems:
         self.indices = [self.indices[i] for i in keep]
         self.owners = [self.owners[i] for i in keep]
 
+    def drop_owners(self, owners: frozenset[Hashable]) -> None:
+        """Remove the items of requests in ``owners`` (restores dropped
+        before their jobs were issued)."""
+        keep = [i for i, o in enumerate(self.owners) if o not in owners]
+        self.keys = [self.keys[i] for i in keep]
+        self.indices = [self.indices[i] for i in keep]
+        self.owners = [self.owners[i] for i in keep]
+
     def __len__(self) -> int:
         return len(self.keys)
 

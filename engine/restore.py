@@ -1,4 +1,4 @@
-"""The restore stage: LOOKUP -> LOAD/PREPARE -> COMMIT (per-layer readiness) -> ABORT.
+"""The restore stage: LOOKUP, LOAD/PREPARE, building one batch's load, COMMIT.
 
 All methods run on the event-loop thread (the tree and the pool's allocator
 state are single-threaded); blocking store calls go to worker threads.
@@ -9,14 +9,12 @@ store lookup, one fetch per layer for every request, one readiness. COMMIT
 publishes the restored pages in the tree *before* they have landed: the
 adopting nodes carry the batch's :class:`LayerReadiness` in ``node.pending``
 until the load finished, and the forward of layer ``l`` waits on entry ``l``
-only. A load that fails after COMMIT aborts the transaction, which takes the
-adopted pages back out of the tree (``UnifiedRadixTree.retract``), so nobody
-reads data that never landed.
+only. Ending a load (finish, or ABORT and unpublish) is the batch's job
+(``engine/batch.py``): this stage never cleans up.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
@@ -34,49 +32,46 @@ from layerlift.linker.transaction import RestoreTransaction, TransactionState
 from layerlift.overlap.base import LayerJob
 from layerlift.overlap.link import EmulatedLink
 from layerlift.overlap.readiness import LayerReadiness
-from layerlift.overlap.scheduler import LoadScheduler, LoadTask
+from layerlift.overlap.scheduler import LoadScheduler
 from layerlift.pools.base import KVPool
 from layerlift.pools.spec import Component
 from layerlift.pools.tree import InsertResult, UnifiedRadixTree
 
-__all__ = ["RestoreBatch", "RestoreStage"]
+__all__ = ["RestoreLoad", "RestoreStage", "with_dependents"]
 
 log = logging.getLogger("layerlift.engine")
 
 
 @dataclass(eq=False)
-class RestoreBatch:
-    """The restores of one batch, from PREPARE to the end of their load.
+class RestoreLoad:
+    """The restores of one batch as one load: the PREPAREd transactions (one
+    per restoring request), the per-layer fetch plan over all of them, its
+    jobs and the batch's readiness. Owned by the batch (``engine/batch.py``),
+    which alone ends it."""
 
-    ``txns`` holds one :class:`RestoreTransaction` per restoring request;
-    ``load`` is the batch's per-layer fetch plan over all of them.
-    """
-
-    plans: list[LookupPlan]
     txns: dict[int, RestoreTransaction]
     load: BatchLoad
     jobs: list[LayerJob]
     readiness: LayerReadiness
-    task: LoadTask | None = None
-    session: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
     deps: dict[int, set[Hashable]] = field(default_factory=dict)
-    committed: bool = False
-    finished: bool = False
-
-    @property
-    def restoring(self) -> list[LookupPlan]:
-        return [p for p in self.plans if p.request_id in self.txns]
 
     @property
     def inserted(self) -> dict[int, InsertResult]:
-        """COMMITted requests (not aborted): the tree's insert result each."""
+        """COMMITted or FINISHED requests: the tree's insert result each."""
+        live = (TransactionState.COMMITTED, TransactionState.FINISHED)
         return {rid: t.result.insert for rid, t in self.txns.items()
-                if t.result is not None and t.state is not TransactionState.ABORTED}
+                if t.result is not None and t.state in live}
 
     def cow_slot(self, rid: int) -> int:
         result = self.txns[rid].result
         assert result is not None and result.cow_source is not None
         return result.cow_source
+
+    def drop_items(self, rids: frozenset[Hashable]) -> None:
+        """Stop loading for ``rids`` (only before the jobs were issued)."""
+        for items in self.load.items.values():
+            items.drop_owners(rids)
+        self.load.refresh(self.jobs)
 
 
 class RestoreStage:
@@ -164,16 +159,10 @@ class RestoreStage:
         txn.prepare()
         return txn
 
-    def abort_plan(self, plan: LookupPlan, txn: RestoreTransaction, reason: str) -> None:
-        """ABORT one PREPAREd plan before its batch was built: free its slots."""
-        txn.abort()
-        plan.drop_restore(reason)
-
-    def make_batch(
-        self, plans: Sequence[LookupPlan], txns: dict[int, RestoreTransaction]
-    ) -> RestoreBatch:
+    def build_load(self, txns: dict[int, RestoreTransaction]) -> RestoreLoad:
         """Gather the PREPAREd transfers of a batch into one load: one job
-        per layer covering every request."""
+        per layer covering every request. ``txns`` is shared, not copied:
+        the batch owns it and the load sees every change."""
         load = BatchLoad(self.pool, self.store, self.link, self.staging_alloc)
         seen: set[str] = set()
         for rid, txn in txns.items():
@@ -189,45 +178,28 @@ class RestoreStage:
             self.pool.spec.num_layers, requests=frozenset(txns),
             default_timeout=self.wait_timeout_s,
         )
-        return RestoreBatch(list(plans), dict(txns), load, load.jobs(), readiness)
-
-    async def start(self, batch: RestoreBatch) -> None:
-        """Open the store session and hand the jobs to the scheduler (returns
-        at once; the layers load in the background). A missing key or a dead
-        store here drops the batch's restores before anything was published."""
-        if not batch.txns:
-            batch.finished = True
-            return
-        keys = batch.load.keys
-        try:
-            await anyio.to_thread.run_sync(
-                lambda: batch.session.enter_context(self.store.open_session(keys))
-            )
-        except StoreError as exc:
-            if batch.committed:  # published already: fail the layers, finish() unpublishes
-                batch.readiness.cancel(f"store session failed: {exc}")
-            else:
-                self.abort_prepared(batch, f"store session failed: {exc}")
-            return
-        batch.task = self.scheduler.start(batch.jobs, batch.readiness)
+        return RestoreLoad(txns, load, load.jobs(), readiness)
 
     # ---- COMMIT ------------------------------------------------------------------
-    def commit(self, batch: RestoreBatch) -> LayerReadiness:
-        """Publish every restore in the tree, trim the loads to the adopted
-        ranges, set the COW sources; returns the batch's per-layer readiness
-        (no barrier: nothing here waits for data)."""
-        if batch.committed:
-            raise RuntimeError("this load was already committed")
-        batch.committed = True
-        for plan in batch.restoring:
-            self._commit_one(batch, plan)
-        batch.load.refresh(batch.jobs)
-        self._record_dependencies(batch)
-        return batch.readiness
+    def commit(self, rl: RestoreLoad, plans: Sequence[LookupPlan]) -> dict[int, Exception]:
+        """Publish every restore of ``plans`` in the tree, trim the loads to
+        the adopted ranges, set the COW sources (no barrier: nothing here
+        waits for data). Returns the requests the tree refused (their
+        transaction stays PREPARED; the caller fails them) with the reason."""
+        refused: dict[int, Exception] = {}
+        for plan in plans:
+            if plan.request_id in rl.txns:
+                try:
+                    self._commit_one(rl, plan)
+                except ValueError as exc:
+                    refused[plan.request_id] = exc
+        rl.load.refresh(rl.jobs)
+        self._record_dependencies(rl, plans)
+        return refused
 
-    def _commit_one(self, batch: RestoreBatch, plan: LookupPlan) -> None:
-        txn = batch.txns[plan.request_id]
-        result = txn.commit(self.tree, plan.tokens, pending=batch.readiness)
+    def _commit_one(self, rl: RestoreLoad, plan: LookupPlan) -> None:
+        txn = rl.txns[plan.request_id]
+        result = txn.commit(self.tree, plan.tokens, pending=rl.readiness)
         for c, t in txn.transfers.items():  # duplicates are never loaded
             kept = result.transfers.get(c)
             assert t.device_indices is not None
@@ -235,7 +207,7 @@ class RestoreStage:
             if kept is not None and kept.device_indices is not None:
                 gone -= set(kept.device_indices.tolist())
             if gone:
-                batch.load.items[c].drop_indices(gone)
+                rl.load.items[c].drop_indices(gone)
         # What came from the store is stored: never offload it again.
         for node in result.insert.nodes:
             self.linkers[Component.FULL].mark_stored(node)
@@ -244,80 +216,27 @@ class RestoreStage:
         if swa_pages:
             self.tree.mark_stored(result.node, Component.SWA, swa_pages)
 
-    def _record_dependencies(self, batch: RestoreBatch) -> None:
+    def _record_dependencies(self, rl: RestoreLoad, plans: Sequence[LookupPlan]) -> None:
         """A request whose pages were duplicates of another request's load
         depends on that load: if it fails, both are recomputed."""
-        owner = {(c, i): o for c, items in batch.load.items.items()
+        owner = {(c, i): o for c, items in rl.load.items.items()
                  for i, o in zip(items.indices, items.owners, strict=True)}
-        for plan in batch.restoring:
-            rid, result = plan.request_id, batch.inserted[plan.request_id]
+        inserted = rl.inserted
+        for plan in plans:
+            rid = plan.request_id
+            if rid not in inserted:
+                continue
             d, b = plan.device_pages, plan.boundary
             lo = {Component.FULL: d, Component.SWA: max(d, b - plan.spec.window_pages)}
-            used = [(c, int(i)) for c in lo for i in result.canonical[c][lo[c] : b]]
-            used.append((Component.MAMBA, batch.cow_slot(rid)))
-            batch.deps[rid] = {owner[u] for u in used if u in owner} - {rid}
-
-    # ---- end of a load -------------------------------------------------------------
-    async def finish(self, batch: RestoreBatch, *, abort: bool = False) -> frozenset[Hashable]:
-        """Wait until no fetch runs, close the session and the staging, and
-        finish every transaction whose data landed (clears ``pending``,
-        unpins). Returns the requests whose load failed, with the requests
-        that depend on their pages (with ``abort``: every request): ``unpublish``
-        them next. Idempotent (a second call returns an empty set)."""
-        if batch.finished:
-            return frozenset()
-        batch.finished = True
-        if batch.task is not None:
-            await batch.task.wait_quiescent()
-        await anyio.to_thread.run_sync(batch.session.close)
-        batch.load.close_staging()
-        failed = _with_dependents(batch.readiness.failed_requests(), batch.deps)
-        if abort:  # ABORT after COMMIT: every restore leaves, landed or not
-            failed = frozenset(batch.txns)
-        for rid, txn in batch.txns.items():
-            if rid not in failed and txn.state is TransactionState.COMMITTED:
-                txn.finish()
-        return failed
-
-    def unpublish(self, batch: RestoreBatch, failed: frozenset[Hashable]) -> None:
-        """ABORT the failed requests' restores: their pages leave the tree
-        (published at COMMIT, never fully landed) and their slots are freed.
-        The caller has dropped its own pins on those pages. A request whose
-        node is locked by a dependant is retried after the dependant."""
-        todo = [t for rid, t in batch.txns.items()
-                if rid in failed and t.state is not TransactionState.ABORTED]
-        while todo:
-            left = []
-            for txn in todo:
-                try:
-                    txn.abort()
-                except ValueError:
-                    left.append(txn)
-            if len(left) == len(todo):
-                raise RuntimeError("failed restores lock each other; cannot unpublish")
-            todo = left
-
-    def release(self, batch: RestoreBatch) -> None:
-        """Drop the locks COMMIT took (after the forward and the insert)."""
-        for txn in batch.txns.values():
-            if txn.state is TransactionState.FINISHED and txn.result is not None:
-                self.tree.unlock(txn.result.node)
-
-    def abort_prepared(self, batch: RestoreBatch, reason: str) -> None:
-        """ABORT before COMMIT, once no fetch runs: free everything."""
-        for plan in batch.restoring:
-            self.abort_plan(plan, batch.txns[plan.request_id], reason)
-        batch.txns.clear()
-        for items in batch.load.items.values():
-            items.keys.clear()
-            items.indices.clear()
-            items.owners.clear()
-        batch.finished = True
+            used = [(c, int(i)) for c in lo for i in inserted[rid].canonical[c][lo[c] : b]]
+            used.append((Component.MAMBA, rl.cow_slot(rid)))
+            rl.deps[rid] = {owner[u] for u in used if u in owner} - {rid}
 
 
-def _with_dependents(
+def with_dependents(
     failed: frozenset[Hashable], deps: dict[int, set[Hashable]]
 ) -> frozenset[Hashable]:
+    """``failed`` plus every request that (transitively) reads their pages."""
     out = set(failed)
     grew = True
     while grew:

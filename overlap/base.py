@@ -242,7 +242,13 @@ class ReadinessView(Protocol):
         requests: frozenset[RequestId] | None = None,
     ) -> None: ...
 
-    async def ready(self, layer: int, *, requests: frozenset[RequestId] | None = None) -> None: ...
+    async def ready(
+        self,
+        layer: int,
+        *,
+        requests: frozenset[RequestId] | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109 -- a default deadline: no wait is unbounded
+    ) -> None: ...
 
     def done(self, layer: int, *, requests: frozenset[RequestId] | None = None) -> bool: ...
 

@@ -70,10 +70,23 @@ class CombinedReadiness:
             except LayerWaitTimeout:
                 raise LayerWaitTimeout(layer, total) from None
 
-    async def ready(self, layer: int, *, requests: frozenset[RequestId] | None = None) -> None:
-        """Resolve once `layer` landed in every part."""
-        for part in self._parts:
-            await part.ready(layer, requests=requests)
+    async def ready(
+        self,
+        layer: int,
+        *,
+        requests: frozenset[RequestId] | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109 -- a default deadline: no wait is unbounded
+    ) -> None:
+        """Resolve once `layer` landed in every part; `LayerWaitTimeout` after
+        `timeout` seconds in all (None: the default timeout)."""
+        total = self._timeout if timeout is None else timeout
+        deadline = time.monotonic() + total
+        try:
+            for part in self._parts:
+                await part.ready(layer, requests=requests,
+                                 timeout=max(0.0, deadline - time.monotonic()))
+        except LayerWaitTimeout:
+            raise LayerWaitTimeout(layer, total) from None
 
     def done(self, layer: int, *, requests: frozenset[RequestId] | None = None) -> bool:
         return all(p.done(layer, requests=requests) for p in self._parts)

@@ -192,12 +192,27 @@ class LayerReadiness:
                     raise LayerWaitTimeout(layer, timeout)
                 e.cond.wait(remaining)
 
-    async def ready(self, layer: int, *, requests: frozenset[RequestId] | None = None) -> None:
+    async def ready(
+        self,
+        layer: int,
+        *,
+        requests: frozenset[RequestId] | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109 -- a default deadline: no wait is unbounded
+    ) -> None:
         """Resolve once `layer` has *landed* (device copy complete on CUDA).
 
-        Raises `LayerLoadError` as `wait` does. No timeout: use `asyncio.timeout`.
+        Raises `LayerLoadError` as `wait` does, `LayerWaitTimeout` after `timeout`
+        seconds (None: the default timeout), so an await never blocks forever.
         Cancelling the awaiting task just removes its waiter.
         """
+        total = self._timeout if timeout is None else timeout
+        try:
+            async with asyncio.timeout(total):
+                await self._ready(layer, requests)
+        except TimeoutError:
+            raise LayerWaitTimeout(layer, total) from None
+
+    async def _ready(self, layer: int, requests: frozenset[RequestId] | None) -> None:
         e = self._entries[layer]
         loop = asyncio.get_running_loop()
         while True:

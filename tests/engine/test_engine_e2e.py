@@ -25,37 +25,27 @@ import numpy as np
 import pytest
 import torch
 
-from layerlift import Component, DebugSwitches, Engine, EngineConfig, EngineError, HybridModel
+from layerlift import Component, Engine, EngineConfig, EngineError, HybridModel
 from layerlift.engine.api import min_pool_bytes
 from layerlift.engine.results import PrefillResult
 from layerlift.linker.master import EmbeddedMaster
 from layerlift.linker.memory_store import MemoryStore
 from layerlift.linker.store_base import StoreIOError
 from layerlift.pools.hashing import page_hashes
-from layerlift.testing import FaultyStore
+from layerlift.testing import KL_EXACT, KL_WRONG, FaultyStore, SkipLayerWaits, kl_divergence
 
 # Stores come from tests/engine/conftest.py: ``mc_*`` wrap a real Mooncake
 # client, ``mem_*`` an in-process store; both record their puts (take_puts).
 RecordingStore = FaultyStore
 
-KL_EXACT = 1e-9
-KL_WRONG = 1e-6
 WAIT_S = 60.0
 POLICIES = ["overlap", "barrier"]
 
 
 # ---- helpers ---------------------------------------------------------------------
-def kl(p_lp: torch.Tensor, q_lp: torch.Tensor) -> float:
-    """KL(p || q) of two next-token distributions given as log-probs, in
-    float64 after renormalising (float32 rounding alone gives |KL| ~ 1e-7)."""
-    p = torch.log_softmax(p_lp.double(), -1)
-    q = torch.log_softmax(q_lp.double(), -1)
-    return float((p.exp() * (p - q)).sum())
-
-
 def kls(a: Sequence[PrefillResult], b: Sequence[PrefillResult | torch.Tensor]) -> list[float]:
     assert len(a) == len(b)
-    return [kl(x.next_token_logprobs,
+    return [kl_divergence(x.next_token_logprobs,
                y if isinstance(y, torch.Tensor) else y.next_token_logprobs)
             for x, y in zip(a, b, strict=True)]
 
@@ -147,12 +137,12 @@ async def test_skip_mamba_load_breaks_results(tiny_model: HybridModel, mc_tiny: 
                                               namespace: str) -> None:
     batch = prompts(tiny_model.spec.vocab_size, [300, 260, 333], seed=2)
     cfg = EngineConfig(store="memory", namespace=namespace, pool_bytes=32 << 20)
-    async with Engine(tiny_model, cfg, store=mc_tiny, debug=DebugSwitches()) as engine:
+    async with Engine(tiny_model, cfg, store=mc_tiny) as engine:
         r1 = await engine.prefill(batch)
         await drop(engine)
-        engine.debug.skip_mamba_load = True
+        mc_tiny.skip_reads("mamba")
         r2 = await engine.prefill(batch)
-        engine.debug.skip_mamba_load = False
+        mc_tiny.skip_reads("mamba", False)
         assert all(r.restored_tokens > 0 for r in r2)
         assert max(kls(r1, r2)) > KL_WRONG, "skipping the MAMBA load went unnoticed"
         check(engine)
@@ -167,13 +157,14 @@ async def test_skip_layer_waits_breaks_results(tiny_model: HybridModel, mc_tiny:
     the per-layer waits the forward reads a layer that never landed."""
     batch = prompts(tiny_model.spec.vocab_size, [300, 260], seed=3)
     cfg = EngineConfig(store="memory", namespace=namespace, pool_bytes=32 << 20)
-    async with Engine(tiny_model, cfg, store=mc_tiny) as engine:
+    model = SkipLayerWaits(tiny_model)
+    async with Engine(model, cfg, store=mc_tiny) as engine:
         r1 = await engine.prefill(batch)
         await drop(engine)
         forward_done = watch_forward(monkeypatch, tiny_model)
         gate = threading.Event()
         fault = mc_tiny.gate_layer(0, gate)
-        engine.debug.skip_layer_waits = True
+        model.enabled = True
         task = asyncio.create_task(engine.prefill(batch))
         try:
             assert await anyio.to_thread.run_sync(forward_done.wait, WAIT_S)
@@ -181,7 +172,7 @@ async def test_skip_layer_waits_breaks_results(tiny_model: HybridModel, mc_tiny:
         finally:
             gate.set()
         r2 = await task
-        engine.debug.skip_layer_waits = False
+        model.enabled = False
         assert fault.started.is_set()
         assert all(r.restored_tokens > 0 for r in r2)
         assert max(kls(r1, r2)) > KL_WRONG, "skipping the layer waits went unnoticed"
@@ -376,13 +367,13 @@ async def test_tight_pool_stays_exact(tiny_model: HybridModel) -> None:
             if rnd == 0:
                 await drop(engine)
         assert restored > 0, "nothing was ever restored under pressure"
-        with pytest.raises(EngineError, match="cannot hold request"):
-            await engine.prefill(batch[2:])
+        # Prompts that each fit but not together are served in parts, in order.
+        assert_exact(await engine.prefill(batch[2:]), ref[2:])
         check(engine)
         await drop(engine)
-        # batch[0] PREPAREs a restore, then a request larger than the whole
-        # pool can never fit: the batch fails and frees the restore's slots.
-        with pytest.raises(EngineError, match="cannot hold request"):
+        # A prompt larger than the whole pool can never fit: the call fails
+        # before anything runs, naming the prompt, and leaks nothing.
+        with pytest.raises(EngineError, match=r"prompt \d+ \(\d+ tokens\) cannot fit .* even alone"):
             await engine.prefill([batch[0], np.concatenate(batch)])
         check(engine)
         assert used(engine) == dict.fromkeys(Component, 0), f"pool leak: {used(engine)}"

@@ -1,0 +1,437 @@
+"""One batch's whole lifecycle as a state machine; the only place that cleans up.
+
+======== ==================== ================================================
+state    allowed next states  who triggers it
+======== ==================== ================================================
+PREPARED LOADING, ABORTED     ``Batch.prepare`` (``Engine.load``, ``prefill``):
+                              restore slots and compute pages allocated
+LOADING  COMMITTED, ABORTED   ``issue()``: store session open, per-layer
+                              fetches handed to the scheduler (or nothing to
+                              load; a failed session turns every restore into
+                              a recompute here)
+COMMITTED RUNNING, ABORTED    ``commit()``: restores published in the tree,
+                              readiness handed out (settled at once when
+                              nothing is left to load)
+RUNNING  DONE, ABORTED        ``run()``: the forward with per-layer waits; a
+                              failed layer ends the load, unpublishes and
+                              recomputes the affected requests, and runs again
+DONE     (terminal)           ``run()`` finished: results built, computed
+                              pages inserted and offloaded
+ABORTED  (terminal)           ``abort()``, or any exception or cancellation in
+                              any of the above
+======== ==================== ================================================
+
+Every outcome leaves through :meth:`Batch._exit`: loads stopped and waited
+for, restores that did not land unpublished, every slot of this batch freed
+or owned by the tree, pins and node locks dropped, the readiness settled and
+the engine's batch lock released. Exactness holds by construction: a result
+counts a request's tokens as restored only if, once no fetch runs any more,
+its load had no failure (with the requests that read its pages); otherwise
+the request is recomputed and says so.
+
+Threads: every method runs on the event loop; the forward runs in a worker
+thread. Cancelling a driving coroutine aborts the batch; a running forward
+pass is never abandoned (cancellation takes effect when it returns).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import time
+from collections.abc import Coroutine, Hashable, Sequence
+from typing import Any, TypeVar
+
+import anyio
+import torch
+
+from layerlift.engine.compute import ComputeAlloc, alloc_compute, compute_bytes, free_compute
+from layerlift.engine.context import EngineContext, EngineError, release_plan
+from layerlift.engine.forward import build_results, build_runs, insert_computed, run_forward
+from layerlift.engine.plan import LookupPlan
+from layerlift.engine.restore import RestoreLoad, with_dependents
+from layerlift.engine.results import PrefillResult
+from layerlift.linker.store_base import StoreError
+from layerlift.linker.transaction import RestoreTransaction, TransactionState
+from layerlift.overlap.base import LayerLoadError, LayerWaitTimeout, ReadinessView
+from layerlift.overlap.readiness import LayerReadiness
+from layerlift.overlap.scheduler import LoadTask
+from layerlift.pools.spec import Component
+
+__all__ = ["Batch", "BatchState"]
+
+T = TypeVar("T")
+MAX_FORWARD_ATTEMPTS = 3
+
+
+class BatchState(enum.Enum):
+    PREPARED = "prepared"
+    LOADING = "loading"
+    COMMITTED = "committed"
+    RUNNING = "running"
+    DONE = "done"
+    ABORTED = "aborted"
+
+
+NEXT: dict[BatchState, frozenset[BatchState]] = {
+    BatchState.PREPARED: frozenset({BatchState.LOADING, BatchState.ABORTED}),
+    BatchState.LOADING: frozenset({BatchState.COMMITTED, BatchState.ABORTED}),
+    BatchState.COMMITTED: frozenset({BatchState.RUNNING, BatchState.ABORTED}),
+    BatchState.RUNNING: frozenset({BatchState.DONE, BatchState.ABORTED}),
+    BatchState.DONE: frozenset(),
+    BatchState.ABORTED: frozenset(),
+}
+"""The allowed transitions; anything else raises ``RuntimeError``."""
+
+
+class Batch:
+    """One batch from PREPARE to its exit. Holds the engine's batch lock
+    (acquired by the caller before :meth:`prepare`) until it exits."""
+
+    def __init__(self, ctx: EngineContext, started: float) -> None:
+        self.ctx = ctx
+        self.started = started
+        self.state = BatchState.PREPARED
+        self.plans: list[LookupPlan] = []
+        self.txns: dict[int, RestoreTransaction] = {}
+        self.computes: dict[int, ComputeAlloc] = {}
+        self.rl: RestoreLoad | None = None
+        self.task: LoadTask | None = None
+        self.session = contextlib.ExitStack()
+        self.recomputed: set[int] = set()
+        self.load_issued = 0.0
+        self._pins: dict[int, list[tuple[Component, torch.Tensor]]] = {}
+        self._end: asyncio.Future[frozenset[Hashable]] | None = None
+        self._exit_task: asyncio.Task[None] | None = None
+        self._readiness = LayerReadiness(ctx.pool.spec.num_layers,
+                                         default_timeout=ctx.cfg.layer_wait_timeout_s)
+
+    # ---- PREPARE ------------------------------------------------------------------
+    @classmethod
+    async def prepare(cls, ctx: EngineContext, plans: Sequence[LookupPlan],
+                      started: float) -> tuple[Batch, list[LookupPlan]]:
+        """Take plans in order while they fit: restore slots (PREPAREd) and
+        the pages each forward writes. Returns the batch and the plans that
+        did not fit (still the caller's). Raises ``EngineError`` when the
+        first plan alone cannot fit; on any exception the batch has exited
+        (its plans released, the lock released)."""
+        batch = cls(ctx, started)
+        rest = list(plans)
+        try:
+            while rest:
+                if not await batch._admit(rest[0]):
+                    if not batch.plans:
+                        raise batch._too_big(rest[0])
+                    break
+                rest.pop(0)
+            batch.rl = ctx.restore.build_load(batch.txns)
+            batch._readiness = batch.rl.readiness
+        except BaseException as exc:
+            await batch.close(exc)
+            raise
+        return batch, rest
+
+    async def _admit(self, plan: LookupPlan) -> bool:
+        ctx, rid = self.ctx, plan.request_id
+        boundary, reason = plan.boundary, plan.fallback_reason
+        self.plans.append(plan)  # in the books before any await: the exit cleans up
+        txn = ctx.restore.prepare(plan)
+        if txn is not None:
+            self.txns[rid] = txn
+        comp = alloc_compute(ctx.pool, ctx.tree, plan)
+        if comp is None and ctx.offloader.pending:
+            # Offloads in flight pin pages and lock nodes; they end on their own.
+            await ctx.offloader.wait()
+            comp = alloc_compute(ctx.pool, ctx.tree, plan)
+        if comp is None and txn is not None:
+            del self.txns[rid]
+            txn.abort()
+            plan.drop_restore("not enough device memory to restore")
+            comp = alloc_compute(ctx.pool, ctx.tree, plan)
+        if comp is None:  # not in this batch: the caller serves it in a later one
+            self.plans.pop()
+            plan.boundary, plan.fallback_reason = boundary, reason
+            return False
+        self.computes[rid] = comp
+        return True
+
+    def _too_big(self, plan: LookupPlan) -> EngineError:
+        need = compute_bytes(self.ctx.pool, plan, boundary=plan.device_pages)
+        return EngineError(
+            f"prompt {plan.request_id} ({len(plan.tokens)} tokens) cannot fit in the device pool "
+            f"({self.ctx.pool.buffer.numel()} bytes) even alone: computing it needs {need} bytes "
+            "of pages and state slots beyond its device hit"
+        )
+
+    # ---- LOADING ------------------------------------------------------------------
+    async def issue(self) -> None:
+        """Open the store session and hand the per-layer fetches to the
+        scheduler (returns once issued, not landed). A session that fails to
+        open (a key evicted since LOOKUP, the store gone) turns every restore
+        of the batch into a recompute: nothing was published yet."""
+        self._to(BatchState.LOADING)
+        await self._guard(self._issue())
+
+    async def _issue(self) -> None:
+        rl = self.rl
+        assert rl is not None
+        if not rl.txns:
+            return
+        store, keys = self.ctx.restore.store, rl.load.keys
+        try:
+            await anyio.to_thread.run_sync(
+                lambda: self.session.enter_context(store.open_session(keys)))
+        except StoreError as exc:
+            await self._drop_before_commit(frozenset(rl.txns), f"store session failed: {exc}")
+            return
+        self.task = self.ctx.restore.scheduler.start(rl.jobs, rl.readiness)
+        self.load_issued = time.perf_counter() - self.started
+
+    async def _drop_before_commit(self, rids: frozenset[int], reason: str) -> None:
+        rl = self.rl
+        assert rl is not None
+        rl.drop_items(rids)
+        for rid in rids:
+            self.txns.pop(rid).abort()
+        await self._recompute(rids, reason)
+
+    # ---- COMMITTED ----------------------------------------------------------------
+    def commit(self) -> LayerReadiness:
+        """Publish the restores, trim the loads, set COW sources; returns the
+        per-layer readiness (nothing waits here). When nothing is left to
+        load the readiness is done at once. ``RuntimeError`` if the batch is
+        not LOADING (committed already, aborted, finished)."""
+        self._to(BatchState.COMMITTED)
+        rl = self.rl
+        assert rl is not None
+        try:
+            refused = self.ctx.restore.commit(rl, self.plans)
+            for rid, exc in refused.items():  # the forward sees it at layer 0: recompute
+                rl.readiness.mark_failed(0, exc, [rid])
+            for plan in self.plans:
+                result = rl.inserted.get(plan.request_id)
+                if result is not None:
+                    self._pin_restore(plan, result.canonical)
+            if self.task is None:
+                for layer in range(rl.readiness.num_layers):
+                    rl.readiness.mark_done(layer)
+        except BaseException as exc:
+            self.abort(exc)
+            raise
+        return rl.readiness
+
+    def _pin_restore(self, plan: LookupPlan, canonical: dict[Component, torch.Tensor]) -> None:
+        """Pin what the forward reads of a restore (the canonical slots,
+        which may be another request's) until the batch exits."""
+        rid, d, b, w = plan.request_id, plan.device_pages, plan.boundary, plan.spec.window_pages
+        assert self.rl is not None
+        for c, idx in ((Component.FULL, canonical[Component.FULL][d:b]),
+                       (Component.SWA, canonical[Component.SWA][max(d, b - w):b]),
+                       (Component.MAMBA, torch.tensor([self.rl.cow_slot(rid)]))):
+            if len(idx):
+                self.ctx.pool.pin(c, idx)
+                self._pins.setdefault(rid, []).append((c, idx.clone()))
+
+    def _unpin(self, rids: frozenset[Hashable] | None = None) -> None:
+        for rid in list(self._pins):
+            if rids is None or rid in rids:
+                for c, idx in self._pins.pop(rid):
+                    self.ctx.pool.unpin(c, idx)
+
+    # ---- RUNNING ------------------------------------------------------------------
+    async def run(self) -> list[PrefillResult]:
+        """The forward (committing first if needed), then results, insert of
+        the computed pages, their offload and the exit. ``EngineError`` if a
+        recompute does not fit or the forward keeps failing; any exception
+        or cancellation aborts the batch before it propagates."""
+        if self.state is BatchState.LOADING:
+            try:
+                self.commit()
+            except BaseException:
+                await self.aclose()
+                raise
+        self._to(BatchState.RUNNING)
+        return await self._guard(self._run())
+
+    async def _run(self) -> list[PrefillResult]:
+        ctx = self.ctx
+        for _attempt in range(MAX_FORWARD_ATTEMPTS):
+            runs = build_runs(self.plans, self.rl, self.computes)
+            try:
+                out, timings = await anyio.to_thread.run_sync(
+                    run_forward, ctx.model, ctx.pool, runs, self._deps(), self.started)
+            except LayerLoadError as err:
+                reason = f"restore failed at layer {err.layer}: {err.cause!r}"
+                failed = await self._end_load() | (err.requests or self._restoring())
+            except LayerWaitTimeout as err:
+                reason = f"restore did not land in time: {err}"
+                self._stop_load(reason)
+                failed = await self._end_load() | self._restoring()
+            else:
+                if self._end is not None:  # the load had ended before this pass
+                    break
+                failed = await self._end_load()
+                if not failed:
+                    break
+                reason = "a restored layer failed after the forward read it"
+            await self._recompute(frozenset(failed), reason)
+        else:
+            raise EngineError("the forward kept failing while restores were recomputed")
+        results = build_results(
+            self.plans, out, timings, started=self.started, load_issued=self.load_issued,
+            landed=self.task.timings if self.task is not None else [],
+            recomputed=self.recomputed)
+        for run in runs:
+            insert_computed(ctx, run)
+            del self.computes[run.plan.request_id]
+        await self.close(None)
+        return results
+
+    def _restoring(self) -> frozenset[Hashable]:
+        return frozenset(p.request_id for p in self.plans if p.restores)
+
+    def _deps(self) -> list[ReadinessView]:
+        """What the forward waits on before each layer: this batch's load
+        while it runs, and loads of other batches whose nodes a plan matched
+        while they were still landing."""
+        deps: list[ReadinessView] = []
+        if self._end is None and self.rl is not None and self.rl.txns:
+            deps.append(self.rl.readiness)
+        for plan in self.plans:
+            for pending in plan.match.pending:
+                if isinstance(pending, LayerReadiness) and all(pending is not x for x in deps):
+                    deps.append(pending)
+        return deps
+
+    async def _recompute(self, failed: frozenset[Hashable], reason: str) -> None:
+        """Compute the failed restores from their device hit instead: new
+        compute pages sized for the longer suffix."""
+        ctx = self.ctx
+        for plan in self.plans:
+            rid = plan.request_id
+            if rid not in failed or not plan.restores:
+                continue
+            free_compute(ctx.pool, self.computes.pop(rid))
+            plan.drop_restore(reason)
+            self.recomputed.add(rid)
+            comp = alloc_compute(ctx.pool, ctx.tree, plan)
+            if comp is None and ctx.offloader.pending:
+                await ctx.offloader.wait()
+                comp = alloc_compute(ctx.pool, ctx.tree, plan)
+            if comp is None:
+                raise EngineError(
+                    f"request {rid} must be recomputed ({reason}) but its "
+                    f"{compute_bytes(ctx.pool, plan)} bytes of pages do not fit in the pool")
+            self.computes[rid] = comp
+
+    # ---- end of the load ------------------------------------------------------------
+    def _stop_load(self, reason: str) -> None:
+        if self.task is not None:
+            self.task.cancel(reason)
+        self._readiness.cancel(reason)
+
+    async def _end_load(self, *, abort: bool = False) -> frozenset[Hashable]:
+        """Once: wait until no fetch runs, close the session, then finish the
+        restores that landed and unpublish the rest (with the requests that
+        read their pages; with ``abort`` every one). Returns the requests
+        unpublished. Later calls return the same set."""
+        if self._end is None:
+            self._end = asyncio.ensure_future(self._end_load_now(abort))
+        return await asyncio.shield(self._end)
+
+    async def _end_load_now(self, abort: bool) -> frozenset[Hashable]:
+        rl = self.rl
+        if self.task is not None:
+            await self.task.wait_quiescent()
+        await anyio.to_thread.run_sync(self.session.close)
+        if rl is None:
+            return frozenset()
+        rl.load.close_staging()
+        failed = with_dependents(rl.readiness.failed_requests(), rl.deps) & set(self.txns)
+        if abort:
+            failed = frozenset(self.txns)
+        for rid, txn in self.txns.items():
+            if rid not in failed and txn.state is TransactionState.COMMITTED:
+                txn.finish()
+        self._unpin(failed)
+        todo = [self.txns[rid] for rid in failed
+                if self.txns[rid].state in (TransactionState.PREPARED, TransactionState.COMMITTED,
+                                            TransactionState.LOADED)]
+        while todo:  # a request whose node a dependant locks goes after the dependant
+            left = []
+            for txn in todo:
+                try:
+                    txn.abort()
+                except ValueError:
+                    left.append(txn)
+            if len(left) == len(todo):
+                raise RuntimeError("failed restores lock each other; cannot unpublish")
+            todo = left
+        return failed
+
+    # ---- ABORTED / exit -------------------------------------------------------------
+    def abort(self, error: BaseException | None = None) -> None:
+        """ABORT: stop the loads at once and start the exit (returns at once;
+        ``await aclose()`` waits until every fetch stopped and every slot is
+        free). Restores published at COMMIT leave the tree unless their load
+        had already ended and landed. Idempotent; no-op after the exit."""
+        if self._exit_task is None:
+            self._exit_task = asyncio.get_running_loop().create_task(
+                self._exit(error or RuntimeError("aborted")))
+
+    async def close(self, error: BaseException | None) -> None:
+        """Run the exit (once) and wait for it; shielded from cancellation."""
+        if self._exit_task is None:
+            self._exit_task = asyncio.get_running_loop().create_task(self._exit(error))
+        await asyncio.shield(self._exit_task)
+
+    async def aclose(self) -> None:
+        """Wait for the exit that ``abort`` started (no-op if none)."""
+        if self._exit_task is not None:
+            await asyncio.shield(self._exit_task)
+
+    @property
+    def closed(self) -> bool:
+        return self._exit_task is not None
+
+    async def _exit(self, error: BaseException | None) -> None:
+        """The one exit every outcome goes through (see the module docstring)."""
+        ctx = self.ctx
+        try:
+            if error is not None:
+                self._stop_load(f"batch aborted: {error!r}")
+            await self._end_load(abort=error is not None)
+            for comp in self.computes.values():
+                free_compute(ctx.pool, comp)
+            self.computes.clear()
+            self._unpin()
+            for txn in self.txns.values():
+                if txn.state is TransactionState.FINISHED and txn.result is not None:
+                    ctx.tree.unlock(txn.result.node)
+            self.txns.clear()
+            for plan in self.plans:
+                release_plan(ctx, plan)
+            ctx.pool.flush_deferred()
+            self._readiness.cancel("the batch has ended")  # settles what is not done
+        finally:
+            self.state = BatchState.DONE if error is None else BatchState.ABORTED
+            ctx.lock.release()
+
+    # ---- helpers --------------------------------------------------------------------
+    @property
+    def readiness(self) -> LayerReadiness:
+        return self._readiness
+
+    def _to(self, state: BatchState) -> None:
+        if self._exit_task is not None or state not in NEXT[self.state]:
+            now = "ending" if self._exit_task is not None else self.state.value
+            raise RuntimeError(f"this batch is {now}; it cannot become {state.value}")
+        self.state = state
+
+    async def _guard(self, coro: Coroutine[Any, Any, T]) -> T:
+        try:
+            return await coro
+        except BaseException as exc:
+            await self.close(exc)
+            raise

@@ -1,0 +1,98 @@
+"""What one engine's batches share, and the plans that enter a batch.
+
+:class:`EngineContext` is the engine's working set handed to each batch
+(model, pools, tree, restore stage, offloader, the batch lock), so a batch
+never reaches into :class:`~layerlift.engine.api.Engine`'s private state.
+``match_plan`` / ``release_plan`` are the two ends of a plan's hold on the
+device tree: a plan locks its device-hit node and pins the pages its forward
+will read until it is released (by its batch's exit, or by the caller when it
+is never loaded).
+
+Threads: everything here runs on the event-loop thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from layerlift.engine.config import EngineConfig
+from layerlift.engine.offload import Offloader
+from layerlift.engine.plan import LookupPlan
+from layerlift.engine.restore import RestoreStage
+from layerlift.pools.base import KVPool
+from layerlift.pools.hashing import page_hashes
+from layerlift.pools.spec import Component
+from layerlift.pools.tree import UnifiedRadixTree
+
+__all__ = ["EngineContext", "EngineError", "match_plan", "release_plan"]
+
+
+class EngineError(RuntimeError):
+    """The engine cannot serve a request (e.g. the pool cannot hold it)."""
+
+
+@dataclass(eq=False)
+class EngineContext:
+    """One engine's shared parts. ``lock`` is held by a batch from PREPARE
+    until its exit (one batch on the device at a time)."""
+
+    model: Any
+    cfg: EngineConfig
+    pool: KVPool
+    tree: UnifiedRadixTree
+    restore: RestoreStage
+    offloader: Offloader
+    lock: asyncio.Lock
+    next_id: int = 0
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.vocab_size)
+
+
+def match_plan(ctx: EngineContext, tokens: Sequence[int] | np.ndarray) -> LookupPlan:
+    """Match ``tokens`` against the device tree: lock the deepest device
+    boundary and pin what the forward will read there. Raises ``ValueError``
+    for a prompt that is not a non-empty 1-D sequence of valid token ids
+    (nothing is locked then)."""
+    spec = ctx.pool.spec
+    arr = np.asarray(tokens)
+    if arr.ndim != 1 or len(arr) == 0:
+        raise ValueError("a prompt must be a non-empty 1-D sequence of token ids")
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"token ids must be integers, got dtype {arr.dtype}")
+    arr = arr.astype(np.int64, copy=False)
+    if arr.min() < 0 or arr.max() >= ctx.vocab_size:
+        raise ValueError(f"token ids must lie in [0, {ctx.vocab_size}) for this model")
+    match = ctx.tree.match_prefix(arr)
+    ctx.tree.lock(match.node)
+    plan = LookupPlan(ctx.next_id, arr, tuple(page_hashes(arr, spec.page_size)), match, spec)
+    ctx.next_id += 1
+    d, w = match.boundary_pages, spec.window_pages
+    slot = [] if match.mamba_slot is None else [match.mamba_slot]
+    pins = [(Component.FULL, match.full_indices),
+            (Component.SWA, match.swa_indices[max(0, d - w):]),
+            (Component.MAMBA, torch.tensor(slot, dtype=torch.int64))]
+    for c, idx in pins:
+        if len(idx):
+            ctx.pool.pin(c, idx)
+            plan.pins.append((c, idx))
+    return plan
+
+
+def release_plan(ctx: EngineContext, plan: LookupPlan) -> None:
+    """Drop a plan's hold on the device tree (unpin, unlock). Idempotent."""
+    if plan.released:
+        return
+    plan.released = True
+    for c, idx in plan.pins:
+        ctx.pool.unpin(c, idx)  # type: ignore[arg-type]
+    plan.pins.clear()
+    if ctx.tree.contains(plan.match.node):
+        ctx.tree.unlock(plan.match.node)

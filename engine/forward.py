@@ -1,0 +1,158 @@
+"""The forward of one batch and what follows it: page tables per request, the
+model run with a wait before every layer, results, insert of computed pages.
+
+Plain helpers over one batch's data; :mod:`layerlift.engine.batch` decides
+when each runs and cleans up after every outcome. ``run_forward`` runs in a
+worker thread; everything else on the event loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from layerlift.engine.compute import ComputeAlloc
+from layerlift.engine.context import EngineContext
+from layerlift.engine.model_api import ForwardOutput, ForwardRequest
+from layerlift.engine.plan import LookupPlan
+from layerlift.engine.restore import RestoreLoad
+from layerlift.engine.results import PrefillResult, Timings
+from layerlift.overlap.base import ReadinessView
+from layerlift.overlap.scheduler import LayerTiming
+from layerlift.pools.spec import Component
+
+__all__ = ["ForwardRun", "build_results", "build_runs", "insert_computed", "run_forward"]
+
+
+@dataclass(eq=False)
+class ForwardRun:
+    """One request's forward inputs: its page tables (cached prefix then its
+    own compute pages) and where its recurrent state comes from."""
+
+    plan: LookupPlan
+    compute: ComputeAlloc
+    full: torch.Tensor
+    swa: torch.Tensor
+    cow: int | None
+
+
+def build_runs(plans: Sequence[LookupPlan], rl: RestoreLoad | None,
+               computes: dict[int, ComputeAlloc]) -> list[ForwardRun]:
+    """Page tables for every plan: a restoring plan reads the canonical
+    indices its COMMIT got (COW from the canonical checkpoint); any other plan
+    reads its device hit."""
+    inserted = rl.inserted if rl is not None else {}
+    runs = []
+    for plan in plans:
+        rid, b = plan.request_id, plan.boundary
+        result = inserted.get(rid)
+        if result is not None and plan.restores:
+            assert rl is not None
+            full, swa = result.canonical[Component.FULL][:b], result.canonical[Component.SWA][:b]
+            cow: int | None = rl.cow_slot(rid)
+        else:
+            full, swa, cow = plan.match.full_indices, plan.match.swa_indices, plan.match.mamba_slot
+        swa = swa.clone()
+        swa[: max(0, b - plan.spec.window_pages)] = 0  # never read; keep in range
+        runs.append(ForwardRun(plan, computes[rid], full, swa, cow))
+    return runs
+
+
+def run_forward(model: Any, pool: Any, runs: Sequence[ForwardRun],
+                deps: Sequence[ReadinessView], started: float) -> tuple[ForwardOutput, Timings]:
+    """Worker thread: the model, with a wait for every readiness in ``deps``
+    before each layer (the only place the forward waits for restored data)."""
+    ps = pool.spec.page_size
+    reqs = [
+        ForwardRequest(
+            tokens=torch.from_numpy(r.plan.tokens[r.plan.boundary * ps:]),
+            prefix_len=r.plan.boundary * ps,
+            full_pages=torch.cat([r.full, r.compute.full]),
+            swa_pages=torch.cat([r.swa, r.compute.swa]),
+            mamba_slot=r.compute.work_slot,
+            mamba_cow_src=r.cow,
+            capture={p * ps: s for p, s in r.compute.capture.items()},
+        )
+        for r in runs
+    ]
+    timings = Timings()
+    mark = [time.perf_counter()]
+
+    def before(layer: int) -> None:
+        t = time.perf_counter()
+        for dep in deps:
+            dep.wait(layer)
+        now = time.perf_counter()
+        timings.layer_wait.append(now - t)
+        if layer == 0:
+            timings.forward_start = now - started
+        mark[0] = now
+
+    def after(layer: int) -> None:
+        timings.layer_compute.append(time.perf_counter() - mark[0])
+
+    out = model.forward_batch(reqs, pool, before, after)
+    return out, timings
+
+
+def build_results(plans: Sequence[LookupPlan], out: ForwardOutput, timings: Timings, *,
+                  started: float, load_issued: float, landed: Sequence[LayerTiming],
+                  recomputed: set[int]) -> list[PrefillResult]:
+    """One result per plan, in order. ``restored_tokens`` is what the plan's
+    boundary says: the batch calls this only once every restore that is
+    still counted has landed in full."""
+    timings.ttft = time.perf_counter() - started
+    timings.load_issued = load_issued
+    if landed:
+        at = {t.layer: t.landed - started for t in landed if t.landed}
+        timings.layer_landed = [at.get(i, 0.0) for i in range(len(timings.layer_wait))]
+    results = []
+    for i, plan in enumerate(plans):
+        ps = plan.spec.page_size
+        results.append(PrefillResult(
+            next_token_logprobs=out.next_token_logprobs[i].float().cpu(),
+            device_hit_tokens=plan.device_pages * ps,
+            restored_tokens=plan.restore_tokens,
+            computed_tokens=len(plan.tokens) - plan.boundary * ps,
+            timings=dataclasses.replace(timings, lookup=plan.lookup_time),
+            restorable_boundaries=tuple(sorted(plan.restorable)),
+            recomputed_after_failure=plan.request_id in recomputed,
+            fallback_reason=plan.fallback_reason,
+        ))
+    return results
+
+
+def insert_computed(ctx: EngineContext, run: ForwardRun) -> None:
+    """Publish one request's computed pages and checkpoints (and offload
+    them); free what the tree did not take. Once this returns, the tree or
+    the free lists own every page of ``run.compute`` (the caller drops it from
+    its books); if the tree's insert raises, nothing changed hands."""
+    pool, comp, plan = ctx.pool, run.compute, run.plan
+    ps = plan.spec.page_size
+    b, whole = plan.boundary, len(plan.tokens) // ps
+    full = torch.cat([run.full, comp.full])
+    swa = torch.cat([run.swa, comp.swa])
+    spare = {Component.FULL: comp.full[whole - b:], Component.SWA: comp.swa[whole - b:],
+             Component.MAMBA: torch.tensor([comp.work_slot])}
+    if whole > b:
+        res = ctx.tree.insert(
+            plan.tokens[: whole * ps], full[:whole], swa[:whole],
+            torch.ones(whole, dtype=torch.bool), comp.capture, start_page=b,
+        )
+        for c, dup in res.duplicates.items():
+            spare[c] = torch.cat([spare[c], dup])
+    else:
+        spare[Component.MAMBA] = torch.cat(
+            [spare[Component.MAMBA], torch.tensor(list(comp.capture.values()), dtype=torch.int64)])
+    for c, idx in comp.demand().items():
+        pool.unpin(c, idx)
+    if whole > b and ctx.cfg.offload:
+        ctx.offloader.submit(res.node)
+    for c, idx in spare.items():
+        if len(idx):
+            pool.free(c, idx)
