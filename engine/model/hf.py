@@ -1,0 +1,313 @@
+"""``TransformersModel``: a transformers ``AutoModelForCausalLM`` behind the model protocol.
+
+The model's own forward runs; LayerLift only fills and reads its cache, one
+decoder layer at a time, through hooks:
+
+* before the forward, every attention layer of a fresh ``DynamicCache`` gets
+  a placeholder of its restored length (position ids and masks are computed
+  from the first full and sliding layers' lengths before any layer runs),
+  sliding layers their cumulative length ``P``, recurrent layers zeroed state
+  tensors with ``has_previous_state`` set (else the mixer restarts);
+* a forward pre-hook on decoder layer ``i`` calls ``before_layer`` for its
+  cache layers (the engine's per-layer wait), performs the copy-on-write of
+  the recurrent state and copies the pages / slot into the placeholders in
+  place;
+* a forward hook writes what the layer computed into the pool: the new
+  tokens' KV (recorded as it enters the cache, because a sliding layer keeps
+  only its last ``W - 1`` positions) and, at capture boundaries and at the
+  end, clones of the recurrent state (the cache updates it in place).
+
+Requests run one at a time (batch 1, no padding), and a request whose
+capture boundaries fall inside its new tokens runs in chunks split at them:
+continuing from a cache is exact for the supported architectures, so the
+chunks compute what one pass would. The 2-D attention mask spans ``P + S``
+and ``position_ids`` are passed explicitly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from layerlift.engine.model.api import (
+    ForwardOutput,
+    ForwardRequest,
+    PoolViews,
+    check_pool_indices,
+    validate_requests,
+)
+from layerlift.engine.model.base import LayerHook
+from layerlift.engine.model.hf_layout import HFLayout, derive_layout
+from layerlift.pools.spec import Component, ModelSpec
+
+__all__ = ["TransformersModel"]
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9._:+=@-]")
+
+
+@dataclass
+class _Pass:
+    """One forward call (one chunk of one request) and what its hooks need."""
+
+    req: ForwardRequest
+    pool: PoolViews
+    cache: Any
+    start: int  # absolute position of the chunk's first token
+    stop: int
+    first: bool  # first chunk of this request: fill the cache from the pool
+    last_pass: bool  # last chunk of the last request: layers are done after it
+    wait: LayerHook
+    after_layer: LayerHook
+    new_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+
+class TransformersModel:
+    """A transformers causal LM (``AutoModelForCausalLM``) as a LayerLift model.
+
+    ``name`` and ``revision`` form the identity that keys its store objects;
+    without a name the identity is a hash of the weights. ``page_size`` and
+    ``track_interval`` choose the paging (a sliding window must be a multiple
+    of ``page_size``). Raises ``ValueError`` saying why for an architecture
+    that cannot be restored exactly: a custom cache class, state kept on the
+    modules, or a torch path known to be inexact (Jamba, Zamba, Mamba1,
+    FalconMamba, RecurrentGemma).
+    """
+
+    def __init__(self, hf_model: nn.Module, *, name: str | None = None,
+                 revision: str | None = None, page_size: int = 16,
+                 track_interval: int = 64) -> None:
+        self.hf = hf_model.eval()
+        self.layout: HFLayout = derive_layout(hf_model, page_size, track_interval)
+        self.spec: ModelSpec = self.layout.spec
+        text = hf_model.config.get_text_config(decoder=True)  # type: ignore[union-attr]
+        self.vocab_size = int(text.vocab_size)
+        self.identity = _identity(hf_model, name, revision)
+        self._layers = _decoder_layers(hf_model, len(self.layout.groups))
+        self._lock = threading.Lock()
+        self._pass: _Pass | None = None
+        for i, module in enumerate(self._layers):
+            module.register_forward_pre_hook(self._pre_hook(i), with_kwargs=True)
+            module.register_forward_hook(self._post_hook(i))
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, *, name: str | None = None,
+                        revision: str | None = None, dtype: torch.dtype = torch.float32,
+                        device: str | torch.device = "cpu", page_size: int = 16,
+                        track_interval: int = 64) -> TransformersModel:
+        """Load ``AutoModelForCausalLM`` from a local directory (nothing is
+        downloaded); ``name`` defaults to the directory's name."""
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)
+        return cls(hf.to(device), name=name or Path(path).name, revision=revision,
+                   page_size=page_size, track_interval=track_interval)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.hf.parameters()).device
+
+    @property
+    def seed(self) -> str:
+        """Transitional: engines that still key by ``model.seed`` get the identity."""
+        return self.identity
+
+    # ---- the forward ---------------------------------------------------------------
+    def forward_batch(self, requests: Sequence[ForwardRequest], pool: PoolViews,
+                      before_layer: LayerHook | None = None,
+                      after_layer: LayerHook | None = None) -> ForwardOutput:
+        """The model protocol's prefill (see :class:`~layerlift.engine.model.base.Model`):
+        requests one after another, each in chunks split at its capture
+        positions; ``before_layer(l)`` once per cache layer, on first use;
+        ``after_layer(l)`` during the last chunk of the last request."""
+        validate_requests(self.spec, self.vocab_size, requests)
+        check_pool_indices(self.spec, requests, pool)
+        waited: set[int] = set()
+
+        def wait(layer: int) -> None:
+            if layer not in waited and before_layer is not None:
+                before_layer(layer)
+            waited.add(layer)
+
+        done = after_layer or (lambda layer: None)
+        with self._lock, torch.inference_mode():
+            nxt, rows = [], []
+            for i, req in enumerate(requests):
+                lp = self._request(req, pool, wait, done, i == len(requests) - 1)
+                nxt.append(lp[-1])
+                rows.append(lp if req.want_token_logprobs else None)
+        return ForwardOutput(torch.stack(nxt), rows)
+
+    def _request(self, req: ForwardRequest, pool: PoolViews, wait: LayerHook,
+                 done: LayerHook, last: bool) -> torch.Tensor:
+        cache = self._prepared_cache(req.prefix_len)
+        cuts = sorted({req.prefix_len, req.total, *req.capture})
+        dev = self.device
+        out = []
+        for a, b in zip(cuts, cuts[1:], strict=False):
+            self._pass = _Pass(req, pool, cache, a, b, a == req.prefix_len,
+                               last and b == req.total, wait, done)
+            try:
+                ids = req.tokens[a - req.prefix_len : b - req.prefix_len].to(dev)[None]
+                logits = self.hf(
+                    input_ids=ids, cache=cache, use_cache=True,
+                    attention_mask=torch.ones(1, b, dtype=torch.int64, device=dev),
+                    position_ids=torch.arange(a, b, device=dev)[None],
+                    logits_to_keep=0 if req.want_token_logprobs else 1,
+                ).logits
+            finally:
+                self._pass = None
+            out.append(torch.log_softmax(logits[0].float(), dim=-1))
+        return torch.cat(out) if req.want_token_logprobs else out[-1]
+
+    # ---- cache placeholders --------------------------------------------------------
+    def _prepared_cache(self, p: int) -> Any:
+        """A fresh cache whose layers already have the restored lengths (zeros)."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.hf.config)  # type: ignore[union-attr]
+        spec, dev = self.spec, self.device
+        for layer, group in zip(cache.layers, self.layout.groups, strict=True):
+            kinds = {spec.kinds[g] for g in group}
+            if Component.FULL in kinds or Component.SWA in kinds:
+                _record_updates(layer, self, group)
+            if p == 0:
+                continue
+            if Component.MAMBA in kinds:
+                self._placeholder_state(layer, dev)
+            for kind in kinds - {Component.MAMBA}:
+                n = p if kind is Component.FULL else min(p, spec.swa_window - 1)
+                z = torch.zeros(1, spec.num_kv_heads, n, spec.head_dim, dtype=spec.kv_dtype,
+                                device=dev)
+                layer.lazy_initialization(z, z)
+                layer.keys, layer.values = z, z.clone()
+                if kind is Component.SWA:
+                    layer.cumulative_length = p
+        return cache
+
+    def _placeholder_state(self, layer: Any, dev: torch.device) -> None:
+        for (attr, j), t in zip(self.layout.states, self.spec.mamba.tensors, strict=True):
+            getattr(layer, f"{attr}_states")[j] = torch.zeros(1, *t.shape, dtype=t.dtype,
+                                                              device=dev)
+            getattr(layer, f"is_{attr}_states_initialized")[j] = True
+            if attr == "conv":
+                layer.conv_kernel_size[j] = t.shape[-1]
+            layer.has_previous_state[j] = True
+            layer.device, layer.dtype = dev, t.dtype
+
+    # ---- hooks ---------------------------------------------------------------------
+    def _pre_hook(self, index: int) -> Any:
+        def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
+            ps = self._pass
+            if ps is None or not ps.first:
+                return
+            for layer in self.layout.groups[index]:
+                ps.wait(layer)
+                self._fill(ps, ps.cache.layers[index], layer)
+
+        return hook
+
+    def _post_hook(self, index: int) -> Any:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            ps = self._pass
+            if ps is None:
+                return
+            for layer in self.layout.groups[index]:
+                self._capture(ps, ps.cache.layers[index], layer)
+                if ps.last_pass:
+                    ps.after_layer(layer)
+
+        return hook
+
+    def _fill(self, ps: _Pass, cl: Any, layer: int) -> None:
+        """Copy layer ``layer``'s restored data from the pool into the cache."""
+        req, p = ps.req, ps.req.prefix_len
+        if self.spec.kinds[layer] is Component.MAMBA:
+            views = ps.pool.mamba_view(layer)
+            if req.mamba_cow_src is not None:
+                for v in views:
+                    v[req.mamba_slot].copy_(v[req.mamba_cow_src])
+            if p == 0 and req.mamba_cow_src is None:
+                return  # a fresh sequence: the layer starts from zero by itself
+            for (attr, j), v in zip(self.layout.states, views, strict=True):
+                getattr(cl, f"{attr}_states")[j][0].copy_(v[req.mamba_slot])
+            return
+        if p == 0:
+            return
+        lo = 0 if self.spec.kinds[layer] is Component.FULL else max(0, p - self.spec.swa_window + 1)
+        pages = self._pages(req, layer, lo, p)
+        k, v = ps.pool.kv_view(layer)
+        cl.keys[0].copy_(k[pages[0], pages[1]].transpose(0, 1))
+        cl.values[0].copy_(v[pages[0], pages[1]].transpose(0, 1))
+
+    def _capture(self, ps: _Pass, cl: Any, layer: int) -> None:
+        """Write what layer ``layer`` computed in this chunk into the pool."""
+        req = ps.req
+        if self.spec.kinds[layer] is Component.MAMBA:
+            slots = [s for pos, s in req.capture.items() if pos == ps.stop]
+            if ps.stop == req.total:
+                slots.append(req.mamba_slot)
+            views = ps.pool.mamba_view(layer)
+            for (attr, j), v in zip(self.layout.states, views, strict=True):
+                state = getattr(cl, f"{attr}_states")[j][0].clone()
+                for slot in slots:
+                    v[slot].copy_(state)
+            return
+        new_k, new_v = ps.new_kv.pop(layer)
+        pages = self._pages(req, layer, ps.start, ps.stop)
+        k, v = ps.pool.kv_view(layer)
+        k[pages[0], pages[1]] = new_k[0].transpose(0, 1).to(k.dtype)
+        v[pages[0], pages[1]] = new_v[0].transpose(0, 1).to(v.dtype)
+
+    def _pages(self, req: ForwardRequest, layer: int, lo: int,
+               hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(page, offset) of positions ``[lo, hi)`` in ``layer``'s page table."""
+        table = req.full_pages if self.spec.kinds[layer] is Component.FULL else req.swa_pages
+        pos = torch.arange(lo, hi)
+        ps = self.spec.page_size
+        return table[pos // ps].to(self.device), (pos % ps).to(self.device)
+
+
+def _record_updates(cache_layer: Any, model: TransformersModel, group: tuple[int, ...]) -> None:
+    """Make the cache layer hand the new tokens' K/V to the running pass as
+    they enter it (the cache itself may keep only the window)."""
+    attention = [g for g in group if model.spec.kinds[g] is not Component.MAMBA]
+    inner = cache_layer.update
+
+    def update(key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> Any:
+        ps = model._pass
+        if ps is not None:
+            for g in attention:
+                ps.new_kv[g] = (key_states, value_states)
+        return inner(key_states, value_states, *args, **kwargs)
+
+    cache_layer.update = update
+
+
+def _decoder_layers(hf_model: nn.Module, n: int) -> nn.ModuleList:
+    """The decoder's ``layers`` list, one module per cache layer object."""
+    decoder = hf_model.get_decoder() if hasattr(hf_model, "get_decoder") else None
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, nn.ModuleList) or len(layers) < n:
+        raise ValueError(f"{type(hf_model).__name__} has no decoder `layers` list matching its "
+                         f"{n} cache layers: LayerLift cannot hook its layers")
+    return layers
+
+
+def _identity(hf_model: nn.Module, name: str | None, revision: str | None) -> str:
+    dtype = str(next(hf_model.parameters()).dtype).removeprefix("torch.")
+    if name:
+        return _UNSAFE.sub("_", f"hf-{name}@{revision or 'local'}-{dtype}")
+    h = hashlib.blake2b(digest_size=8)
+    for key, tensor in sorted(hf_model.state_dict().items()):
+        h.update(key.encode())
+        h.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return f"hf-weights-{h.hexdigest()}-{dtype}"

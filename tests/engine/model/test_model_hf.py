@@ -1,0 +1,191 @@
+"""transformers' hybrid models restored through a real Mooncake master equal
+transformers' own cold prefill (the external oracle), and break when they must.
+
+Page 16, checkpoints every 64 tokens, sliding window 32: prompts of 150 and
+205 tokens restore 128 and 192 tokens and compute the rest, so the splits
+differ per request and a batch holds two prompts of different lengths.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+import torch
+from hf_models import CONFIGS, build, cold_logprobs, hf_model
+
+from layerlift import Engine, EngineConfig
+from layerlift.engine.model.hf import TransformersModel
+from layerlift.linker.mooncake_store import MooncakeStore
+from layerlift.pools.spec import Component
+from layerlift.testing import FaultyStore, SkipLayerWaits
+
+pytest.importorskip("transformers")
+
+TOL = 1e-5
+WRONG = 1e-3
+LENGTHS = [150, 205]
+ARCHS = sorted(CONFIGS)
+
+pytestmark = pytest.mark.mooncake
+
+
+def prompts(lengths: Sequence[int], seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 128, n).tolist() for n in lengths]
+
+
+def max_delta(model: TransformersModel, batch: Sequence[list[int]], results: Sequence[object]
+              ) -> float:
+    return max(float((r.next_token_logprobs - cold_logprobs(model, p)).abs().max())  # type: ignore[attr-defined]
+               for p, r in zip(batch, results, strict=True))
+
+
+async def offload_and_drop(engine: Engine) -> None:
+    report = await engine.wait_offloads()
+    assert report.ok, report
+    engine.drop_device_cache()
+    engine.pool.buffer.zero_()  # a restore that reads what it never loaded cannot pass
+
+
+def engine_for(model: object, store: FaultyStore, namespace: str, policy: str = "overlap"
+               ) -> Engine:
+    cfg = EngineConfig(store="memory", policy=policy, namespace=namespace, pool_bytes=16 << 20)
+    return Engine(model, cfg, store=store)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def model(request: pytest.FixtureRequest) -> TransformersModel:
+    return build(request.param)
+
+
+@pytest.mark.parametrize("policy", ["overlap", "barrier"])
+async def test_restore_equals_transformers_cold_prefill(
+        model: TransformersModel, policy: str, mc_client: MooncakeStore, namespace: str) -> None:
+    batch = prompts(LENGTHS, seed=1)
+    store = FaultyStore(mc_client, model.spec)
+    async with engine_for(model, store, namespace, policy) as engine:
+        first = await engine.prefill(batch)
+        assert max_delta(model, batch, first) <= TOL
+        await offload_and_drop(engine)
+        again = await engine.prefill(batch)
+        assert [r.restored_tokens for r in again] == [128, 192]
+        assert max_delta(model, batch, again) <= TOL
+        # A longer continuation of the first prompt restores at its deepest boundary.
+        longer = [batch[0] + prompts([90], seed=2)[0]]
+        await offload_and_drop(engine)
+        third = await engine.prefill(longer)
+        assert third[0].restored_tokens == 128
+        assert max_delta(model, longer, third) <= TOL
+        engine.pool.verify_byte_accounting()
+        engine.tree.check_integrity()
+
+
+# One per state kind: DeltaNet, Mamba-2 and short-conv state; sliding KV.
+CONTROLS = [("lara_mini", "mamba"), ("nemotron_h", "mamba"), ("lfm2", "mamba"),
+            ("lara_mini", "swa"), ("gpt_oss", "swa")]
+
+
+@pytest.mark.parametrize(("arch", "component"), CONTROLS)
+async def test_skipping_a_state_kind_breaks_exactness(
+        arch: str, component: str, mc_client: MooncakeStore, namespace: str) -> None:
+    model = build(arch)
+    assert Component(component) in model.spec.kinds
+    batch = prompts(LENGTHS, seed=3)
+    store = FaultyStore(mc_client, model.spec)
+    async with engine_for(model, store, namespace) as engine:
+        await engine.prefill(batch)
+        await offload_and_drop(engine)
+        store.skip_reads(component)
+        wrong = await engine.prefill(batch)
+        assert all(r.restored_tokens > 0 for r in wrong)
+        assert max_delta(model, batch, wrong) > WRONG, f"skipping {component} went unnoticed"
+
+
+@pytest.mark.parametrize("arch", ["lara_mini", "gpt_oss"])
+async def test_skipping_the_layer_waits_breaks_exactness(
+        arch: str, mc_client: MooncakeStore, namespace: str) -> None:
+    """Layer 0's read is held until the forward returned: without the
+    per-layer wait the forward reads a layer that never landed."""
+    model = build(arch)
+    wrapped = SkipLayerWaits(model)
+    batch = prompts(LENGTHS, seed=4)
+    store = FaultyStore(mc_client, model.spec)
+    async with engine_for(wrapped, store, namespace) as engine:
+        await engine.prefill(batch)
+        await offload_and_drop(engine)
+        done = threading.Event()
+        inner = model.forward_batch
+
+        def forward_batch(*args, **kwargs):  # type: ignore[no-untyped-def]
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                done.set()
+
+        model.forward_batch = forward_batch  # type: ignore[method-assign]
+        gate = threading.Event()
+        store.gate_layer(0, gate)
+        wrapped.enabled = True
+        task = asyncio.create_task(engine.prefill(batch))
+        try:
+            assert await asyncio.to_thread(done.wait, 60.0)
+        finally:
+            gate.set()
+        wrong = await task
+        assert all(r.restored_tokens > 0 for r in wrong)
+        assert max_delta(model, batch, wrong) > WRONG, "skipping the waits went unnoticed"
+
+
+@pytest.mark.parametrize("arch", ["lara_mini", "nemotron_h"])
+async def test_layer_fault_mid_restore_recomputes_exactly(
+        arch: str, mc_client: MooncakeStore, namespace: str) -> None:
+    model = build(arch)
+    batch = prompts(LENGTHS, seed=5)
+    store = FaultyStore(mc_client, model.spec)
+    async with engine_for(model, store, namespace) as engine:
+        await engine.prefill(batch)
+        await offload_and_drop(engine)
+        store.fail_layer(model.spec.num_layers - 1)
+        out = await engine.prefill(batch)
+        assert any(r.recomputed_after_failure for r in out)
+        assert max_delta(model, batch, out) <= TOL
+        engine.pool.verify_byte_accounting()
+        engine.tree.check_integrity()
+
+
+def test_from_pretrained_loads_a_saved_tiny_model(tmp_path: object) -> None:
+    path = tmp_path / "tiny-lfm2"  # type: ignore[operator]
+    hf_model("lfm2", seed=7).save_pretrained(path)
+    model = TransformersModel.from_pretrained(path, revision="r1")
+    assert model.identity == "hf-tiny-lfm2@r1-float32"
+    assert model.spec.layers == "MFMF" and model.vocab_size == 128
+    tokens = prompts([40], seed=6)[0]
+    from reference import ArrayPool, page_table
+
+    from layerlift.engine.model import ForwardRequest
+
+    pages = page_table(0, 3)
+    out = model.forward_batch([ForwardRequest(torch.tensor(tokens), 0, pages, pages, 0)],
+                              ArrayPool(model.spec, max_pages=8, max_slots=4))
+    assert float((out.next_token_logprobs[0] - cold_logprobs(model, tokens)).abs().max()) <= TOL
+
+
+def test_identity_without_a_name_hashes_the_weights() -> None:
+    a, b = TransformersModel(hf_model("gpt_oss", 0)), TransformersModel(hf_model("gpt_oss", 1))
+    assert a.identity.startswith("hf-weights-") and a.identity != b.identity
+    assert TransformersModel(hf_model("gpt_oss", 0)).identity == a.identity
+
+
+@pytest.mark.parametrize(("arch", "why"), [("mamba", "restarts the recurrent scan"),
+                                           ("falcon_mamba", "restarts the recurrent scan")])
+def test_unsupported_architecture_is_refused_with_the_reason(arch: str, why: str) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(arch, vocab_size=64, hidden_size=32, num_hidden_layers=2,
+                               state_size=8)
+    with pytest.raises(ValueError, match=why):
+        TransformersModel(AutoModelForCausalLM.from_config(cfg))
