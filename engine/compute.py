@@ -11,13 +11,14 @@ from layerlift.pools.base import KVPool
 from layerlift.pools.spec import Component
 from layerlift.pools.tree import UnifiedRadixTree
 
-__all__ = ["ComputeAlloc", "alloc_compute", "free_compute"]
+__all__ = ["ComputeAlloc", "alloc_compute", "branch_page", "compute_bytes", "free_compute"]
 
 
 @dataclass(eq=False)
 class ComputeAlloc:
     """Fresh pages for positions ``[b, P)`` (P = pages touched by the prompt),
-    the request's own Mamba slot, and one slot per checkpoint to capture."""
+    the request's own Mamba slot, and one slot per checkpoint to capture
+    (grid boundaries, plus the branch page when branch checkpoints are on)."""
 
     full: torch.Tensor
     swa: torch.Tensor
@@ -29,13 +30,28 @@ class ComputeAlloc:
         return {Component.FULL: self.full, Component.SWA: self.swa, Component.MAMBA: slots}
 
 
-def _needs(plan: LookupPlan) -> tuple[dict[Component, int], list[int]]:
+def branch_page(plan: LookupPlan) -> int | None:
+    """Where the prompt leaves the cached prefix, if that is off the
+    checkpoint grid and inside the computed range: a branch checkpoint there
+    lets later prompts that share the branch restore up to it (instead of
+    the last grid boundary). ``None`` otherwise."""
+    spec = plan.spec
+    kv, whole = plan.match.kv_pages, len(plan.tokens) // spec.page_size
+    if plan.boundary < kv < whole and kv % spec.track_pages:
+        return kv
+    return None
+
+
+def _needs(plan: LookupPlan, branch: bool = False) -> tuple[dict[Component, int], list[int]]:
     spec = plan.spec
     ps, t = spec.page_size, spec.track_pages
     b = plan.boundary
     total_pages = -(-len(plan.tokens) // ps)
     whole = len(plan.tokens) // ps
     capture = list(range((b // t + 1) * t, whole + 1, t))
+    at = branch_page(plan) if branch else None
+    if at is not None:
+        capture = sorted([*capture, at])
     demand = {
         Component.FULL: total_pages - b,
         Component.SWA: total_pages - b,
@@ -44,11 +60,24 @@ def _needs(plan: LookupPlan) -> tuple[dict[Component, int], list[int]]:
     return demand, capture
 
 
+def compute_bytes(pool: KVPool, plan: LookupPlan, boundary: int | None = None) -> int:
+    """Bytes of pages and state slots the forward of ``plan`` writes (from
+    ``boundary`` pages if given, else from the plan's boundary)."""
+    saved = plan.boundary
+    if boundary is not None:
+        plan.boundary = boundary
+    try:
+        demand, _ = _needs(plan)
+    finally:
+        plan.boundary = saved
+    return sum(n * pool.page_bytes(c) for c, n in demand.items())
+
+
 def alloc_compute(pool: KVPool, tree: UnifiedRadixTree, plan: LookupPlan) -> ComputeAlloc | None:
     """Allocate (evicting unlocked tree data on a shortfall) and pin what the
     forward of ``plan`` writes. ``None`` if the pool cannot hold it even
     after eviction."""
-    demand, capture = _needs(plan)
+    demand, capture = _needs(plan, tree.branch_checkpoints)
     # More than the whole buffer can never fit (and alloc_many raises for it).
     if sum(n * pool.page_bytes(c) for c, n in demand.items()) > pool.buffer.numel():
         return None

@@ -40,6 +40,10 @@ class EngineConfig:
       worker call; each layer is still released the moment it landed.
     * ``link``: ``None`` (the store's own link) or ``"emulated:GBPS[,LAT_US]"``
       (a modeled NIC over an in-memory store; benchmark only).
+    * ``branch_checkpoints``: when a prompt leaves a cached one between two
+      checkpoint boundaries, also capture the recurrent state at the branch
+      page (at most one per request), so later prompts sharing the branch
+      restore up to it.
     """
 
     store: str = "embedded"
@@ -61,6 +65,7 @@ class EngineConfig:
     link: str | None = None
     layer_wait_timeout_s: float = 120.0
     offload: bool = True
+    branch_checkpoints: bool = True
     extra: dict[str, object] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

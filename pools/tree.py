@@ -10,8 +10,13 @@ Contract (single-threaded: the event-loop thread mutates the tree):
 
 * A node with ``lock_ref > 0`` is never evicted; ``lock`` counts on the node
   and all its ancestors, so a locked node's prefix stays too.
-* Checkpoints live only at node ends that are multiples of ``track_pages``;
-  splitting a node leaves the head without one.
+* Checkpoints live at node ends; splitting a node leaves the head without
+  one. Most are at multiples of ``track_pages``; a *branch checkpoint* is
+  one that is not (taken where a prompt left a cached one between two
+  boundaries). An insert carries at most one, at most
+  ``max_branch_checkpoints`` live in the tree (the least recently used
+  unlocked ones are dropped first), and eviction drops them before interval
+  checkpoints.
 * ``evict`` and ``drop_all`` free pages through ``pool.free``; the caller
   must lock every node whose pages are pinned (in-flight loads), since the
   pool refuses to free a pinned page.
@@ -29,7 +34,12 @@ import torch
 from layerlift.pools.base import KVPool
 from layerlift.pools.hashing import ROOT_HASH, page_hashes
 from layerlift.pools.spec import Component, ModelSpec
-from layerlift.pools.tree_components import TREE_COMPONENT_TYPES, InsertInputs, TreeComponent
+from layerlift.pools.tree_components import (
+    TREE_COMPONENT_TYPES,
+    InsertInputs,
+    MambaComponent,
+    TreeComponent,
+)
 from layerlift.pools.tree_integrity import check_offered, check_tree, validate_insert
 from layerlift.pools.tree_node import TreeIntegrityError, TreeNode
 from layerlift.pools.tree_paths import TreePaths
@@ -47,9 +57,16 @@ _EVICT_ORDER = (Component.FULL, Component.SWA, Component.MAMBA)
 class UnifiedRadixTree(TreePaths):
     """Prefix cache of a hybrid model over one :class:`KVPool`."""
 
-    def __init__(self, spec: ModelSpec, pool: KVPool) -> None:
+    def __init__(self, spec: ModelSpec, pool: KVPool, *,
+                 max_branch_checkpoints: int = 64) -> None:
+        if max_branch_checkpoints < 0:
+            raise ValueError(f"max_branch_checkpoints must be >= 0, got {max_branch_checkpoints}")
         self.spec = spec
         self.pool = pool
+        self.max_branch_checkpoints = max_branch_checkpoints
+        # Whether the engine captures branch checkpoints (EngineConfig.branch_checkpoints):
+        # read by engine/compute.py; the tree accepts them either way.
+        self.branch_checkpoints = False
         self.page_size = spec.page_size
         self.components: dict[Component, TreeComponent] = {
             c: TREE_COMPONENT_TYPES[c](self) for c in Component
@@ -82,6 +99,13 @@ class UnifiedRadixTree(TreePaths):
     def contains(self, node: TreeNode) -> bool:
         """Whether ``node`` is still part of the tree (not evicted)."""
         return self._nodes.get(node.node_id) is node
+
+    def is_branch_checkpoint(self, node: TreeNode) -> bool:
+        """Whether ``node`` holds a checkpoint off the ``track_pages`` grid."""
+        return node.checkpoint is not None and node.end_page % self.spec.track_pages != 0
+
+    def branch_checkpoint_count(self) -> int:
+        return sum(1 for n in self.iter_nodes() if self.is_branch_checkpoint(n))
 
     def match_prefix(self, tokens: Sequence[int] | np.ndarray) -> MatchResult:
         """Longest restorable prefix on the device (see :class:`MatchResult`).
@@ -134,7 +158,10 @@ class UnifiedRadixTree(TreePaths):
         ``tokens`` holds n whole pages; ``full``/``swa``/``swa_valid`` have n
         entries; entries before ``start_page`` are ignored but those pages must
         already be in the tree. ``checkpoints`` maps boundaries (multiples of
-        ``track_pages`` in ``(start_page, n]``) to state slots. Raises
+        ``track_pages`` in ``(start_page, n]``, plus at most one branch
+        checkpoint anywhere in that range) to state slots. A branch
+        checkpoint beyond ``max_branch_checkpoints`` (after dropping unlocked
+        ones) is not taken: it comes back in ``duplicates``. Raises
         ``ValueError`` on bad input, before changing anything.
         """
         toks = self._tokens(tokens, aligned=True)
@@ -148,10 +175,32 @@ class UnifiedRadixTree(TreePaths):
                 "prompt: pages before start_page must already be in the tree"
             )
         check_offered(self, path, inputs)
-        return self._insert_walk(toks, inputs)
-
-    def _insert_walk(self, toks: np.ndarray, inputs: InsertInputs) -> InsertResult:
         out = InsertBuilder()
+        return self._insert_walk(toks, self._admit_branch(inputs, path, out), out)
+
+    def _admit_branch(self, inputs: InsertInputs, path: list[tuple[TreeNode, int]],
+                      out: InsertBuilder) -> InsertInputs:
+        """Make room for the insert's branch checkpoint under the cap, or decline it."""
+        t = self.spec.track_pages
+        branch = [b for b in inputs.checkpoints if b % t]
+        if not branch:
+            return inputs
+        b = branch[0]
+        if any(n.end_page == b and m == n.num_pages and n.checkpoint is not None
+               for n, m in path):
+            return inputs  # the tree has one there already: merge reports the duplicate
+        mamba = self.components[Component.MAMBA]
+        assert isinstance(mamba, MambaComponent)
+        if self.max_branch_checkpoints > 0:
+            mamba.trim_branches(self.max_branch_checkpoints - 1)
+            if self.branch_checkpoint_count() < self.max_branch_checkpoints:
+                return inputs
+        out.duplicate(Component.MAMBA, inputs.checkpoints[b])
+        kept = {p: s for p, s in inputs.checkpoints.items() if p != b}
+        return inputs._replace(checkpoints=kept)
+
+    def _insert_walk(self, toks: np.ndarray, inputs: InsertInputs,
+                     out: InsertBuilder) -> InsertResult:
         cuts = sorted(inputs.checkpoints)
         self._clock += 1
         node, p, n = self.root, 0, inputs.n_pages

@@ -228,7 +228,8 @@ class SwaComponent(_PageComponent):
 
 class MambaComponent(TreeComponent):
     """Recurrent-state checkpoints at node ends; eviction drops checkpoints
-    whose SWA window is gone first, then least recently used ones."""
+    whose SWA window is gone first, then branch checkpoints (not at a
+    multiple of ``track_pages``), then least recently used ones."""
 
     component = Component.MAMBA
 
@@ -262,13 +263,30 @@ class MambaComponent(TreeComponent):
         sink: list[int] = []
         # A checkpoint whose SWA window was tombstoned is no boundary any
         # more (until the window is restored): drop those first.
-        nodes = sorted(self._unlocked_lru(), key=self._usable)
+        nodes = sorted(self._unlocked_lru(),
+                       key=lambda n: (self._usable(n), not self.tree.is_branch_checkpoint(n)))
         for node in nodes:
             if freed[Component.MAMBA] >= demand:
                 break
             freed[Component.MAMBA] += self.release(node, sink)
         self.free(sink)
         return freed
+
+    def trim_branches(self, cap: int, keep: TreeNode | None = None) -> int:
+        """Drop least recently used unlocked branch checkpoints (never
+        ``keep``'s) until at most ``cap`` remain where locks allow; returns
+        checkpoints dropped."""
+        branches = [n for n in self._unlocked_lru() if self.tree.is_branch_checkpoint(n)]
+        total = sum(1 for n in self.tree.iter_nodes() if self.tree.is_branch_checkpoint(n))
+        sink: list[int] = []
+        for node in branches:
+            if total <= cap:
+                break
+            if node is not keep:
+                self.release(node, sink)
+                total -= 1
+        self.free(sink)
+        return len(sink)
 
     def _usable(self, node: TreeNode) -> bool:
         return all(bool(n.pages(Component.SWA).valid[off])

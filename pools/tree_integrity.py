@@ -44,13 +44,18 @@ def validate_insert(
     v = _vector("swa_valid", swa_valid, n, torch.bool)
     t = tree.spec.track_pages
     for b, slot in checkpoints.items():
-        if b % t or not start_page < b <= n:
+        if not start_page < b <= n:
             raise ValueError(
-                f"checkpoint at page {b} is invalid: checkpoints must be multiples of "
-                f"track_pages ({t}) in ({start_page}, {n}]"
+                f"checkpoint at page {b} is invalid: checkpoints must lie in ({start_page}, {n}]"
             )
         if slot < 0:
             raise ValueError(f"checkpoint slot {slot} at page {b} is negative")
+    branch = [b for b in checkpoints if b % t]
+    if len(branch) > 1:
+        raise ValueError(
+            f"checkpoints at pages {sorted(branch)} are not multiples of track_pages ({t}): "
+            "an insert may carry at most one branch checkpoint"
+        )
     offered = {
         Component.FULL: f[start_page:].tolist(),
         Component.SWA: s[start_page:][v[start_page:]].tolist(),
@@ -121,9 +126,6 @@ def _check_node(tree: UnifiedRadixTree, node: TreeNode) -> None:
             _fail(f"{node} has {c.value} data of the wrong length")
     if not bool(node.pages(Component.FULL).valid.all()):
         _fail(f"{node} lacks FULL pages (FULL eviction removes whole nodes)")
-    if node.checkpoint is not None and node.end_page % tree.spec.track_pages:
-        _fail(f"{node} holds a checkpoint at page {node.end_page}, not a multiple of "
-              f"track_pages ({tree.spec.track_pages})")
     for c in (Component.FULL, Component.SWA):
         if node.stored[c] != bool(node.pages(c).stored.all()):
             _fail(f"{node} has a {c.value} stored flag that disagrees with its page marks")
@@ -153,6 +155,9 @@ def check_tree(tree: UnifiedRadixTree) -> None:
                 if idx in seen[c]:
                     _fail(f"{c.value} index {idx} is owned by {seen[c][idx][0]} and {node}")
                 seen[c][idx] = (node, off)
+    branches = sum(1 for n in tree.iter_nodes() if tree.is_branch_checkpoint(n))
+    if branches > tree.max_branch_checkpoints:
+        _fail(f"{branches} branch checkpoints exceed the cap of {tree.max_branch_checkpoints}")
     for c in Component:
         if seen[c] != tree.owners[c]:
             _fail(f"the {c.value} reverse map disagrees with the nodes' indices")

@@ -22,7 +22,9 @@ class MatchResult(NamedTuple):
     entries before the window are unspecified). ``mamba_slot`` is the
     checkpoint at d (``None`` iff d == 0). ``node`` ends exactly at d (the
     root when d == 0): lock it. ``kv_pages`` >= d counts FULL pages present
-    along the path; ``kv_full_indices`` are their indices. ``pending`` lists
+    along the path: the depth at which the prompt leaves the cached prefix,
+    even where no checkpoint exists there (the engine captures a branch
+    checkpoint at it); ``kv_full_indices`` are their indices. ``pending`` lists
     the non-None ``pending`` objects of the nodes covering ``[0, d)``.
     """
 

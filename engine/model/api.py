@@ -57,7 +57,8 @@ class ForwardRequest:
     already holds the state at ``prefix_len``.
 
     ``capture`` maps an absolute position ``p`` (``prefix_len < p <=
-    prefix_len + n_new``, a multiple of ``track_interval``) to a slot that
+    prefix_len + n_new``, a multiple of ``page_size``: grid checkpoints and
+    the engine's branch checkpoints) to a slot that
     receives every Mamba layer's state after ``p`` tokens.
     """
 
@@ -106,10 +107,10 @@ def _check_capture(spec: ModelSpec, i: int, req: ForwardRequest) -> None:
                 f"request {i}: capture position {pos} is outside the computed range "
                 f"({req.prefix_len}, {req.total}]"
             )
-        if pos % spec.track_interval:
+        if pos % spec.page_size:
             raise ValueError(
                 f"request {i}: capture position {pos} is not a multiple of "
-                f"track_interval ({spec.track_interval})"
+                f"page_size ({spec.page_size})"
             )
         if slot < 0 or slot == req.mamba_slot:
             raise ValueError(

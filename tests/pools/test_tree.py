@@ -248,9 +248,9 @@ def test_pool_moves_rewrite_tree_indices(tree: UnifiedRadixTree, pool: UnifiedKV
     ("n_tokens", "ckpts", "start", "match"),
     [
         (7, {}, 0, "whole number of pages"),
-        (8, {3: 0}, 0, "multiples of track_pages"),
-        (8, {6: 0}, 0, "multiples of track_pages"),
-        (8, {2: 0}, 2, "multiples of track_pages"),
+        (8, {1: 0, 3: 1}, 0, "at most one branch checkpoint"),
+        (8, {6: 0}, 0, r"must lie in \(0, 4\]"),
+        (8, {2: 0}, 2, r"must lie in \(2, 4\]"),
         (8, {}, 5, "start_page must be in"),
         (8, {}, 2, "must already be in the tree"),
         (8, {2: 0, 4: 0}, 0, "same mamba index"),

@@ -2,7 +2,9 @@
 
 Rules: insert (the engine's path: match, then publish fresh pages from the
 matched page on, freeing duplicates; often a prefix of a known key with a
-new checkpoint, which splits), match, lock, unlock, evict, pool moves.
+new checkpoint, which splits; or a prompt that leaves a known key at any
+page, with a branch checkpoint there, as the engine captures it), match,
+lock, unlock, evict, pool moves. The tree caps branch checkpoints at 2.
 Invariants after every step: ``tree.check_integrity()``,
 ``pool.verify_byte_accounting()`` and "every used pool page belongs to the
 tree" (nothing leaked, nothing double-owned).
@@ -33,7 +35,7 @@ class TreeMachine(RuleBasedStateMachine):
         sizes = {F: 24, S: 24, M: 8}
         total = sum(n * self.spec.page_bytes(c) for c, n in sizes.items())
         self.pool = UnifiedKVPool(self.spec, total)
-        self.tree = UnifiedRadixTree(self.spec, self.pool)
+        self.tree = UnifiedRadixTree(self.spec, self.pool, max_branch_checkpoints=2)
         self.keys: list[np.ndarray] = []
         self.locked: list[TreeNode] = []
 
@@ -45,13 +47,21 @@ class TreeMachine(RuleBasedStateMachine):
         return got
 
     def _publish(self, toks: np.ndarray, ckpt_mask: list[bool], swa_drop: list[bool],
-                 from_zero: bool = False) -> None:
+                 from_zero: bool = False, branch_from_boundary: bool = False) -> None:
         """Publish fresh pages from the matched page on (``from_zero``: from
-        page 0, so every page the tree has comes back as a duplicate)."""
+        page 0, so every page the tree has comes back as a duplicate;
+        ``branch_from_boundary``: from the device boundary, with a branch
+        checkpoint where the prompt leaves the tree, as the engine does)."""
         n = len(toks) // PS
-        start = 0 if from_zero else min(self.tree.match_prefix(toks).kv_pages, n)
+        m = self.tree.match_prefix(toks)
+        start = 0 if from_zero else min(m.kv_pages, n)
+        branch: list[int] = []
+        if branch_from_boundary:
+            start = m.boundary_pages
+            if start < m.kv_pages < n and m.kv_pages % T:
+                branch = [m.kv_pages]
         ckpts = [b for b, keep in zip(range(T, n + 1, T), ckpt_mask, strict=False)
-                 if keep and b > start]
+                 if keep and b > start] + branch
         valid = torch.tensor([not d for d in (swa_drop + [False] * n)[:n]], dtype=torch.bool)
         got = {F: self._alloc(F, n - start), S: self._alloc(S, int(valid[start:].sum())),
                M: self._alloc(M, len(ckpts))}
@@ -86,12 +96,22 @@ class TreeMachine(RuleBasedStateMachine):
         cut = data.draw(st.integers(1, n))
         self._publish(key[: cut * PS], [True] * 4, [])
 
+    @precondition(lambda self: bool(self.keys))
+    @rule(data=st.data(), tail=page_values, ckpt_mask=st.lists(st.booleans(), max_size=4))
+    def insert_branch(self, data: st.DataObject, tail: list[int], ckpt_mask: list[bool]) -> None:
+        key = data.draw(st.sampled_from(self.keys))
+        keep = data.draw(st.integers(1, len(key) // PS))
+        new = np.repeat(np.asarray([v + 3 for v in tail], dtype=np.int64), PS)  # never a match
+        self._publish(np.concatenate([key[: keep * PS], new]), ckpt_mask, [],
+                      branch_from_boundary=True)
+
     @rule(pages=page_values)
     def match(self, pages: list[int]) -> None:
         m = self.tree.match_prefix(np.repeat(np.asarray(pages, dtype=np.int64), PS))
         d = m.boundary_pages
         assert 0 <= d <= m.kv_pages <= len(pages)
-        assert (m.mamba_slot is None) == (d == 0) and d % T == 0
+        assert (m.mamba_slot is None) == (d == 0)
+        assert d % T == 0 or self.tree.is_branch_checkpoint(m.node)
         assert m.node.end_page == d
         assert torch.equal(m.full_indices, m.kv_full_indices[:d]) and len(m.swa_indices) == d
 
@@ -133,6 +153,7 @@ class TreeMachine(RuleBasedStateMachine):
         self.pool.verify_byte_accounting()
         pages = self.tree.stats().pages
         assert {c: self.pool.used_size(c) for c in Component} == pages
+        assert self.tree.branch_checkpoint_count() <= 2
 
 
 TreeMachine.TestCase.settings = settings(

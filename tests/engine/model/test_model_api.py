@@ -135,9 +135,9 @@ def _req(**overrides: object) -> ForwardRequest:
                 tokens=torch.arange(60),
                 full_pages=torch.arange(5),
                 swa_pages=torch.arange(5),
-                capture={32: 3},
+                capture={40: 3},
             ),
-            "not a multiple of track_interval",
+            "not a multiple of page_size",
         ),
         (
             dict(
