@@ -52,12 +52,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from layerlift.engine.api import Engine
+from layerlift.bench.models import build_model
 from layerlift.bench.report import STRATEGIES, format_markdown, format_table, write_plot
 from layerlift.bench.stats import KL_TOL, Samples, summarize
 from layerlift.bench.stores import LinkStores, Point, pool_bytes, store_bytes
+from layerlift.engine.api import Engine
 from layerlift.engine.config import EngineConfig
-from layerlift.engine.model import HybridModel
 from layerlift.engine.results import PrefillResult
 from layerlift.overlap.link import parse_link
 from layerlift.pools.spec import ModelSpec
@@ -129,8 +129,8 @@ class _Progress:
 # ---------------------------------------------------------------------------- one link
 async def _run_link(link: str, preset: str, points: list[Point], args: argparse.Namespace,
                     progress: _Progress) -> list[dict[str, Any]]:
-    spec = ModelSpec.preset(preset)
-    model = HybridModel(spec, seed=0, device=args.device)
+    model = build_model(preset, device=args.device)
+    spec = model.spec
     pool_size = pool_bytes(spec, points)
     stores = await asyncio.to_thread(LinkStores, link, store_bytes(spec, points))
     run_id = uuid.uuid4().hex[:8]
@@ -262,6 +262,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--preset", type=_strs, default=None,
                     help=f"model preset(s), comma separated; one of {ModelSpec.preset_names()} "
                          f"(default {','.join(FULL['preset'])})")  # type: ignore[arg-type]
+    ap.add_argument("--model", type=_strs, default=None,
+                    help="model(s) instead of --preset: a preset, hf:<arch> (a tiny transformers "
+                         "config: hf:lara_mini, hf:nemotron_h, hf:gpt_oss, hf:lfm2) or hf:<dir>")
     ap.add_argument("--prefix", type=_ints, default=None, help="prefix lengths (restored tokens)")
     ap.add_argument("--suffix", type=_ints, default=None, help="suffix lengths (computed tokens)")
     ap.add_argument("--batch", type=_ints, default=None, help="batch sizes")
@@ -285,6 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _grid(args: argparse.Namespace) -> None:
     base = QUICK if args.quick else FULL
+    if args.model is not None:
+        args.preset = args.model
     for key in ("preset", "prefix", "suffix", "batch", "repeats", "warmup"):
         if getattr(args, key) is None:
             setattr(args, key, base[key])
@@ -293,7 +298,7 @@ def _grid(args: argparse.Namespace) -> None:
     if args.repeats < 1 or args.warmup < 0:
         raise SystemExit("error: --repeats must be >= 1 and --warmup >= 0")
     for p in args.preset:
-        spec = ModelSpec.preset(p)
+        spec = build_model(p).spec
         for n in args.prefix:
             if n <= 0 or n % spec.track_interval:
                 raise SystemExit(f"error: prefix {n} must be a positive multiple of preset {p}'s "

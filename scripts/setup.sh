@@ -3,7 +3,8 @@
 #   - Debian's libibverbs1 + ibverbs-providers (the Mooncake wheel links them)
 #   - a virtual environment .venv in the repo root
 #   - torch (the local CPU wheel on these machines: torch==2.13.0), then
-#     LayerLift editable with its Mooncake extra and the dev tools.
+#     LayerLift editable with its Mooncake extra, the dev tools and the `hf`
+#     extra (transformers, for TransformersModel and its tests).
 # LAYERLIFT_EXTRA=cpu|cuda|cuda13 picks the Mooncake wheel (never two).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,8 +23,8 @@ if ! "$VPY" -c 'import torch' 2>/dev/null; then
   "$VPY" -m pip install -q --upgrade pip
   "$VPY" -m pip install -q "torch==${LAYERLIFT_TORCH:-2.13.0}"
 fi
-if ! "$VPY" -c 'import layerlift, mooncake.store, pytest, hypothesis' 2>/dev/null \
+if ! "$VPY" -c 'import layerlift, mooncake.store, pytest, hypothesis, transformers' 2>/dev/null \
    || [ pyproject.toml -nt .venv/.layerlift-installed ]; then
-  "$VPY" -m pip install -q -e ".[${EXTRA},dev]"
+  "$VPY" -m pip install -q -e ".[${EXTRA},dev,hf]"
   touch .venv/.layerlift-installed
 fi
