@@ -4,6 +4,8 @@ A test that passes with a control switched on proves nothing; each control
 here must make a restore inexact, and the tests check that it does. They
 live outside the engine: production code never consults them.
 
+* :class:`FaultyModel` (not a control: a fault) makes the forward raise or
+  block before a chosen layer.
 * :class:`SkipLayerWaits` wraps a model so that its forward does not call
   the engine's per-layer wait (the forward may read layers that have not
   landed). Switch it with ``enabled``.
@@ -14,9 +16,10 @@ live outside the engine: production code never consults them.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
-__all__ = ["SkipLayerWaits"]
+__all__ = ["FaultyModel", "InjectedForwardError", "SkipLayerWaits"]
 
 
 class SkipLayerWaits:
@@ -38,3 +41,51 @@ class SkipLayerWaits:
 
 def _no_wait(layer: int) -> None:
     return None
+
+
+class InjectedForwardError(RuntimeError):
+    """What :class:`FaultyModel` raises inside the forward."""
+
+
+class FaultyModel:
+    """A model wrapper whose forward fails or blocks before a chosen layer.
+
+    ``fail_at(layer)``: the forward raises :class:`InjectedForwardError` just
+    before computing ``layer`` (after the engine's wait for it). ``gate_at(layer,
+    event)``: it blocks there until ``event`` is set (``reached`` is set when it
+    does), so a test can cancel the engine while the forward runs. ``clear()``
+    undoes both. Every other attribute is the wrapped model's.
+    """
+
+    def __init__(self, model: Any) -> None:
+        self.inner = model
+        self.fail_layer: int | None = None
+        self.gate_layer: int | None = None
+        self.gate: threading.Event | None = None
+        self.reached = threading.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def fail_at(self, layer: int) -> None:
+        self.fail_layer = layer
+
+    def gate_at(self, layer: int, gate: threading.Event) -> None:
+        self.gate_layer, self.gate = layer, gate
+        self.reached.clear()
+
+    def clear(self) -> None:
+        self.fail_layer = self.gate_layer = None
+        self.gate = None
+
+    def forward_batch(self, requests: Any, pool: Any, before_layer: Any, after_layer: Any) -> Any:
+        def before(layer: int) -> None:
+            before_layer(layer)
+            if layer == self.gate_layer and self.gate is not None:
+                self.reached.set()
+                if not self.gate.wait(60.0):
+                    raise InjectedForwardError(f"forward gate at layer {layer} never opened")
+            if layer == self.fail_layer:
+                raise InjectedForwardError(f"injected forward failure at layer {layer}")
+
+        return self.inner.forward_batch(requests, pool, before, after_layer)

@@ -9,14 +9,17 @@ is a negative control: the reads of one component return without writing.
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from layerlift.linker.store_base import Store, StoreIOError, StoreUnavailable, TensorLike
 from layerlift.pools.spec import ModelSpec
 
 __all__ = ["FaultyStore", "LayerFault"]
+
+_GATEABLE = frozenset({"exists", "session_enter", "session_exit", "put"})
 
 
 @dataclass(slots=True)
@@ -36,8 +39,8 @@ class FaultyStore(Store):
 
     ``fail_layer(layer, exc)`` / ``gate_layer(layer, event)`` act on the
     per-layer ranged reads of ``spec``'s layer; ``fail_exists`` /
-    ``fail_session`` / ``fail_put`` make those calls raise (``gate_put``
-    holds puts until set); ``skip_reads(component)`` makes that component's
+    ``fail_session`` (on entering the session) / ``fail_put`` make those
+    calls raise; ``gate(call, event)`` holds a call; ``skip_reads(component)`` makes that component's
     ranged reads write nothing (a negative control); ``down = True`` makes
     every call raise ``StoreUnavailable`` (the master went away) until set
     back. Thread-safe.
@@ -51,8 +54,8 @@ class FaultyStore(Store):
         self.fail_exists: BaseException | None = None
         self.fail_put: BaseException | None = None
         self.fail_session: BaseException | None = None
-        self.gate_put: threading.Event | None = None
         self.skipped: set[str] = set()
+        self._gates: dict[str, LayerFault] = {}
         self.down = False
         self.ranged_calls: list[int] = []  # layer of each ranged read, in call order
 
@@ -71,6 +74,25 @@ class FaultyStore(Store):
             self._layer_faults[layer] = fault
         return fault
 
+    def gate(self, call: str, gate: threading.Event) -> LayerFault:
+        """Hold every ``call`` ("exists", "session_enter", "session_exit",
+        "put") until ``gate`` is set; ``started`` is set when one waits. A
+        test cancels the engine at exactly that await this way."""
+        if call not in _GATEABLE:
+            raise ValueError(f"cannot gate {call!r}; choose one of {sorted(_GATEABLE)}")
+        fault = LayerFault(None, gate, None)
+        with self._lock:
+            self._gates[call] = fault
+        return fault
+
+    def _pass(self, call: str) -> None:
+        with self._lock:
+            fault = self._gates.get(call)
+        if fault is not None and fault.gate is not None:
+            fault.started.set()
+            if not fault.gate.wait(self.timeout_s):
+                raise StoreIOError(f"injected gate of {call} never opened")
+
     def skip_reads(self, component: str, skip: bool = True) -> None:
         """Negative control: ranged reads of ``component`` ("full", "swa",
         "mamba") return without writing a byte."""
@@ -81,8 +103,8 @@ class FaultyStore(Store):
         with self._lock:
             self._layer_faults.clear()
             self.skipped.clear()
+            self._gates.clear()
         self.fail_exists = self.fail_put = self.fail_session = None
-        self.gate_put = None
         self.down = False
 
     # ---- Store ------------------------------------------------------------------
@@ -98,15 +120,14 @@ class FaultyStore(Store):
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
         self._check_up()
+        self._pass("exists")
         if self.fail_exists is not None:
             raise self.fail_exists
         return self.inner.exists(keys)
 
     def put(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> None:
         self._check_up()
-        gate = self.gate_put
-        if gate is not None and not gate.wait(self.timeout_s):
-            raise StoreIOError("injected put gate never opened")
+        self._pass("put")
         if self.fail_put is not None:
             raise self.fail_put
         self.inner.put(keys, ptrs, sizes)
@@ -130,11 +151,20 @@ class FaultyStore(Store):
             return
         self.inner.get_ranges(keys, dst_ptrs, sizes, src_offsets)
 
-    def open_session(self, keys: Sequence[str]):  # type: ignore[no-untyped-def]
+    def open_session(self, keys: Sequence[str]) -> contextlib.AbstractContextManager[None]:
+        return self._session(tuple(keys))
+
+    @contextlib.contextmanager
+    def _session(self, keys: tuple[str, ...]) -> Iterator[None]:
         self._check_up()
+        self._pass("session_enter")
         if self.fail_session is not None:
             raise self.fail_session
-        return self.inner.open_session(keys)
+        with self.inner.open_session(keys):
+            try:
+                yield
+            finally:
+                self._pass("session_exit")
 
     def remove(self, keys: Sequence[str]) -> None:
         self.inner.remove(keys)
