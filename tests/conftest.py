@@ -68,9 +68,11 @@ def mooncake_store(mooncake_master: EmbeddedMaster) -> Iterator[MooncakeStore]:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
-    """A Mooncake test that skips is a failure: the store must be exercised."""
+    """A Mooncake or netns test that skips is a failure: the store and the
+    multi-host paths must be exercised."""
     outcome = yield
     report = outcome.get_result()
-    if report.skipped and item.get_closest_marker("mooncake") is not None:
-        report.outcome = "failed"
-        report.longrepr = f"mooncake test {item.nodeid} was skipped; Mooncake tests must run"
+    for marker in ("mooncake", "netns"):
+        if report.skipped and item.get_closest_marker(marker) is not None:
+            report.outcome = "failed"
+            report.longrepr = f"{marker} test {item.nodeid} was skipped; {marker} tests must run"

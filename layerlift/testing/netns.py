@@ -30,9 +30,11 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
+from typing import IO
 
 __all__ = [
     "PREFIX",
@@ -139,13 +141,21 @@ class NetnsHosts:
 
     ``labels`` names the hosts (``hosts["engine"]``); host ``i`` gets address
     ``198.18.0.<i+2>``. ``rates`` maps a label to a ``tbf`` rate (``"1gbit"``,
-    ``"100mbit"``) applied to both ends of that host's link. Raises
+    ``"100mbit"``) applied to both ends of that host's link. ``close()``
+    gives the processes started in the hosts ``grace_s`` after SIGTERM, then
+    SIGKILLs them (their namespaces go away either way). Raises
     ``ValueError`` for bad labels or rates and ``RuntimeError`` (with
     iproute2's message) when the kernel refuses a step; what was built so far
     is torn down before it raises.
     """
 
-    def __init__(self, labels: Sequence[str], *, rates: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        labels: Sequence[str],
+        *,
+        rates: Mapping[str, str] | None = None,
+        grace_s: float = 5.0,
+    ) -> None:
         labels = list(labels)
         if not labels or len(labels) > 200 or len(set(labels)) != len(labels):
             raise ValueError(f"labels must be 1-200 distinct names, got {labels!r}")
@@ -158,6 +168,7 @@ class NetnsHosts:
             raise ValueError(f"rates must look like '1gbit' or '100mbit', got {bad!r}")
         self._labels = labels
         self._rates = rates
+        self.grace_s = grace_s
         self._tag = f"{PREFIX}{os.getpid()}-{id(self) % 100000}"
         self.switch = f"{self._tag}-sw"
         self.hosts: dict[str, Host] = {}
@@ -239,7 +250,8 @@ class NetnsHosts:
         env: Mapping[str, str] | None = None,
         stdin: int | None = subprocess.DEVNULL,
         stdout: int | None = None,
-        stderr: int | None = None,
+        stderr: int | IO[bytes] | None = None,
+        cwd: str | os.PathLike[str] | None = None,
     ) -> subprocess.Popen[bytes]:
         """Start `argv` inside host `label` in its own process group. It is killed
         on ``close()`` and, on Linux, when the thread that started it exits."""
@@ -253,6 +265,7 @@ class NetnsHosts:
                 stdin=stdin,
                 stdout=stdout,
                 stderr=stderr,
+                cwd=cwd,
                 start_new_session=True,
                 preexec_fn=lambda: _die_with_parent(parent),
             )
@@ -288,13 +301,14 @@ class NetnsHosts:
             self._closed = True
             procs, self._procs = self._procs, []
         atexit.unregister(self.close)
-        for proc in procs:
+        for proc in reversed(procs):  # clients before the servers they were started after
             if proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.grace_s
         for proc in procs:
             try:
-                proc.wait(5)
+                proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 self.kill(proc)
         for name in [h.netns for h in self.hosts.values()] + [self.switch]:
