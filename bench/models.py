@@ -58,8 +58,8 @@ def tiny_transformers(arch: str, seed: int = 0, device: str | torch.device = "cp
         raise ValueError(f"no tiny config for {arch!r}; choose one of {sorted(HF_TINY)} "
                          "or give hf:<local directory>")
     torch.manual_seed(seed)
-    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(arch, **HF_TINY[arch]),
-                                          dtype=torch.float32)
+    config = AutoConfig.for_model(arch, **HF_TINY[arch])
+    hf: Any = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
     return TransformersModel(hf.to(device), name=f"tiny-{arch}", revision=f"seed{seed}",
                              page_size=PAGE_SIZE, track_interval=TRACK_INTERVAL)
 

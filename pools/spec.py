@@ -32,10 +32,10 @@ from functools import cached_property
 import torch
 
 __all__ = [
+    "PLACEHOLDER_PAGE_BYTES",
     "AttentionSpec",
     "Component",
     "LayerSlice",
-    "PLACEHOLDER_PAGE_BYTES",
     "MambaSpec",
     "ModelDims",
     "ModelSpec",

@@ -27,6 +27,7 @@ and ``position_ids`` are passed explicitly.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import re
 import threading
 from collections.abc import Sequence
@@ -45,7 +46,7 @@ from layerlift.engine.model.api import (
     validate_requests,
 )
 from layerlift.engine.model.base import LayerHook
-from layerlift.engine.model.hf_layout import HFLayout, derive_layout
+from layerlift.engine.model.hf_layout import HFLayout, derive_layout, hf_config
 from layerlift.pools.spec import Component, ModelSpec
 
 __all__ = ["TransformersModel"]
@@ -87,7 +88,7 @@ class TransformersModel:
         self.hf = hf_model.eval()
         self.layout: HFLayout = derive_layout(hf_model, page_size, track_interval)
         self.spec: ModelSpec = self.layout.spec
-        text = hf_model.config.get_text_config(decoder=True)  # type: ignore[union-attr]
+        text = hf_config(hf_model).get_text_config(decoder=True)
         self.vocab_size = int(text.vocab_size)
         self.identity = _identity(hf_model, name, revision)
         self._layers = _decoder_layers(hf_model, len(self.layout.groups))
@@ -106,7 +107,8 @@ class TransformersModel:
         downloaded); ``name`` defaults to the directory's name."""
         from transformers import AutoModelForCausalLM
 
-        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)
+        hf: Any = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype,
+                                                       local_files_only=True)
         return cls(hf.to(device), name=name or Path(path).name, revision=revision,
                    page_size=page_size, track_interval=track_interval)
 
@@ -151,7 +153,7 @@ class TransformersModel:
         cuts = sorted({req.prefix_len, req.total, *req.capture})
         dev = self.device
         out = []
-        for a, b in zip(cuts, cuts[1:], strict=False):
+        for a, b in itertools.pairwise(cuts):
             self._pass = _Pass(req, pool, cache, a, b, a == req.prefix_len,
                                last and b == req.total, wait, done)
             try:
@@ -172,9 +174,10 @@ class TransformersModel:
         """A fresh cache whose layers already have the restored lengths (zeros)."""
         from transformers import DynamicCache
 
-        cache = DynamicCache(config=self.hf.config)  # type: ignore[union-attr]
+        cache = DynamicCache(config=hf_config(self.hf))
+        layers: list[Any] = cache.layers
         spec, dev = self.spec, self.device
-        for layer, group in zip(cache.layers, self.layout.groups, strict=True):
+        for layer, group in zip(layers, self.layout.groups, strict=True):
             kinds = {spec.kinds[g] for g in group}
             if Component.FULL in kinds or Component.SWA in kinds:
                 _record_updates(layer, self, group)
@@ -294,7 +297,8 @@ def _record_updates(cache_layer: Any, model: TransformersModel, group: tuple[int
 
 def _decoder_layers(hf_model: nn.Module, n: int) -> nn.ModuleList:
     """The decoder's ``layers`` list, one module per cache layer object."""
-    decoder = hf_model.get_decoder() if hasattr(hf_model, "get_decoder") else None
+    model: Any = hf_model
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     layers = getattr(decoder, "layers", None)
     if not isinstance(layers, nn.ModuleList) or len(layers) < n:
         raise ValueError(f"{type(hf_model).__name__} has no decoder `layers` list matching its "

@@ -24,9 +24,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from layerlift.pools.spec import Component, MambaSpec, ModelDims, ModelSpec, StateTensorSpec
+from layerlift.pools.spec import MambaSpec, ModelDims, ModelSpec, StateTensorSpec
 
-__all__ = ["INEXACT", "HFLayout", "derive_layout"]
+__all__ = ["INEXACT", "HFLayout", "derive_layout", "hf_config", "refuse_unsupported"]
 
 INEXACT: dict[str, str] = {
     "jamba": "its torch Mamba path restarts the recurrent scan at zero for multi-token input",
@@ -57,6 +57,12 @@ class HFLayout:
     states: tuple[tuple[str, int], ...]
 
 
+def hf_config(hf_model: nn.Module) -> Any:
+    """The model's ``PretrainedConfig`` (typed ``Any``: transformers' configs
+    are dynamic)."""
+    return hf_model.config
+
+
 def _standard_classes() -> dict[type, str]:
     from transformers import cache_utils as cu
 
@@ -72,7 +78,7 @@ def _standard_classes() -> dict[type, str]:
 
 def refuse_unsupported(hf_model: nn.Module) -> None:
     """``ValueError`` saying why, for a model LayerLift cannot restore exactly."""
-    cfg = hf_model.config  # type: ignore[union-attr]
+    cfg = hf_config(hf_model)
     text = cfg.get_text_config(decoder=True)
     kind = str(getattr(text, "model_type", getattr(cfg, "model_type", "")))
     if kind in INEXACT:
@@ -87,7 +93,7 @@ def refuse_unsupported(hf_model: nn.Module) -> None:
 def _new_cache(hf_model: nn.Module) -> Any:
     from transformers import DynamicCache
 
-    cache = DynamicCache(config=hf_model.config)  # type: ignore[union-attr]
+    cache = DynamicCache(config=hf_config(hf_model))
     classes = _standard_classes()
     for i, layer in enumerate(cache.layers):
         if type(layer) not in classes:
@@ -127,7 +133,8 @@ def derive_layout(hf_model: nn.Module, page_size: int, track_interval: int) -> H
     hf_model(input_ids=torch.zeros(1, 2, dtype=torch.int64, device=device), cache=cache,
              use_cache=True)
     classes = _standard_classes()
-    letters, groups = [], []
+    letters: list[str] = []
+    groups: list[tuple[int, ...]] = []
     kv: set[tuple[int, int, torch.dtype]] = set()
     windows: set[int] = set()
     states: set[tuple[tuple[StateTensorSpec, ...], tuple[tuple[str, int], ...]]] = set()
@@ -136,8 +143,8 @@ def derive_layout(hf_model: nn.Module, page_size: int, track_interval: int) -> H
         groups.append(tuple(range(len(letters), len(letters) + len(kinds))))
         letters.extend(kinds)
         if "M" in kinds:
-            specs, names = _states(layer)
-            states.add((tuple(specs), tuple(names)))
+            specs, state_names = _states(layer)
+            states.add((tuple(specs), tuple(state_names)))
         if "F" in kinds or "S" in kinds:
             kv.add((int(layer.keys.shape[1]), int(layer.keys.shape[3]), layer.keys.dtype))
         if "S" in kinds:
@@ -146,25 +153,21 @@ def derive_layout(hf_model: nn.Module, page_size: int, track_interval: int) -> H
         raise ValueError("this model has no cache layer: there is nothing to restore")
     kv_heads, head_dim, kv_dtype = _one(kv, "KV heads, head dim or KV dtype") or (1, 1, None)
     window = _one(windows, "sliding window") or page_size
-    state, names = _one(states, "recurrent state layout") or (None, ())
+    state, names = _one(states, "recurrent state layout") or ((), ())
     dtype = torch.float32 if kv_dtype is None else kv_dtype
     if dtype not in _DTYPE_NAMES:
         raise ValueError(f"KV dtype {dtype} is not supported; use one of {list(_DTYPE_NAMES)}")
     if window % page_size:
         raise ValueError(f"the sliding window ({window} tokens) must be a multiple of "
                          f"page_size ({page_size}): choose a page size that divides it")
-    text = hf_model.config.get_text_config(decoder=True)  # type: ignore[union-attr]
+    text = hf_config(hf_model).get_text_config(decoder=True)
     spec = ModelSpec(
         # dims carry the vocabulary only for callers still reading spec.vocab_size.
         dims=ModelDims(vocab_size=int(text.vocab_size), hidden_size=int(text.hidden_size)),
         layers="".join(letters), num_kv_heads=kv_heads, head_dim=head_dim, page_size=page_size,
         swa_window=window, track_interval=track_interval, dtype=_DTYPE_NAMES[dtype],
         state=MambaSpec(state) if state else None,
-        name=str(getattr(hf_model.config, "model_type", "hf")),  # type: ignore[union-attr]
+        name=str(getattr(hf_config(hf_model), "model_type", "hf")),
     )
     return HFLayout(spec, tuple(groups), names)
 
-
-def component_letters(spec: ModelSpec, group: tuple[int, ...]) -> dict[Component, int]:
-    """The cache layer of each kind in one decoder layer's ``group``."""
-    return {spec.kinds[layer]: layer for layer in group}
