@@ -54,7 +54,19 @@ class LinkStores:
         self.link = link
         self.master = None
         self._closers: list[Any] = []
-        if parse_link(link) is None:  # mooncake
+        if link.startswith("cluster:"):  # a master and a storage node elsewhere (netns link)
+            from layerlift.engine.stores import route_source
+            from layerlift.linker.mooncake_config import MooncakeConfig
+            from layerlift.linker.mooncake_store import MooncakeStore
+
+            address = link.removeprefix("cluster:")
+            client = MooncakeStore(MooncakeConfig(
+                master_address=address, local_hostname=route_source(address),
+                global_segment_size=0, local_buffer_size=16 << 20, timeout_s=60.0))
+            self._closers.append(client)
+            inner: Any = client
+            self.engine_link: str | None = None
+        elif parse_link(link) is None:  # mooncake
             from layerlift.linker.master import EmbeddedMaster
             from layerlift.linker.mooncake_store import MooncakeStore
 
@@ -73,8 +85,8 @@ class LinkStores:
             except BaseException:
                 self.close()
                 raise
-            inner: Any = client
-            self.engine_link: str | None = None
+            inner = client
+            self.engine_link = None
         else:
             inner = MemoryStore(timeout_s=60.0)
             self._closers.append(inner)

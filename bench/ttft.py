@@ -12,8 +12,9 @@ Per link mode and model preset the harness opens ONE store shared by four engine
 * ``overlap``   (policy overlap, offload off, namespace A): layer l waits for layer l only.
 
 The measuring engines never offload, so the store holds exactly the prefixes and every
-restore is of ``prefix_tokens`` tokens. Each repeat runs the three strategies back to back
-(interleaved), each after ``drop_device_cache()``; TTFT is ``result.timings.ttft`` (from the
+restore is of ``prefix_tokens`` tokens. Each repeat runs the three strategies back to back,
+in an order rotated per repeat (no strategy always runs first), each after
+``drop_device_cache()``; TTFT is ``result.timings.ttft`` (from the
 ``prefill`` call to the next-token distribution). After a point its keys are removed.
 
 Link modes: ``mooncake`` — one ``mooncake_master`` started here, one client that holds the
@@ -53,6 +54,7 @@ import numpy as np
 import torch
 
 from layerlift.bench.models import build_model
+from layerlift.bench.netns_link import emulated_twin, is_netns, rate_gbps, run_netns_link
 from layerlift.bench.report import STRATEGIES, format_markdown, format_table, write_plot
 from layerlift.bench.stats import KL_TOL, Samples, summarize
 from layerlift.bench.stores import LinkStores, Point, pool_bytes, store_bytes
@@ -61,6 +63,7 @@ from layerlift.engine.config import EngineConfig
 from layerlift.engine.results import PrefillResult
 from layerlift.overlap.link import parse_link
 from layerlift.pools.spec import ModelSpec
+from layerlift.testing.netns import netns_available
 
 __all__ = ["DEFAULT_EMULATED", "main", "run_bench"]
 
@@ -134,7 +137,7 @@ async def _run_link(link: str, preset: str, points: list[Point], args: argparse.
     pool_size = pool_bytes(spec, points)
     stores = await asyncio.to_thread(LinkStores, link, store_bytes(spec, points))
     run_id = uuid.uuid4().hex[:8]
-    label = parse_link(link).label if parse_link(link) else "mooncake-tcp-loopback"  # type: ignore[union-attr]
+    label = link_label(link)
     out: list[dict[str, Any]] = []
     try:
         for k, pt in enumerate(points):
@@ -179,17 +182,16 @@ async def _run_point(label: str, link: str, pt: Point, spec: ModelSpec, engines:
     writer.drop_device_cache()
 
     smp = Samples()
-    room_i = 0.0
     expect_restore = {"recompute": 0, "barrier": pt.prefix, "overlap": pt.prefix}
     for rep in range(args.warmup + args.repeats):
         measured = rep >= args.warmup
-        ref: list[PrefillResult] | None = None
-        for s in STRATEGIES:
+        results: dict[str, list[PrefillResult]] = {}
+        for s in rotated(STRATEGIES, rep):  # no strategy always runs first (warm caches)
             eng = engines[s]
             eng.drop_device_cache()
-            res = await eng.prefill(prompts)
-            if s == "recompute":
-                ref = res
+            results[s] = await eng.prefill(prompts)
+        ref = results["recompute"]
+        for s, res in results.items():
             for r in res:
                 if r.fallback_reason or r.recomputed_after_failure:
                     smp.fallbacks.append(f"{s}: {r.fallback_reason}")
@@ -198,28 +200,36 @@ async def _run_point(label: str, link: str, pt: Point, spec: ModelSpec, engines:
                     smp.computed.add(r.computed_tokens)
                 if r.restored_tokens != expect_restore[s]:
                     smp.fallbacks.append(f"{s}: restored {r.restored_tokens} != {expect_restore[s]}")
-            assert ref is not None
             if s != "recompute":
                 smp.max_kl = max(smp.max_kl, *(_kl(a, b) for a, b in zip(ref, res, strict=True)))
-            if not measured:
-                continue
-            t = res[0].timings
-            smp.ttft[s].append(t.ttft)
-            smp.fstart[s].append(t.forward_start)
-            if s == "barrier":
-                a, c = _profile(res[0])
-                smp.prof_a.append(a)
-                smp.prof_c.append(c)
-                room_i = min(sum(a) - a[0], sum(c) - c[-1])
-            elif s == "overlap":
-                if room_i > 1e-3:
-                    smp.paired.append((smp.ttft["barrier"][-1] - t.ttft) / room_i)
-                smp.over_wait.append(list(t.layer_wait))
-                smp.over_c.append(list(t.layer_compute))
+        if measured:
+            _record(smp, results)
         progress.show(f"{desc} rep {rep + 1}/{args.warmup + args.repeats}")
     progress.step(desc)
 
     return summarize(label, link, pt, args.repeats, args.warmup, smp)
+
+
+def rotated(items: Sequence[str], shift: int) -> list[str]:
+    """`items` rotated left by `shift`: repeat r starts with strategy r mod n."""
+    k = shift % len(items)
+    return [*items[k:], *items[:k]]
+
+
+def _record(smp: Samples, results: dict[str, list[PrefillResult]]) -> None:
+    """Add one measured repeat's timings and per-layer profiles to `smp`."""
+    for s, res in results.items():
+        smp.ttft[s].append(res[0].timings.ttft)
+        smp.fstart[s].append(res[0].timings.forward_start)
+    a, c = _profile(results["barrier"][0])
+    smp.prof_a.append(a)
+    smp.prof_c.append(c)
+    t = results["overlap"][0].timings
+    room = min(sum(a) - a[0], sum(c) - c[-1])
+    if room > 1e-3:
+        smp.paired.append((smp.ttft["barrier"][-1] - t.ttft) / room)
+    smp.over_wait.append(list(t.layer_wait))
+    smp.over_c.append(list(t.layer_compute))
 
 
 # ---------------------------------------------------------------------------- CLI
@@ -239,18 +249,35 @@ def _strs(text: str) -> list[str]:
     return [x for x in text.replace(" ", "").split(",") if x]
 
 
+def link_label(link: str) -> str:
+    """How a link mode is named in the table."""
+    if link.startswith("cluster:"):
+        return "mooncake-tcp-cluster"
+    emulated = parse_link(link)
+    return emulated.label if emulated is not None else "mooncake-tcp-loopback"
+
+
 def _links(text: str) -> list[str]:
-    """'mooncake,emulated:2,10,emulated:1' -> ['mooncake', 'emulated:2,10', 'emulated:1']."""
+    """'mooncake,emulated:2,10,emulated:1' -> ['mooncake', 'emulated:2,10', 'emulated:1'].
+
+    ``netns:RATE`` runs the engines on a namespace host behind a link throttled to RATE
+    (bench/netns_link.py); ``cluster:HOST:PORT`` (internal: what runs on that host)
+    connects to an existing master whose storage node holds the segment.
+    """
     out: list[str] = []
     for part in _strs(text):
-        if part == "mooncake" or part.startswith("emulated:"):
+        if is_netns(part):
+            rate_gbps(part)  # validates
+            out.append(part)
+        elif part.startswith("cluster:") or part == "mooncake" or part.startswith("emulated:"):
             out.append(part)
         elif out and out[-1].startswith("emulated:") and out[-1].count(",") == 0:
             out[-1] += "," + part  # the latency of the previous emulated link
         else:
             raise ValueError(f"bad link list {text!r}: use e.g. 'mooncake,emulated:2,10'")
     for link in out:
-        parse_link(link)  # validates
+        if not (is_netns(link) or link.startswith("cluster:")):
+            parse_link(link)  # validates
     return out
 
 
@@ -271,7 +298,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--repeats", type=int, default=None, help="measured repeats per point")
     ap.add_argument("--warmup", type=int, default=None, help="warm-up repeats per point")
     ap.add_argument("--links", type=_links, default=None,
-                    help=f"link modes (default 'mooncake,{DEFAULT_EMULATED}')")
+                    help=f"link modes (default 'mooncake,{DEFAULT_EMULATED}'); netns:RATE "
+                         "(e.g. netns:1gbit, needs root) runs the engines on a namespace host "
+                         "behind a tbf-throttled link to a master and a storage node on two "
+                         "other hosts, and adds the emulated link at the same rate beside it")
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     ap.add_argument("--quick", action="store_true",
                     help="small grid (small preset, P 512/1024/2048, S 64, B 1, 3 repeats)")
@@ -295,6 +325,10 @@ def _grid(args: argparse.Namespace) -> None:
             setattr(args, key, base[key])
     if args.links is None:
         args.links = ["mooncake", DEFAULT_EMULATED]
+    for link in [x for x in args.links if is_netns(x)]:  # the emulated link at the same rate
+        twin = emulated_twin(link)
+        if twin not in args.links:
+            args.links.insert(args.links.index(link) + 1, twin)
     if args.repeats < 1 or args.warmup < 0:
         raise SystemExit("error: --repeats must be >= 1 and --warmup >= 0")
     for p in args.preset:
@@ -313,12 +347,28 @@ async def run_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     try:
         for link in args.links:
+            if is_netns(link):
+                out += await _run_netns(link, points, args)
+                continue
             for preset in args.preset:
                 mine = [p for p in points if p.preset == preset]
                 out += await _run_link(link, preset, mine, args, progress)
     finally:
         progress.end()
     return out
+
+
+async def _run_netns(link: str, points: list[Point],
+                     args: argparse.Namespace) -> list[dict[str, Any]]:
+    ok, why = netns_available()
+    if not ok:
+        twin = emulated_twin(link)
+        print(f"note: skipping {link}: {why}; the emulated link at the same rate ({twin}) "
+              "stands in for it", file=sys.stderr)
+        return []
+    segment = max(store_bytes(build_model(p).spec, [q for q in points if q.preset == p])
+                  for p in args.preset)
+    return await asyncio.to_thread(run_netns_link, link, args, segment)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

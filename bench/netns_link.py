@@ -1,0 +1,115 @@
+"""The TTFT harness's ``netns:RATE`` link: real Mooncake TCP between hosts.
+
+The master and a storage node (``layerlift store-node``) run on their own
+namespace hosts; the benchmark itself (all its engines) runs as a child
+process on a third host whose link is throttled by the kernel's token bucket
+(``tbf``, both ends) to RATE. The child runs the same grid with the internal
+link ``cluster:MASTER`` (a pure client, segment 0, over P2PHANDSHAKE), so
+every restored byte crosses the throttled link, and hands its points back as
+JSON. Needs root; where namespaces are unavailable the caller says why and the
+emulated link at the same rate stands in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from layerlift.testing.netns import NetnsHosts
+
+__all__ = ["RPC_PORT", "emulated_twin", "is_netns", "rate_gbps", "run_netns_link"]
+
+RPC_PORT = 50051
+_RATE = re.compile(r"^netns:(?P<num>\d+(?:\.\d+)?)(?P<unit>kbit|mbit|gbit)$")
+_UNIT_GBPS = {"kbit": 1e-6 / 8, "mbit": 1e-3 / 8, "gbit": 1 / 8}
+
+
+def is_netns(link: str) -> bool:
+    return link.startswith("netns:")
+
+
+def rate_gbps(link: str) -> float:
+    """GB/s of ``netns:RATE`` (``netns:1gbit`` -> 0.125). Raises ValueError otherwise."""
+    match = _RATE.match(link.strip().lower())
+    if match is None:
+        raise ValueError(f"bad link {link!r}: use netns:RATE with RATE like 1gbit or 500mbit")
+    return float(match["num"]) * _UNIT_GBPS[match["unit"]]
+
+
+def emulated_twin(link: str) -> str:
+    """The emulated link at the same rate as ``netns:RATE`` (10 us per fetch)."""
+    return f"emulated:{rate_gbps(link):g},10"
+
+
+def _child_argv(args: argparse.Namespace, master: str, out: Path) -> list[str]:
+    def join(values: list[Any]) -> str:
+        return ",".join(str(v) for v in values)
+
+    argv = [
+        sys.executable, "-m", "layerlift.engine.cli", "bench", "ttft",
+        "--model", join(args.preset), "--prefix", join(args.prefix),
+        "--suffix", join(args.suffix), "--batch", join(args.batch),
+        "--repeats", str(args.repeats), "--warmup", str(args.warmup),
+        "--device", args.device, "--seed", str(args.seed),
+        "--links", f"cluster:{master}", "--json", str(out),
+    ]  # fmt: skip
+    if args.threads:
+        argv += ["--threads", str(args.threads)]
+    if args.no_progress:
+        argv.append("--no-progress")
+    return argv
+
+
+def _expect(proc: subprocess.Popen[bytes], prefix: bytes, what: str) -> None:
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line.startswith(prefix):
+        raise RuntimeError(f"the {what} did not start (printed {line!r})")
+
+
+def run_netns_link(
+    link: str, args: argparse.Namespace, segment_bytes: int
+) -> list[dict[str, Any]]:
+    """Run the grid of `args` over ``netns:RATE``; the points, labelled with the link."""
+    rate = link.removeprefix("netns:")
+    rate_gbps(link)  # validates
+    env = {**os.environ, "MC_LOG_LEVEL": "ERROR", "GLOG_minloglevel": "2"}
+    with tempfile.TemporaryDirectory(prefix="layerlift-netns-") as tmp, NetnsHosts(
+        ["master", "store", "engine"], rates={"engine": rate}
+    ) as hosts:
+        cli = [sys.executable, "-m", "layerlift.engine.cli"]
+        master = f"{hosts['master'].address}:{RPC_PORT}"
+        log = open(Path(tmp) / "servers.log", "ab")  # noqa: SIM115 — the children hold it
+        with log:
+            proc = hosts.popen(
+                "master",
+                [*cli, "master", "--host", hosts["master"].address, "--rpc-port", str(RPC_PORT)],
+                env=env, stdout=subprocess.PIPE, stderr=log, cwd=tmp,
+            )  # fmt: skip
+            _expect(proc, b"master_address", "master")
+            proc = hosts.popen(
+                "store",
+                [*cli, "store-node", "--master", master, "--bytes", str(segment_bytes),
+                 "--host", hosts["store"].address],
+                env=env, stdout=subprocess.PIPE, stderr=log, cwd=tmp,
+            )  # fmt: skip
+            _expect(proc, b"ready", "storage node")
+        out = Path(tmp) / "points.json"
+        bench = hosts.popen(
+            "engine", _child_argv(args, master, out), env=env, stdout=subprocess.DEVNULL, cwd=tmp
+        )
+        if bench.wait() != 0 and not out.exists():
+            raise RuntimeError(f"the benchmark on the engine host exited with {bench.returncode}")
+        points: list[dict[str, Any]] = json.loads(out.read_text())["points"]
+    label = f"mooncake-tcp-netns {rate}"
+    for p in points:
+        p["link"] = label
+        p["link_arg"] = link
+    return points
