@@ -3,6 +3,7 @@
     layerlift master [--rpc-port P ...]     run a mooncake_master in the foreground
     layerlift store-node --master H:P ...   a Mooncake client contributing a segment
     layerlift bench ttft [options]          TTFT: recompute vs barrier vs overlap restore
+    layerlift bench replay [options]        the conversation trace through the serving loop
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ commands:
                 (layerlift store-node --help)
   bench ttft    time to first token: recompute vs barrier vs overlap restore
                 (layerlift bench ttft --help)
+  bench replay  the Mooncake conversation trace through the serving loop, per policy
+                (layerlift bench replay --help)
 """
 
 
@@ -47,8 +50,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             from layerlift.bench.ttft import main as ttft_main
 
             return ttft_main(args[2:])
-        print("usage: layerlift bench ttft [options]   (the only benchmark so far)",
-              file=sys.stderr)
+        if len(args) >= 2 and args[1] == "replay":
+            from layerlift.bench.replay import main as replay_main
+
+            return replay_main(args[2:])
+        print("usage: layerlift bench ttft|replay [options]", file=sys.stderr)
         return 0 if len(args) >= 2 and args[1] in ("-h", "--help") else 2
     print(f"layerlift: unknown command {args[0]!r}\n\n{USAGE}", file=sys.stderr, end="")
     return 2
