@@ -355,9 +355,8 @@ class Batch:
             if rid not in failed and txn.state is TransactionState.COMMITTED:
                 txn.finish()
         self._unpin(failed)
-        todo = [self.txns[rid] for rid in failed
-                if self.txns[rid].state in (TransactionState.PREPARED, TransactionState.COMMITTED,
-                                            TransactionState.LOADED)]
+        live = (TransactionState.LOADED, TransactionState.PREPARED, TransactionState.COMMITTED)
+        todo = [t for rid, t in self.txns.items() if rid in failed and t.state in live]
         while todo:  # a request whose node a dependant locks goes after the dependant
             left = []
             for txn in todo:

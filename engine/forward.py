@@ -66,7 +66,22 @@ def build_runs(plans: Sequence[LookupPlan], rl: RestoreLoad | None,
 def run_forward(model: Any, pool: Any, runs: Sequence[ForwardRun],
                 deps: Sequence[ReadinessView], started: float) -> tuple[ForwardOutput, Timings]:
     """Worker thread: the model, with a wait for every readiness in ``deps``
-    before each layer (the only place the forward waits for restored data)."""
+    before each layer (the only place the forward waits for restored data).
+
+    On CUDA the thread runs under the pool's device (a fresh thread's current
+    device is cuda:0) and layer ``l``'s waits make that device's current
+    stream, named explicitly, wait on the load's event: no host sync."""
+    device = pool.buffer.device
+    if device.type != "cuda":
+        return _forward(model, pool, runs, deps, started, None)
+    with torch.cuda.device(device):
+        stream = torch.cuda.current_stream(device)
+        with torch.cuda.stream(stream):
+            return _forward(model, pool, runs, deps, started, stream)
+
+
+def _forward(model: Any, pool: Any, runs: Sequence[ForwardRun], deps: Sequence[ReadinessView],
+             started: float, stream: Any) -> tuple[ForwardOutput, Timings]:
     ps = pool.spec.page_size
     reqs = [
         ForwardRequest(
@@ -86,7 +101,7 @@ def run_forward(model: Any, pool: Any, runs: Sequence[ForwardRun],
     def before(layer: int) -> None:
         t = time.perf_counter()
         for dep in deps:
-            dep.wait(layer)
+            dep.wait(layer, stream=stream)
         now = time.perf_counter()
         timings.layer_wait.append(now - t)
         if layer == 0:

@@ -223,6 +223,12 @@ class Lane(ABC):
         their own count of issued units.
         """
 
+    def begin_load(self) -> None:
+        """Called on the event loop before a load's first unit is issued:
+        order the lane's device copies after work already queued by the
+        caller (CUDA: relocation copies on the current stream). CPU: nothing."""
+        return None
+
     @abstractmethod
     def close(self) -> None:
         """Release threads and device resources. Idempotent."""
@@ -240,6 +246,7 @@ class ReadinessView(Protocol):
         timeout: float | None = None,
         *,
         requests: frozenset[RequestId] | None = None,
+        stream: Any = None,
     ) -> None: ...
 
     async def ready(

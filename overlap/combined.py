@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from .base import LayerWaitTimeout, ReadinessView, RequestId
 from .readiness import DEFAULT_WAIT_TIMEOUT_S
@@ -53,11 +54,12 @@ class CombinedReadiness:
         timeout: float | None = None,
         *,
         requests: frozenset[RequestId] | None = None,
+        stream: Any = None,
     ) -> None:
         """Wait for `layer` in every part; one deadline covers all of them."""
         total = self._timeout if timeout is None else timeout
         if len(self._parts) == 1:
-            self._parts[0].wait(layer, total, requests=requests)
+            self._parts[0].wait(layer, total, requests=requests, stream=stream)
             return
         deadline = time.monotonic() + total
         for part in self._parts:  # a known failure anywhere beats waiting on an earlier part
@@ -66,7 +68,7 @@ class CombinedReadiness:
         for part in self._parts:
             # A part that is already done returns before looking at its timeout.
             try:
-                part.wait(layer, deadline - time.monotonic(), requests=requests)
+                part.wait(layer, deadline - time.monotonic(), requests=requests, stream=stream)
             except LayerWaitTimeout:
                 raise LayerWaitTimeout(layer, total) from None
 

@@ -142,6 +142,17 @@ class CudaLane(Lane):
         self._notifier = make_notifier(completion, self.stream.cuda_stream)
         self.completion = self._notifier.mode
 
+    def begin_load(self) -> None:
+        """Order the load stream after everything already queued on this
+        device's current stream (the caller's): the pool relocates pages with
+        copies on that stream, and a load must not overwrite a page before
+        the copy that vacated it ran. Costs one event, no host sync."""
+        torch = self._torch
+        with torch.cuda.device(self.device):
+            fence = torch.cuda.Event()
+            fence.record(torch.cuda.current_stream(self.device))
+            self.stream.wait_event(fence)
+
     def alloc_staging(self, nbytes: int) -> Any:
         """A pinned host uint8 tensor of `nbytes` bytes for a fetch to land in."""
         return self._torch.empty(nbytes, dtype=self._torch.uint8, pin_memory=True)
@@ -175,7 +186,8 @@ class CudaLane(Lane):
             with self._enqueue_lock, torch.cuda.device(self.device), torch.cuda.stream(self.stream):
                 for host, dev in pairs:
                     dev.copy_(host, non_blocking=True)
-                event = torch.cuda.Event()
+                # blocking=True: the watcher's synchronize() sleeps instead of spinning
+                event = torch.cuda.Event(blocking=True)
                 event.record(self.stream)
                 self._notifier.notify(event, _resolver(loop, device_done))
             landing.event = event

@@ -18,6 +18,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from .base import DeviceEvent, LayerLoadCancelled, LayerLoadError, LayerWaitTimeout, RequestId
 
@@ -162,8 +163,10 @@ class LayerReadiness:
         timeout: float | None = None,
         *,
         requests: frozenset[RequestId] | None = None,
+        stream: Any = None,
     ) -> None:
-        """Block until `layer` is done, then (CUDA) make the current stream wait on its event.
+        """Block until `layer` is done, then (CUDA) make `stream` (None: the
+        calling thread's current stream) wait on its event.
 
         Raises `LayerLoadError` if the layer failed for any of `requests` (None: for any
         request), `LayerWaitTimeout` after `timeout` seconds (None: the default timeout).
@@ -174,7 +177,7 @@ class LayerReadiness:
         if not (e.done and not e.errors):
             self._wait_slow(e, layer, self._timeout if timeout is None else timeout, requests)
         if e.event is not None:
-            e.event.wait()
+            e.event.wait(stream)
 
     def _wait_slow(
         self, e: _Entry, layer: int, timeout: float, requests: frozenset[RequestId] | None

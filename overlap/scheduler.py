@@ -111,6 +111,7 @@ class LoadScheduler:
         for unit in units.values():
             unit.layers = tuple(sorted({j.layer for j in unit.jobs}))
         task = LoadTask(self, [units[k] for k in sorted(units)], readiness)
+        self.lane.begin_load()
         task._begin()
         return task
 
