@@ -78,9 +78,9 @@ CORES_NOTE = (
 )
 
 
-def _prompts(spec: ModelSpec, pt: Point, seed: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+def _prompts(vocab: int, pt: Point, seed: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
     rng = np.random.default_rng(seed)
-    full = [rng.integers(0, spec.vocab_size, pt.prefix + pt.suffix, dtype=np.int64)
+    full = [rng.integers(0, vocab, pt.prefix + pt.suffix, dtype=np.int64)
             for _ in range(pt.batch)]
     return [f[: pt.prefix] for f in full], full
 
@@ -173,7 +173,8 @@ async def _run_point(label: str, link: str, pt: Point, spec: ModelSpec, engines:
                      args: argparse.Namespace, progress: _Progress) -> dict[str, Any]:
     desc = f"{label} {pt.preset} P={pt.prefix} S={pt.suffix} B={pt.batch}"
     progress.show(desc + " (round 0)")
-    prefixes, prompts = _prompts(spec, pt, seed=args.seed + pt.prefix * 7 + pt.batch)
+    vocab = engines["writer"].model.vocab_size
+    prefixes, prompts = _prompts(vocab, pt, seed=args.seed + pt.prefix * 7 + pt.batch)
     writer = engines["writer"]
     await writer.prefill(prefixes)
     report = await writer.wait_offloads()

@@ -5,22 +5,17 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from layerlift import Engine, EngineConfig, HybridModel, ModelSpec
 from layerlift.linker.memory_store import MemoryStore
-
-
-def _kl(p: torch.Tensor, q: torch.Tensor) -> float:
-    p64, q64 = p.double().log_softmax(-1), q.double().log_softmax(-1)
-    return float((p64.exp() * (p64 - q64)).sum())
+from layerlift.testing import kl_divergence as _kl
 
 
 async def test_ranks_restore_to_their_common_boundary() -> None:
     spec = ModelSpec.preset("tiny")  # page 16, checkpoints every 64 tokens (4 pages)
     model = HybridModel(spec, seed=0)
     store = MemoryStore()
-    prompt = np.random.default_rng(3).integers(0, spec.vocab_size, 300)
+    prompt = np.random.default_rng(3).integers(0, model.vocab_size, 300)
 
     def cfg(rank: int) -> EngineConfig:
         return EngineConfig(store="memory", pool_bytes=16 << 20, rank=rank, world_size=2)
@@ -54,7 +49,7 @@ async def test_ranks_without_a_common_boundary_say_so() -> None:
     model = HybridModel(spec, seed=0)
     async with Engine(model, EngineConfig(store="memory", pool_bytes=16 << 20),
                       store=MemoryStore()) as engine:
-        plan = await engine.lookup(np.arange(100) % spec.vocab_size)
+        plan = await engine.lookup(np.arange(100) % model.vocab_size)
         with pytest.raises(ValueError, match="no restorable boundary"):
             plan.restrict_to([frozenset({4})])
         engine.release_plan(plan)
