@@ -74,16 +74,15 @@ def _expect(proc: subprocess.Popen[bytes], prefix: bytes, what: str) -> None:
         raise RuntimeError(f"the {what} did not start (printed {line!r})")
 
 
-def run_netns_link(
-    link: str, args: argparse.Namespace, segment_bytes: int
-) -> list[dict[str, Any]]:
+def run_netns_link(link: str, args: argparse.Namespace, segment_bytes: int) -> list[dict[str, Any]]:
     """Run the grid of `args` over ``netns:RATE``; the points, labelled with the link."""
     rate = link.removeprefix("netns:")
     rate_gbps(link)  # validates
     env = {**os.environ, "MC_LOG_LEVEL": "ERROR", "GLOG_minloglevel": "2"}
-    with tempfile.TemporaryDirectory(prefix="layerlift-netns-") as tmp, NetnsHosts(
-        ["master", "store", "engine"], rates={"engine": rate}
-    ) as hosts:
+    with (
+        tempfile.TemporaryDirectory(prefix="layerlift-netns-") as tmp,
+        NetnsHosts(["master", "store", "engine"], rates={"engine": rate}) as hosts,
+    ):
         cli = [sys.executable, "-m", "layerlift.engine.cli"]
         master = f"{hosts['master'].address}:{RPC_PORT}"
         log = open(Path(tmp) / "servers.log", "ab")  # noqa: SIM115 — the children hold it
