@@ -11,26 +11,26 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from hf_models import CONFIGS, build, cold_logprobs, hf_model
+from reference import ArrayPool, page_table
 
 from layerlift import Engine, EngineConfig
+from layerlift.engine.model import ForwardRequest
 from layerlift.engine.model.hf import TransformersModel
 from layerlift.linker.mooncake_store import MooncakeStore
 from layerlift.pools.spec import Component
 from layerlift.testing import FaultyStore, SkipLayerWaits
-
-pytest.importorskip("transformers")
 
 TOL = 1e-5
 WRONG = 1e-3
 LENGTHS = [150, 205]
 ARCHS = sorted(CONFIGS)
 
-pytestmark = pytest.mark.mooncake
 
 
 def prompts(lengths: Sequence[int], seed: int) -> list[list[int]]:
@@ -62,6 +62,7 @@ def model(request: pytest.FixtureRequest) -> TransformersModel:
     return build(request.param)
 
 
+@pytest.mark.mooncake
 @pytest.mark.parametrize("policy", ["overlap", "barrier"])
 async def test_restore_equals_transformers_cold_prefill(
         model: TransformersModel, policy: str, mc_client: MooncakeStore, namespace: str) -> None:
@@ -89,6 +90,7 @@ CONTROLS = [("lara_mini", "mamba"), ("nemotron_h", "mamba"), ("lfm2", "mamba"),
             ("lara_mini", "swa"), ("gpt_oss", "swa")]
 
 
+@pytest.mark.mooncake
 @pytest.mark.parametrize(("arch", "component"), CONTROLS)
 async def test_skipping_a_state_kind_breaks_exactness(
         arch: str, component: str, mc_client: MooncakeStore, namespace: str) -> None:
@@ -105,6 +107,7 @@ async def test_skipping_a_state_kind_breaks_exactness(
         assert max_delta(model, batch, wrong) > WRONG, f"skipping {component} went unnoticed"
 
 
+@pytest.mark.mooncake
 @pytest.mark.parametrize("arch", ["lara_mini", "gpt_oss"])
 async def test_skipping_the_layer_waits_breaks_exactness(
         arch: str, mc_client: MooncakeStore, namespace: str) -> None:
@@ -140,6 +143,7 @@ async def test_skipping_the_layer_waits_breaks_exactness(
         assert max_delta(model, batch, wrong) > WRONG, "skipping the waits went unnoticed"
 
 
+@pytest.mark.mooncake
 @pytest.mark.parametrize("arch", ["lara_mini", "nemotron_h"])
 async def test_layer_fault_mid_restore_recomputes_exactly(
         arch: str, mc_client: MooncakeStore, namespace: str) -> None:
@@ -157,21 +161,48 @@ async def test_layer_fault_mid_restore_recomputes_exactly(
         engine.tree.check_integrity()
 
 
-def test_from_pretrained_loads_a_saved_tiny_model(tmp_path: object) -> None:
-    path = tmp_path / "tiny-lfm2"  # type: ignore[operator]
+def test_from_pretrained_loads_a_saved_tiny_model(tmp_path: Path) -> None:
+    path = tmp_path / "tiny-lfm2"
     hf_model("lfm2", seed=7).save_pretrained(path)
     model = TransformersModel.from_pretrained(path, revision="r1")
     assert model.identity == "hf-tiny-lfm2@r1-float32"
     assert model.spec.layers == "MFMF" and model.vocab_size == 128
     tokens = prompts([40], seed=6)[0]
-    from reference import ArrayPool, page_table
-
-    from layerlift.engine.model import ForwardRequest
-
     pages = page_table(0, 3)
     out = model.forward_batch([ForwardRequest(torch.tensor(tokens), 0, pages, pages, 0)],
                               ArrayPool(model.spec, max_pages=8, max_slots=4))
     assert float((out.next_token_logprobs[0] - cold_logprobs(model, tokens)).abs().max()) <= TOL
+
+
+def test_chunks_at_capture_positions_equal_one_pass(model: TransformersModel) -> None:
+    """Without the engine: a prompt computed in one call with checkpoints at
+    64 and 128 (so in three chunks) gives transformers' per-token log-probs,
+    each checkpoint equals the state of a run that stopped there, and a
+    continuation from a checkpoint (copy-on-write) is exact."""
+    tokens = torch.tensor(prompts([150], seed=8)[0])
+    pool = ArrayPool(model.spec, max_pages=3 * 256, max_slots=8)
+    pages = page_table(0, 10)
+    events: list[tuple[str, int]] = []
+    whole = model.forward_batch(
+        [ForwardRequest(tokens, 0, pages, pages, 0, None, {64: 1, 128: 2},
+                        want_token_logprobs=True)], pool,
+        lambda layer: events.append(("before", layer)),
+        lambda layer: events.append(("after", layer)))
+    with torch.no_grad():
+        cold = torch.log_softmax(model.hf(tokens[None]).logits[0].float(), dim=-1)
+    assert whole.token_logprobs[0] is not None
+    assert float((whole.token_logprobs[0] - cold).abs().max()) <= TOL
+    n = model.spec.num_layers
+    assert [e for e in events if e[0] == "before"] == [("before", i) for i in range(n)]
+    assert [e for e in events if e[0] == "after"] == [("after", i) for i in range(n)]
+    page1 = page_table(1, 10)
+    model.forward_batch([ForwardRequest(tokens[:128], 0, page1, page1, 3)], pool)
+    mamba = model.spec.layers_of(Component.MAMBA)
+    for layer in mamba:
+        for view in pool.mamba_view(layer):
+            torch.testing.assert_close(view[2], view[3], atol=TOL, rtol=0)
+    rest = model.forward_batch([ForwardRequest(tokens[128:], 128, pages, pages, 4, 2)], pool)
+    assert float((rest.next_token_logprobs[0] - cold[-1]).abs().max()) <= TOL
 
 
 def test_identity_without_a_name_hashes_the_weights() -> None:
