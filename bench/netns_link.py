@@ -13,18 +13,23 @@ emulated link at the same rate stands in.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from layerlift.testing.netns import NetnsHosts
 
-__all__ = ["RPC_PORT", "emulated_twin", "is_netns", "rate_gbps", "run_netns_link"]
+__all__ = [
+    "RPC_PORT", "emulated_twin", "is_netns", "netns_cluster", "rate_gbps", "run_in_engine_host",
+    "run_netns_link",
+]  # fmt: skip
 
 RPC_PORT = 50051
 _RATE = re.compile(r"^netns:(?P<num>\d+(?:\.\d+)?)(?P<unit>kbit|mbit|gbit)$")
@@ -74,38 +79,50 @@ def _expect(proc: subprocess.Popen[bytes], prefix: bytes, what: str) -> None:
         raise RuntimeError(f"the {what} did not start (printed {line!r})")
 
 
-def run_netns_link(link: str, args: argparse.Namespace, segment_bytes: int) -> list[dict[str, Any]]:
-    """Run the grid of `args` over ``netns:RATE``; the points, labelled with the link."""
-    rate = link.removeprefix("netns:")
-    rate_gbps(link)  # validates
+@contextlib.contextmanager
+def netns_cluster(rate: str, segment_bytes: int, workdir: str) -> Iterator[tuple[NetnsHosts, str]]:
+    """Hosts ``master``, ``store`` and ``engine`` (its link throttled to `rate`), with a
+    master and a storage node of `segment_bytes` running; yields the hosts and the
+    master's address. Their stderr goes to `workdir`/servers.log."""
     env = {**os.environ, "MC_LOG_LEVEL": "ERROR", "GLOG_minloglevel": "2"}
-    with (
-        tempfile.TemporaryDirectory(prefix="layerlift-netns-") as tmp,
-        NetnsHosts(["master", "store", "engine"], rates={"engine": rate}) as hosts,
-    ):
-        cli = [sys.executable, "-m", "layerlift.engine.cli"]
+    cli = [sys.executable, "-m", "layerlift.engine.cli"]
+    with NetnsHosts(["master", "store", "engine"], rates={"engine": rate}) as hosts:
         master = f"{hosts['master'].address}:{RPC_PORT}"
-        log = open(Path(tmp) / "servers.log", "ab")  # noqa: SIM115 — the children hold it
-        with log:
+        with open(Path(workdir) / "servers.log", "ab") as log:  # the children keep their copy
             proc = hosts.popen(
                 "master",
                 [*cli, "master", "--host", hosts["master"].address, "--rpc-port", str(RPC_PORT)],
-                env=env, stdout=subprocess.PIPE, stderr=log, cwd=tmp,
+                env=env, stdout=subprocess.PIPE, stderr=log, cwd=workdir,
             )  # fmt: skip
             _expect(proc, b"master_address", "master")
             proc = hosts.popen(
                 "store",
                 [*cli, "store-node", "--master", master, "--bytes", str(segment_bytes),
                  "--host", hosts["store"].address],
-                env=env, stdout=subprocess.PIPE, stderr=log, cwd=tmp,
+                env=env, stdout=subprocess.PIPE, stderr=log, cwd=workdir,
             )  # fmt: skip
             _expect(proc, b"ready", "storage node")
+        yield hosts, master
+
+
+def run_in_engine_host(hosts: NetnsHosts, argv: list[str], workdir: str) -> int:
+    """Run `argv` on the engine host to completion; its exit status."""
+    env = {**os.environ, "MC_LOG_LEVEL": "ERROR", "GLOG_minloglevel": "2"}
+    return hosts.popen("engine", argv, env=env, stdout=subprocess.DEVNULL, cwd=workdir).wait()
+
+
+def run_netns_link(link: str, args: argparse.Namespace, segment_bytes: int) -> list[dict[str, Any]]:
+    """Run the grid of `args` over ``netns:RATE``; the points, labelled with the link."""
+    rate = link.removeprefix("netns:")
+    rate_gbps(link)  # validates
+    with (
+        tempfile.TemporaryDirectory(prefix="layerlift-netns-") as tmp,
+        netns_cluster(rate, segment_bytes, tmp) as (hosts, master),
+    ):
         out = Path(tmp) / "points.json"
-        bench = hosts.popen(
-            "engine", _child_argv(args, master, out), env=env, stdout=subprocess.DEVNULL, cwd=tmp
-        )
-        if bench.wait() != 0 and not out.exists():
-            raise RuntimeError(f"the benchmark on the engine host exited with {bench.returncode}")
+        status = run_in_engine_host(hosts, _child_argv(args, master, out), tmp)
+        if not out.exists():
+            raise RuntimeError(f"the benchmark on the engine host exited with {status}")
         points: list[dict[str, Any]] = json.loads(out.read_text())["points"]
     label = f"mooncake-tcp-netns {rate}"
     for p in points:
