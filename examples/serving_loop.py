@@ -64,12 +64,12 @@ async def run_request(server: Server, req: Request) -> None:
         req.generated.append(int(res.next_token_logprobs.argmax()))
 
 
-def make_prompts(spec: ModelSpec, n: int, system_len: int, user_len: int,
+def make_prompts(vocab: int, n: int, system_len: int, user_len: int,
                  seed: int) -> list[np.ndarray]:
     """``n`` prompts: a shared system prefix, then a request-specific part."""
     rng = np.random.default_rng(seed)
-    system = rng.integers(0, spec.vocab_size, system_len, dtype=np.int64)
-    return [np.concatenate([system, rng.integers(0, spec.vocab_size, user_len + 3 * i,
+    system = rng.integers(0, vocab, system_len, dtype=np.int64)
+    return [np.concatenate([system, rng.integers(0, vocab, user_len + 3 * i,
                                                  dtype=np.int64)]) for i in range(n)]
 
 
@@ -115,7 +115,7 @@ async def amain(args: argparse.Namespace) -> list[Request]:
     model = HybridModel(spec, seed=args.seed)
     cfg = EngineConfig(store=args.store, policy=args.policy, pool_bytes=64 << 20,
                        segment_bytes=128 << 20)
-    prompts = make_prompts(spec, args.requests, args.system_len, args.user_len, args.seed)
+    prompts = make_prompts(model.vocab_size, args.requests, args.system_len, args.user_len, args.seed)
     async with Engine(model, cfg) as engine:
         # Warm the store with the first prompt, then start from an empty device:
         # the shared prefix is restored once, then hit on the device.

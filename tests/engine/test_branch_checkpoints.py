@@ -59,8 +59,8 @@ def model() -> HybridModel:
 
 def prompts() -> list[np.ndarray]:
     rng = np.random.default_rng(7)
-    shared = rng.integers(0, SPEC.vocab_size, SHARED)
-    return [np.concatenate([shared, rng.integers(0, SPEC.vocab_size, TOTAL - SHARED)])
+    shared = rng.integers(0, SPEC.dims.vocab_size, SHARED)
+    return [np.concatenate([shared, rng.integers(0, SPEC.dims.vocab_size, TOTAL - SHARED)])
             for _ in range(3)]
 
 

@@ -112,8 +112,7 @@ async def test_seed_restore_is_exact(policy: str, tiny128_model: HybridModel,
                                      mc_tiny128: RecordingStore, namespace: str) -> None:
     """6 requests, each restoring 1152 tokens (page = track interval = 128)
     from real Mooncake: next-token distributions equal the computed ones."""
-    spec = tiny128_model.spec
-    batch = prompts(spec.vocab_size, [1152 + 40] * 6, seed=1)
+    batch = prompts(tiny128_model.vocab_size, [1152 + 40] * 6, seed=1)
     cfg = EngineConfig(store="memory", policy=policy, namespace=namespace, pool_bytes=64 << 20)
     async with Engine(tiny128_model, cfg, store=mc_tiny128) as engine:
         r1 = await engine.prefill(batch)
@@ -135,7 +134,7 @@ async def test_seed_restore_is_exact(policy: str, tiny128_model: HybridModel,
 @pytest.mark.mooncake
 async def test_skip_mamba_load_breaks_results(tiny_model: HybridModel, mc_tiny: RecordingStore,
                                               namespace: str) -> None:
-    batch = prompts(tiny_model.spec.vocab_size, [300, 260, 333], seed=2)
+    batch = prompts(tiny_model.vocab_size, [300, 260, 333], seed=2)
     cfg = EngineConfig(store="memory", namespace=namespace, pool_bytes=32 << 20)
     async with Engine(tiny_model, cfg, store=mc_tiny) as engine:
         r1 = await engine.prefill(batch)
@@ -155,7 +154,7 @@ async def test_skip_layer_waits_breaks_results(tiny_model: HybridModel, mc_tiny:
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """Layer 0's fetch is held back until the forward has returned: without
     the per-layer waits the forward reads a layer that never landed."""
-    batch = prompts(tiny_model.spec.vocab_size, [300, 260], seed=3)
+    batch = prompts(tiny_model.vocab_size, [300, 260], seed=3)
     cfg = EngineConfig(store="memory", namespace=namespace, pool_bytes=32 << 20)
     model = SkipLayerWaits(tiny_model)
     async with Engine(model, cfg, store=mc_tiny) as engine:
@@ -186,7 +185,7 @@ async def test_delayed_layer_is_waited_for(tiny_model: HybridModel, mc_tiny: Rec
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """The positive twin: a MAMBA layer held back; the forward cannot finish
     before it landed, and the result is exact."""
-    batch = prompts(tiny_model.spec.vocab_size, [300, 260], seed=3)
+    batch = prompts(tiny_model.vocab_size, [300, 260], seed=3)
     mamba_layer = tiny_model.spec.layers.index("M")
     cfg = EngineConfig(store="memory", namespace=namespace, pool_bytes=32 << 20)
     async with Engine(tiny_model, cfg, store=mc_tiny) as engine:
@@ -237,7 +236,7 @@ async def test_other_process_restores(tiny_model: HybridModel, mc_tiny: Recordin
     """Process A (this test, whose client holds the segment) computes and
     offloads; process B, a client without a segment of its own, restores the
     same prompts from A's memory through the master: identical results."""
-    batch = prompts(tiny_model.spec.vocab_size, [300, 300, 300], seed=4)
+    batch = prompts(tiny_model.vocab_size, [300, 300, 300], seed=4)
     np.save(tmp_path / "prompts.npy", np.stack(batch))
     cfg = EngineConfig(store="memory", namespace=namespace, pool_bytes=32 << 20)
     async with Engine(tiny_model, cfg, store=mc_tiny) as engine:
@@ -277,7 +276,7 @@ async def test_branch_offloads_only_the_new_suffix(tiny128_model: HybridModel,
                                                    mc_tiny128: RecordingStore,
                                                    namespace: str) -> None:
     spec = tiny128_model.spec
-    shared, a, b = prompts(spec.vocab_size, [1024, 200, 200], seed=5)
+    shared, a, b = prompts(tiny128_model.vocab_size, [1024, 200, 200], seed=5)
     p1, p2 = np.concatenate([shared, a]), np.concatenate([shared, b])
     ref = await cold(tiny128_model, [p1, p2])
     cfg = EngineConfig(store="memory", namespace=namespace, pool_bytes=64 << 20)
@@ -311,8 +310,8 @@ async def test_new_checkpoint_on_stored_node_sends_only_it(tiny128_model: Hybrid
     gains a checkpoint; the offload sends that MAMBA object and nothing else,
     and the next restore uses it. (In-process store: ``remove`` is exact.)"""
     spec, store = tiny128_model.spec, mem_tiny128
-    (p,) = prompts(spec.vocab_size, [1024 + 100], seed=6)
-    (tail,) = prompts(spec.vocab_size, [100], seed=7)
+    (p,) = prompts(tiny128_model.vocab_size, [1024 + 100], seed=6)
+    (tail,) = prompts(tiny128_model.vocab_size, [100], seed=7)
     q = np.concatenate([p[:640], tail])  # shares 5 pages with p, then diverges
     ref = await cold(tiny128_model, [q])
     cfg = EngineConfig(store="memory", namespace=namespace, pool_bytes=64 << 20)
@@ -352,7 +351,7 @@ async def test_tight_pool_stays_exact(tiny_model: HybridModel) -> None:
     ones (some restore, some compute), a batch that cannot fit fails with
     EngineError and leaks nothing, and every result stays exact."""
     spec = tiny_model.spec
-    batch = prompts(spec.vocab_size, [70, 100, 130, 140, 150], seed=8)
+    batch = prompts(tiny_model.vocab_size, [70, 100, 130, 140, 150], seed=8)
     ref = await cold(tiny_model, batch)
     cfg = EngineConfig(store="memory", pool_bytes=min_pool_bytes(spec) + (64 << 10))
     restored = 0
@@ -387,7 +386,7 @@ async def test_tight_pool_stays_exact(tiny_model: HybridModel) -> None:
 async def test_fetch_failure_at_every_layer(policy: str, tiny_model: HybridModel,
                                             mc_tiny: RecordingStore, namespace: str) -> None:
     spec = tiny_model.spec
-    batch = prompts(spec.vocab_size, [300, 270], seed=9)
+    batch = prompts(tiny_model.vocab_size, [300, 270], seed=9)
     cfg = EngineConfig(store="memory", policy=policy, namespace=namespace, pool_bytes=32 << 20)
     async with Engine(tiny_model, cfg, store=mc_tiny) as engine:
         r1 = await engine.prefill(batch)
@@ -413,7 +412,7 @@ async def test_fetch_failure_at_every_layer(policy: str, tiny_model: HybridModel
 @pytest.mark.mooncake
 async def test_store_down_then_back(tiny_model: HybridModel, mc_tiny: RecordingStore,
                                     namespace: str) -> None:
-    batch = prompts(tiny_model.spec.vocab_size, [300, 200], seed=10)
+    batch = prompts(tiny_model.vocab_size, [300, 200], seed=10)
     cfg = EngineConfig(store="memory", namespace=namespace, pool_bytes=32 << 20)
     async with Engine(tiny_model, cfg, store=mc_tiny) as engine:
         r1 = await engine.prefill(batch)
@@ -440,9 +439,8 @@ async def test_many_concurrent_prefills(tiny_model: HybridModel, mc_tiny: Record
                                         namespace: str) -> None:
     """32 tasks on one engine, prompts sharing prefixes; half were stored and
     dropped before: device hits, restores and computes interleave."""
-    spec = tiny_model.spec
-    bases = prompts(spec.vocab_size, [64, 80, 96, 128], seed=11)
-    tails = prompts(spec.vocab_size, [5 + 7 * i for i in range(32)], seed=12)
+    bases = prompts(tiny_model.vocab_size, [64, 80, 96, 128], seed=11)
+    tails = prompts(tiny_model.vocab_size, [5 + 7 * i for i in range(32)], seed=12)
     batch = [np.concatenate([bases[i % 4], t]) for i, t in enumerate(tails)]
     ref = await cold(tiny_model, batch)
     cfg = EngineConfig(store="memory", namespace=namespace, pool_bytes=32 << 20)
@@ -471,7 +469,7 @@ def _snapshot(engine: Engine) -> tuple[object, dict[Component, int]]:
 @pytest.mark.mooncake
 async def test_step_by_step_equals_prefill(tiny_model: HybridModel, mc_tiny: RecordingStore,
                                            namespace: str) -> None:
-    batch = prompts(tiny_model.spec.vocab_size, [300, 222], seed=13)
+    batch = prompts(tiny_model.vocab_size, [300, 222], seed=13)
     async with _step_engine(tiny_model, mc_tiny, namespace) as engine:
         r1 = await engine.prefill(batch)
         await drop(engine)
@@ -495,7 +493,7 @@ async def test_step_by_step_equals_prefill(tiny_model: HybridModel, mc_tiny: Rec
 @pytest.mark.parametrize("when", ["before_commit", "after_commit", "after_landed", "in_flight"])
 async def test_abort_restores_the_state(when: str, tiny_model: HybridModel,
                                         mc_tiny: RecordingStore, namespace: str) -> None:
-    batch = prompts(tiny_model.spec.vocab_size, [300, 222], seed=14)
+    batch = prompts(tiny_model.vocab_size, [300, 222], seed=14)
     async with _step_engine(tiny_model, mc_tiny, namespace) as engine:
         r1 = await engine.prefill(batch)
         await drop(engine)
@@ -555,7 +553,7 @@ def test_engine_rejects_a_pool_too_small(tiny_model: HybridModel) -> None:
 
 async def test_memory_store_engine_round_trip(tiny_model: HybridModel) -> None:
     """The same round trip on the in-process store (no injected store)."""
-    batch = prompts(tiny_model.spec.vocab_size, [300], seed=15)
+    batch = prompts(tiny_model.vocab_size, [300], seed=15)
     async with Engine(tiny_model, EngineConfig(store="memory", pool_bytes=16 << 20)) as engine:
         assert isinstance(engine.store, MemoryStore)
         r1 = await engine.prefill(batch)

@@ -48,8 +48,8 @@ class GatedEngine:
 
 def prompt(n: int, seed: int, shared: int = 0) -> np.ndarray:
     rng = np.random.default_rng(seed)
-    head = np.random.default_rng(999).integers(0, SPEC.vocab_size, shared)
-    return np.concatenate([head, rng.integers(0, SPEC.vocab_size, n - shared)]).astype(np.int64)
+    head = np.random.default_rng(999).integers(0, SPEC.dims.vocab_size, shared)
+    return np.concatenate([head, rng.integers(0, SPEC.dims.vocab_size, n - shared)]).astype(np.int64)
 
 
 @pytest.fixture
