@@ -138,6 +138,7 @@ class Server:
         self._task: asyncio.Task[None] | None = None
         self._closing = False
         self._next_batch_id = 0
+        self._notifiers: set[asyncio.Task[None]] = set()
 
     # ---- lifecycle ---------------------------------------------------------------
     async def __aenter__(self) -> Server:
@@ -236,7 +237,13 @@ class Server:
         if cond.locked():  # _push from inside `async with cond`: notify directly
             cond.notify_all()
         else:
-            asyncio.get_running_loop().create_task(self._notify())
+            self._spawn_notify()
+
+    def _spawn_notify(self) -> None:
+        # Keep a reference: the loop holds tasks weakly.
+        task = asyncio.get_running_loop().create_task(self._notify())
+        self._notifiers.add(task)
+        task.add_done_callback(self._notifiers.discard)
 
     async def _notify(self) -> None:
         cond = self._condition()
@@ -260,8 +267,7 @@ class Server:
             self._closing = True
             while self._queue:
                 self._fail(self._queue.popleft(), ServerClosed("the server stopped"))
-            if not asyncio.get_running_loop().is_closed():
-                asyncio.get_running_loop().create_task(self._notify())  # blocked submitters
+            self._spawn_notify()  # wake blocked submitters: they see the server closed
 
     async def _next_batch(self) -> list[_Pending]:
         """Wait for work; take the head of the queue and every following
