@@ -116,11 +116,6 @@ class TransformersModel:
     def device(self) -> torch.device:
         return next(self.hf.parameters()).device
 
-    @property
-    def seed(self) -> str:
-        """Transitional: engines that still key by ``model.seed`` get the identity."""
-        return self.identity
-
     # ---- the forward ---------------------------------------------------------------
     def forward_batch(self, requests: Sequence[ForwardRequest], pool: PoolViews,
                       before_layer: LayerHook | None = None,

@@ -162,7 +162,7 @@ def derive_layout(hf_model: nn.Module, page_size: int, track_interval: int) -> H
                          f"page_size ({page_size}): choose a page size that divides it")
     text = hf_config(hf_model).get_text_config(decoder=True)
     spec = ModelSpec(
-        # dims carry the vocabulary only for callers still reading spec.vocab_size.
+        # For information only (the pools never read dims; ModelSpec.vocab_size is deprecated).
         dims=ModelDims(vocab_size=int(text.vocab_size), hidden_size=int(text.hidden_size)),
         layers="".join(letters), num_kv_heads=kv_heads, head_dim=head_dim, page_size=page_size,
         swa_window=window, track_interval=track_interval, dtype=_DTYPE_NAMES[dtype],
