@@ -162,8 +162,11 @@ def run_cluster(master: str, total: int, repeats: int) -> dict[str, Any]:
         master_address=master, local_hostname=route_source(master), global_segment_size=0,
         local_buffer_size=16 << 20, timeout_s=60.0,
     )  # fmt: skip
-    with MooncakeStore(config) as client:
+    client = MooncakeStore(config)
+    try:
         return _run(client, client, total, repeats)
+    finally:
+        client.close()
 
 
 def run_netns(rate: str, total: int, repeats: int) -> dict[str, Any]:
@@ -206,9 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cluster", default=None, help=argparse.SUPPRESS)  # on the engine host
     args = parser.parse_args(argv)
     if args.cluster:
-        report = {"page_sizes": run_cluster(args.cluster, args.bytes, args.repeats)}
+        page_sizes = run_cluster(args.cluster, args.bytes, args.repeats)
         if args.json is not None:
-            args.json.write_text(json.dumps(report))
+            args.json.write_text(json.dumps({"page_sizes": page_sizes}))
         return 0
     links = {"mooncake-tcp-loopback": run_loopback(args.bytes, args.repeats)}
     _print("mooncake-tcp-loopback", links["mooncake-tcp-loopback"])
@@ -218,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         _print(label, links[label])
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        report = {
+        report: dict[str, Any] = {
             "links": links,
             "layers_per_object": LAYERS,
             "layout": f"{KV_HEADS} kv heads x {HEAD_DIM} head dim, bf16, K+V",
