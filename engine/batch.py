@@ -48,10 +48,18 @@ import torch
 
 from layerlift.engine.compute import ComputeAlloc, alloc_compute, compute_bytes, free_compute
 from layerlift.engine.context import EngineContext, EngineError, release_plan
-from layerlift.engine.forward import build_results, build_runs, insert_computed, run_forward
+from layerlift.engine.forward import (
+    ForwardRun,
+    build_results,
+    build_runs,
+    forward_requests,
+    insert_computed,
+    run_forward,
+)
+from layerlift.engine.model.api import ForwardRequest
 from layerlift.engine.plan import LookupPlan
 from layerlift.engine.restore import RestoreLoad, with_dependents
-from layerlift.engine.results import PrefillResult
+from layerlift.engine.results import PrefillResult, Timings
 from layerlift.linker.store_base import StoreError
 from layerlift.linker.transaction import RestoreTransaction, TransactionState
 from layerlift.overlap.base import LayerLoadError, LayerWaitTimeout, ReadinessView
@@ -59,10 +67,20 @@ from layerlift.overlap.readiness import LayerReadiness
 from layerlift.overlap.scheduler import LoadTask
 from layerlift.pools.spec import Component
 
-__all__ = ["Batch", "BatchState"]
+__all__ = ["Batch", "BatchState", "RerunRequired"]
 
 T = TypeVar("T")
 MAX_FORWARD_ATTEMPTS = 3
+
+
+class RerunRequired(EngineError):
+    """A host's forward read a restore that did not land in full (it skipped
+    a wait); those requests now compute: run ``requests`` again."""
+
+    def __init__(self, requests: list[ForwardRequest]) -> None:
+        super().__init__("a restored layer failed after the forward read it: run the "
+                         "returned requests again")
+        self.requests = requests
 
 
 class BatchState(enum.Enum):
@@ -104,6 +122,8 @@ class Batch:
         self._pins: dict[int, list[tuple[Component, torch.Tensor]]] = {}
         self._end: asyncio.Future[frozenset[Hashable]] | None = None
         self._exit_task: asyncio.Task[None] | None = None
+        self._ext_runs: list[ForwardRun] = []
+        self._ext_deps: list[ReadinessView] = []
         self._readiness = LayerReadiness(ctx.pool.spec.num_layers,
                                          default_timeout=ctx.cfg.layer_wait_timeout_s)
 
@@ -261,32 +281,101 @@ class Batch:
             try:
                 out, timings = await anyio.to_thread.run_sync(
                     run_forward, ctx.model, ctx.pool, runs, self._deps(), self.started)
-            except LayerLoadError as err:
-                reason = f"restore failed at layer {err.layer}: {err.cause!r}"
-                failed = await self._end_load() | (err.requests or self._restoring())
-            except LayerWaitTimeout as err:
-                reason = f"restore did not land in time: {err}"
-                self._stop_load(reason)
-                failed = await self._end_load() | self._restoring()
-            else:
-                if self._end is not None:  # the load had ended before this pass
-                    break
-                failed = await self._end_load()
-                if not failed:
-                    break
-                reason = "a restored layer failed after the forward read it"
-            await self._recompute(frozenset(failed), reason)
+            except (LayerLoadError, LayerWaitTimeout) as err:
+                await self._after_failed_pass(err)
+                continue
+            if await self._after_good_pass():
+                return await self._finish(runs, out.next_token_logprobs, timings)
+        raise EngineError("the forward kept failing while restores were recomputed")
+
+    async def _after_failed_pass(self, err: LayerLoadError | LayerWaitTimeout) -> None:
+        """A layer's wait failed: end the load, unpublish and recompute the
+        affected requests (all restoring ones after a timeout)."""
+        if isinstance(err, LayerWaitTimeout):
+            reason = f"restore did not land in time: {err}"
+            self._stop_load(reason)
+            failed = await self._end_load() | self._restoring()
         else:
-            raise EngineError("the forward kept failing while restores were recomputed")
+            reason = f"restore failed at layer {err.layer}: {err.cause!r}"
+            failed = await self._end_load() | (err.requests or self._restoring())
+        await self._recompute(frozenset(failed), reason)
+
+    async def _after_good_pass(self) -> bool:
+        """The pass ran through: True once every restore it read had landed
+        in full; otherwise the failed ones are set up to recompute (False)."""
+        if self._end is not None:  # the load had ended before this pass
+            return True
+        failed = await self._end_load()
+        if failed:
+            await self._recompute(frozenset(failed),
+                                  "a restored layer failed after the forward read it")
+        return not failed
+
+    async def _finish(self, runs: Sequence[ForwardRun], logprobs: torch.Tensor,
+                      timings: Timings) -> list[PrefillResult]:
         results = build_results(
-            self.plans, out, timings, started=self.started, load_issued=self.load_issued,
+            self.plans, logprobs, timings, started=self.started, load_issued=self.load_issued,
             landed=self.task.timings if self.task is not None else [],
             recomputed=self.recomputed)
         for run in runs:
-            insert_computed(ctx, run)
+            insert_computed(self.ctx, run)
             del self.computes[run.plan.request_id]
         await self.close(None)
         return results
+
+    # ---- RUNNING in a host's own forward (external runner) -------------------------
+    def begin_external(self) -> list[ForwardRequest]:
+        """COMMIT if needed and hand the forward to the host: one request per
+        plan (page tables, state slot, COW source, checkpoints to capture).
+        The host calls :meth:`wait_layer` before each layer, writes only the
+        pages and slots it was given, and ends with :meth:`external_done` or
+        :meth:`external_failed`."""
+        if self.state is BatchState.LOADING:
+            self.commit()
+        self._to(BatchState.RUNNING)
+        return self._external_requests()
+
+    def _external_requests(self) -> list[ForwardRequest]:
+        self._ext_runs = build_runs(self.plans, self.rl, self.computes)
+        self._ext_deps = self._deps()
+        return forward_requests(self._ext_runs)
+
+    def wait_layer(self, layer: int, timeout: float | None = None, *, stream: Any = None) -> None:
+        """The host's per-layer wait (any thread but the event loop's):
+        returns once layer ``layer`` of every restore may be read (on CUDA,
+        ``stream`` waits on the load's event). Raises ``LayerLoadError`` or
+        ``LayerWaitTimeout``: pass it to :meth:`external_failed`."""
+        for dep in self._ext_deps:
+            dep.wait(layer, timeout, stream=stream)
+
+    async def external_failed(self, error: BaseException) -> list[ForwardRequest]:
+        """The host's forward raised ``error``. A failed or late layer load:
+        the affected requests are recomputed and the requests to run again
+        are returned (their page tables changed). Anything else aborts the
+        batch and is raised again."""
+        if self.state is not BatchState.RUNNING or self._exit_task is not None:
+            raise RuntimeError("this batch is not running a host forward")
+        if not isinstance(error, LayerLoadError | LayerWaitTimeout):
+            await self.close(error)
+            raise error
+        await self._guard(self._after_failed_pass(error))
+        return self._external_requests()
+
+    async def external_done(self, next_token_logprobs: torch.Tensor) -> list[PrefillResult]:
+        """The host's forward finished and wrote every page and slot it was
+        given; ``next_token_logprobs`` is ``[batch, vocab]`` in plan order.
+        Ends the load; if a restore it read turns out not to have landed,
+        those requests are set up to recompute and :class:`RerunRequired`
+        carries the requests to run again. Otherwise inserts the computed
+        pages, offloads them, exits and returns the results."""
+        if self.state is not BatchState.RUNNING or self._exit_task is not None:
+            raise RuntimeError("this batch is not running a host forward")
+        if next_token_logprobs.shape[0] != len(self.plans):
+            raise ValueError(f"next_token_logprobs has {next_token_logprobs.shape[0]} rows "
+                             f"for {len(self.plans)} requests")
+        if not await self._guard(self._after_good_pass()):
+            raise RerunRequired(self._external_requests())
+        return await self._guard(self._finish(self._ext_runs, next_token_logprobs, Timings()))
 
     def _restoring(self) -> frozenset[Hashable]:
         return frozenset(p.request_id for p in self.plans if p.restores)

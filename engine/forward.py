@@ -18,7 +18,7 @@ import torch
 
 from layerlift.engine.compute import ComputeAlloc
 from layerlift.engine.context import EngineContext
-from layerlift.engine.model_api import ForwardOutput, ForwardRequest
+from layerlift.engine.model.api import ForwardOutput, ForwardRequest
 from layerlift.engine.plan import LookupPlan
 from layerlift.engine.restore import RestoreLoad
 from layerlift.engine.results import PrefillResult, Timings
@@ -26,7 +26,14 @@ from layerlift.overlap.base import ReadinessView
 from layerlift.overlap.scheduler import LayerTiming
 from layerlift.pools.spec import Component
 
-__all__ = ["ForwardRun", "build_results", "build_runs", "insert_computed", "run_forward"]
+__all__ = [
+    "ForwardRun",
+    "build_results",
+    "build_runs",
+    "forward_requests",
+    "insert_computed",
+    "run_forward",
+]
 
 
 @dataclass(eq=False)
@@ -80,11 +87,13 @@ def run_forward(model: Any, pool: Any, runs: Sequence[ForwardRun],
             return _forward(model, pool, runs, deps, started, stream)
 
 
-def _forward(model: Any, pool: Any, runs: Sequence[ForwardRun], deps: Sequence[ReadinessView],
-             started: float, stream: Any) -> tuple[ForwardOutput, Timings]:
-    ps = pool.spec.page_size
-    reqs = [
-        ForwardRequest(
+def forward_requests(runs: Sequence[ForwardRun]) -> list[ForwardRequest]:
+    """What the model computes for each run: the suffix after the boundary,
+    the page tables, the state slot, the COW source and the checkpoints."""
+    reqs = []
+    for r in runs:
+        ps = r.plan.spec.page_size
+        reqs.append(ForwardRequest(
             tokens=torch.from_numpy(r.plan.tokens[r.plan.boundary * ps:]),
             prefix_len=r.plan.boundary * ps,
             full_pages=torch.cat([r.full, r.compute.full]),
@@ -92,9 +101,13 @@ def _forward(model: Any, pool: Any, runs: Sequence[ForwardRun], deps: Sequence[R
             mamba_slot=r.compute.work_slot,
             mamba_cow_src=r.cow,
             capture={p * ps: s for p, s in r.compute.capture.items()},
-        )
-        for r in runs
-    ]
+        ))
+    return reqs
+
+
+def _forward(model: Any, pool: Any, runs: Sequence[ForwardRun], deps: Sequence[ReadinessView],
+             started: float, stream: Any) -> tuple[ForwardOutput, Timings]:
+    reqs = forward_requests(runs)
     timings = Timings()
     mark = [time.perf_counter()]
 
@@ -115,7 +128,7 @@ def _forward(model: Any, pool: Any, runs: Sequence[ForwardRun], deps: Sequence[R
     return out, timings
 
 
-def build_results(plans: Sequence[LookupPlan], out: ForwardOutput, timings: Timings, *,
+def build_results(plans: Sequence[LookupPlan], logprobs: torch.Tensor, timings: Timings, *,
                   started: float, load_issued: float, landed: Sequence[LayerTiming],
                   recomputed: set[int]) -> list[PrefillResult]:
     """One result per plan, in order. ``restored_tokens`` is what the plan's
@@ -130,7 +143,7 @@ def build_results(plans: Sequence[LookupPlan], out: ForwardOutput, timings: Timi
     for i, plan in enumerate(plans):
         ps = plan.spec.page_size
         results.append(PrefillResult(
-            next_token_logprobs=out.next_token_logprobs[i].float().cpu(),
+            next_token_logprobs=logprobs[i].float().cpu(),
             device_hit_tokens=plan.device_pages * ps,
             restored_tokens=plan.restore_tokens,
             computed_tokens=len(plan.tokens) - plan.boundary * ps,

@@ -8,13 +8,18 @@ engine's batch lock (through its batch) from ``Engine.load`` until
 
 from __future__ import annotations
 
-from layerlift.engine.batch import Batch, BatchState
+from typing import Any
+
+import torch
+
+from layerlift.engine.batch import Batch, BatchState, RerunRequired
 from layerlift.engine.context import EngineError
+from layerlift.engine.model.api import ForwardRequest
 from layerlift.engine.plan import LookupPlan
 from layerlift.engine.results import PrefillResult
 from layerlift.overlap.readiness import LayerReadiness
 
-__all__ = ["EngineError", "LoadHandle"]
+__all__ = ["EngineError", "ExternalForward", "LoadHandle", "RerunRequired"]
 
 
 class LoadHandle:
@@ -62,6 +67,13 @@ class LoadHandle:
         await self.issue()
         return await self._batch.run()
 
+    def begin_external(self) -> ExternalForward:
+        """External-runner mode: the host framework runs the forward itself
+        (as vLLM or SGLang own theirs). Commits if needed; see
+        :class:`ExternalForward`. ``RuntimeError`` if the batch is not
+        loading or committed."""
+        return ExternalForward(self._batch, self._batch.begin_external())
+
     def abort(self) -> None:
         """ABORT: stop the loads and release everything; the tree ends as it
         was before this batch's COMMIT. Returns at once; ``await aclose()``
@@ -70,4 +82,50 @@ class LoadHandle:
 
     async def aclose(self) -> None:
         """Wait for an ``abort()`` to finish (no-op otherwise)."""
+        await self._batch.aclose()
+
+
+class ExternalForward:
+    """A batch whose forward the host runs (external-runner mode).
+
+    ``requests[i]`` is plan ``i``'s share: the tokens to compute, the
+    absolute position they start at, the FULL/SWA page tables (restored
+    prefix, then fresh pages for the new tokens), the recurrent state slot to
+    write, the slot to copy the state from first (COW) and the checkpoints to
+    capture. The host, per layer ``l``: calls :meth:`wait` (blocking, from its
+    layer hook; the vLLM connector's ``wait_for_layer_load``), computes, and
+    writes the new KV and state only into what it was given. Then exactly one
+    of: ``await done(next_token_logprobs)`` (results; the computed pages are
+    inserted and offloaded) or ``await failed(exc)`` (a failed load: returns
+    the requests to run again; anything else aborts the batch and raises).
+    ``done`` raises :class:`RerunRequired` (carrying new requests) when a
+    restore the host read had not landed.
+    """
+
+    def __init__(self, batch: Batch, requests: list[ForwardRequest]) -> None:
+        self._batch = batch
+        self.requests = requests
+
+    def wait(self, layer: int, timeout: float | None = None, *, stream: Any = None) -> None:
+        """Block until layer ``layer`` may be read (default timeout: the
+        engine's ``layer_wait_timeout_s``); on CUDA ``stream`` (None: the
+        current one) waits on the load's event instead of the host."""
+        self._batch.wait_layer(layer, timeout, stream=stream)
+
+    async def failed(self, error: BaseException) -> list[ForwardRequest]:
+        self.requests = await self._batch.external_failed(error)
+        return self.requests
+
+    async def done(self, next_token_logprobs: torch.Tensor) -> list[PrefillResult]:
+        try:
+            return await self._batch.external_done(next_token_logprobs)
+        except RerunRequired as rerun:
+            self.requests = rerun.requests
+            raise
+
+    def abort(self) -> None:
+        """Abandon the host forward: ABORT the batch (``await aclose()``)."""
+        self._batch.abort()
+
+    async def aclose(self) -> None:
         await self._batch.aclose()
