@@ -52,7 +52,10 @@ def format_markdown(points: Sequence[dict[str, Any]], meta: dict[str, Any]) -> s
            f"- machine: {meta['cores']} CPU core(s), device `{meta['device']}`, "
            f"torch threads {meta['torch_threads']}; wall time {meta['wall_s']:.0f} s",
            f"- TTFT p50 over {meta['repeats']} repeats after {meta['warmup']} warm-up; "
-           "strategies interleaved per repeat on the same prompts",
+           "strategies in an order rotated per repeat, on the same prompts",
+           "- link `mooncake-tcp-netns RATE`: real Mooncake TCP between namespace hosts "
+           "(master, storage node, engines) across a link the kernel throttles to RATE "
+           "(the hosts still share this machine's cores)",
            "- link `mooncake-tcp-loopback`: real Mooncake transfers over loopback TCP "
            "(they share the CPU cores with the forward); `emulated:…`: a modeled NIC "
            "(real bytes, no CPU cost)",

@@ -73,8 +73,9 @@ __all__ = ["DEFAULT_EMULATED", "main", "run_bench"]
 # On a GPU the forward is far faster: pass a faster link there (e.g. emulated:25,5).
 DEFAULT_EMULATED = "emulated:0.1,10"
 CORES_NOTE = (
-    "note: on this machine the real Mooncake link (loopback TCP) and the forward share "
-    "{cores} CPU core(s); the emulated link models a NIC that costs no CPU."
+    "note: on this machine the real Mooncake links (loopback TCP, and TCP between namespace "
+    "hosts) and the forward share {cores} CPU core(s); the emulated link models a NIC that "
+    "costs no CPU, which is why it is there (and stands in where namespaces are unavailable)."
 )
 
 
