@@ -55,9 +55,15 @@ _EVICT_ORDER = (Component.FULL, Component.SWA, Component.MAMBA)
 
 
 class UnifiedRadixTree(TreePaths):
-    """Prefix cache of a hybrid model over one :class:`KVPool`."""
+    """Prefix cache of a hybrid model over one :class:`KVPool`.
 
-    def __init__(self, spec: ModelSpec, pool: KVPool, *,
+    ``branch_checkpoints``: whether the engine should capture branch
+    checkpoints (read by ``engine/compute.py``; the engine passes
+    ``EngineConfig.branch_checkpoints``). ``max_branch_checkpoints``: how
+    many may live at once (see the module docstring).
+    """
+
+    def __init__(self, spec: ModelSpec, pool: KVPool, *, branch_checkpoints: bool = True,
                  max_branch_checkpoints: int = 64) -> None:
         if max_branch_checkpoints < 0:
             raise ValueError(f"max_branch_checkpoints must be >= 0, got {max_branch_checkpoints}")
@@ -66,7 +72,7 @@ class UnifiedRadixTree(TreePaths):
         self.max_branch_checkpoints = max_branch_checkpoints
         # Whether the engine captures branch checkpoints (EngineConfig.branch_checkpoints):
         # read by engine/compute.py; the tree accepts them either way.
-        self.branch_checkpoints = False
+        self.branch_checkpoints = branch_checkpoints
         self.page_size = spec.page_size
         self.components: dict[Component, TreeComponent] = {
             c: TREE_COMPONENT_TYPES[c](self) for c in Component
