@@ -2,15 +2,15 @@
 
 Threads: every method runs on the event loop; the tree and the pool's
 allocator state are touched only there. Blocking store calls, fetches and the
-forward run in worker threads. One batch is on the device at a time (the
-batch lock, held from PREPARE until the batch's exit); offloads of earlier
-batches go on in the background. A batch's life cycle and all of its cleanup
-live in ``engine/batch.py``.
+forward run in worker threads. One batch loads at a time and one computes at
+a time (``EngineContext``'s two locks): concurrent ``prefill`` calls
+pipeline, the next batch looking up and fetching while the previous one
+computes (cross-batch prefetch). Offloads go on in the background. A batch's
+life cycle and all of its cleanup live in ``engine/batch.py``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Sequence
@@ -130,7 +130,7 @@ class Engine:
             self.restore.staging_alloc = self.lane.alloc_staging
         self.offloader = Offloader(self.tree, self.pool, self.linkers, self.store)
         self._ctx = EngineContext(self.model, cfg, self.pool, self.tree, self.restore,
-                                  self.offloader, asyncio.Lock())
+                                  self.offloader)
         self._started = True
 
     def _make_lane(self) -> Lane:

@@ -104,8 +104,13 @@ NEXT: dict[BatchState, frozenset[BatchState]] = {
 
 
 class Batch:
-    """One batch from PREPARE to its exit. Holds the engine's batch lock
-    (acquired by the caller before :meth:`prepare`) until it exits."""
+    """One batch from PREPARE to its exit.
+
+    Locks (see :class:`EngineContext`): the caller acquires the load lock
+    before :meth:`prepare` and hands it to the batch, which releases it once
+    its load has landed in full (or ended); :meth:`issue` takes the device
+    lock after issuing the fetches (they run while it waits: prefetch) and
+    the exit releases it."""
 
     def __init__(self, ctx: EngineContext, started: float) -> None:
         self.ctx = ctx
@@ -122,6 +127,8 @@ class Batch:
         self._pins: dict[int, list[tuple[Component, torch.Tensor]]] = {}
         self._end: asyncio.Future[frozenset[Hashable]] | None = None
         self._exit_task: asyncio.Task[None] | None = None
+        self._holds_load_lock = True
+        self._holds_device = False
         self._ext_runs: list[ForwardRun] = []
         self._ext_deps: list[ReadinessView] = []
         self._readiness = LayerReadiness(ctx.pool.spec.num_layers,
@@ -196,8 +203,14 @@ class Batch:
     async def _issue(self) -> None:
         rl = self.rl
         assert rl is not None
-        if not rl.txns:
-            return
+        if rl.txns:
+            await self._open_and_start(rl)
+        if self.task is None:
+            self._release_load_lock()  # nothing in flight
+        await self.ctx.device.acquire()
+        self._holds_device = True
+
+    async def _open_and_start(self, rl: RestoreLoad) -> None:
         store, keys = self.ctx.restore.store, rl.load.keys
         try:
             await anyio.to_thread.run_sync(
@@ -207,6 +220,21 @@ class Batch:
             return
         self.task = self.ctx.restore.scheduler.start(rl.jobs, rl.readiness)
         self.load_issued = time.perf_counter() - self.started
+        landed = asyncio.ensure_future(self.task.done())
+        landed.add_done_callback(self._on_landed)
+
+    def _on_landed(self, fut: asyncio.Future[None]) -> None:
+        """The load ran to its end: let the next batch look up and fetch
+        (prefetch) unless something failed, in which case the lock stays
+        until this batch unpublished what did not land."""
+        if not fut.cancelled() and fut.exception() is None and self.rl is not None \
+                and not self.rl.readiness.failed_requests():
+            self._release_load_lock()
+
+    def _release_load_lock(self) -> None:
+        if self._holds_load_lock:
+            self._holds_load_lock = False
+            self.ctx.lock.release()
 
     async def _drop_before_commit(self, rids: frozenset[int], reason: str) -> None:
         rl = self.rl
@@ -435,28 +463,45 @@ class Batch:
             await self.task.wait_quiescent()
         await anyio.to_thread.run_sync(self.session.close)
         if rl is None:
+            self._release_load_lock()
             return frozenset()
         rl.load.close_staging()
-        failed = with_dependents(rl.readiness.failed_requests(), rl.deps) & set(self.txns)
-        if abort:
-            failed = frozenset(self.txns)
+        broken = with_dependents(rl.readiness.failed_requests(), rl.deps) & set(self.txns)
+        failed = frozenset(self.txns) if abort else broken
         for rid, txn in self.txns.items():
             if rid not in failed and txn.state is TransactionState.COMMITTED:
                 txn.finish()
         self._unpin(failed)
+        try:
+            self._unpublish(failed, landed=frozenset(self.txns) - broken)
+        finally:
+            self._release_load_lock()
+        return failed
+
+    def _unpublish(self, failed: frozenset[Hashable], landed: frozenset[Hashable]) -> None:
+        """ABORT the restores of ``failed``: their pages leave the tree and
+        their slots are freed. A restore whose node another request locks
+        goes after it; one that landed in full and that a later batch has
+        looked up since (prefetch) stays published instead: its bytes are
+        whole and that batch reads them."""
         live = (TransactionState.LOADED, TransactionState.PREPARED, TransactionState.COMMITTED)
-        todo = [t for rid, t in self.txns.items() if rid in failed and t.state in live]
-        while todo:  # a request whose node a dependant locks goes after the dependant
+        todo = [(rid, t) for rid, t in self.txns.items() if rid in failed and t.state in live]
+        while todo:
             left = []
-            for txn in todo:
+            for rid, txn in todo:
                 try:
                     txn.abort()
                 except ValueError:
-                    left.append(txn)
+                    left.append((rid, txn))
             if len(left) == len(todo):
-                raise RuntimeError("failed restores lock each other; cannot unpublish")
+                keep = [(rid, t) for rid, t in left
+                        if rid in landed and t.state is TransactionState.COMMITTED]
+                if not keep:
+                    raise RuntimeError("failed restores lock each other; cannot unpublish")
+                for _, txn in keep:
+                    txn.finish()
+                left = [x for x in left if x not in keep]
             todo = left
-        return failed
 
     # ---- ABORTED / exit -------------------------------------------------------------
     def abort(self, error: BaseException | None = None) -> None:
@@ -504,7 +549,10 @@ class Batch:
             self._readiness.cancel("the batch has ended")  # settles what is not done
         finally:
             self.state = BatchState.DONE if error is None else BatchState.ABORTED
-            ctx.lock.release()
+            self._release_load_lock()
+            if self._holds_device:
+                self._holds_device = False
+                ctx.device.release()
 
     # ---- helpers --------------------------------------------------------------------
     @property

@@ -1,7 +1,8 @@
 """What one engine's batches share, and the plans that enter a batch.
 
 :class:`EngineContext` is the engine's working set handed to each batch
-(model, pools, tree, restore stage, offloader, the batch lock), so a batch
+(model, pools, tree, restore stage, offloader, the load and device locks),
+so a batch
 never reaches into :class:`~layerlift.engine.api.Engine`'s private state.
 ``match_plan`` / ``release_plan`` are the two ends of a plan's hold on the
 device tree: a plan locks its device-hit node and pins the pages its forward
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -39,8 +40,16 @@ class EngineError(RuntimeError):
 
 @dataclass(eq=False)
 class EngineContext:
-    """One engine's shared parts. ``lock`` is held by a batch from PREPARE
-    until its exit (one batch on the device at a time)."""
+    """One engine's shared parts and its two locks.
+
+    ``lock`` (the load lock) is held from LOOKUP through a batch's PREPARE
+    and fetches until its load has landed (or ended): one batch loads at a
+    time, and nobody looks up nodes whose load is still in flight.
+    ``device`` is held by a batch from just before COMMIT until its exit: one
+    forward at a time. A batch takes ``device`` while still holding
+    ``lock``; the next batch can look up, PREPARE and fetch (prefetch) while
+    the previous one computes once that one's load has landed, so the
+    running batch's layers keep the link to themselves."""
 
     model: Any
     cfg: EngineConfig
@@ -48,7 +57,8 @@ class EngineContext:
     tree: UnifiedRadixTree
     restore: RestoreStage
     offloader: Offloader
-    lock: asyncio.Lock
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    device: asyncio.Lock = field(default_factory=asyncio.Lock)
     next_id: int = 0
 
     @property
