@@ -1,7 +1,7 @@
 """The engine's invariants after any outcome, as one check tests call.
 
 After every prefill, abort, failure or cancellation, once offloads are done:
-the batch lock is free, no node is locked or carries a pending load, no page
+the load and device locks are free, no node is locked or carries a pending load, no page
 is pinned, the tree's integrity and the pool's byte accounting hold.
 """
 
@@ -16,7 +16,8 @@ def assert_quiescent(engine: Any) -> None:
     """Raise ``AssertionError`` naming what is still held. Call after
     ``await engine.wait_offloads()`` (offloads pin pages while they run)."""
     ctx = engine._ctx
-    assert not ctx.lock.locked(), "the batch lock is still held"
+    assert not ctx.lock.locked(), "the load lock is still held"
+    assert not ctx.device.locked(), "the device lock is still held"
     engine.tree.check_integrity()
     engine.pool.verify_byte_accounting()
     locked = engine.tree.stats().locked_nodes
