@@ -35,7 +35,22 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["CostModel", "CostPriors", "Decision"]
+from layerlift.engine.plan import LookupPlan
+from layerlift.pools.spec import Component, ModelSpec
+
+__all__ = ["CostModel", "CostPriors", "Decision", "restore_bytes"]
+
+
+def restore_bytes(spec: ModelSpec, d: int, b: int) -> int:
+    """Bytes a restore from device boundary ``d`` to ``b`` pages moves: FULL
+    pages ``[d, b)``, the SWA window ``[max(d, b - W), b)``, one checkpoint."""
+    if not 0 <= d <= b:
+        raise ValueError(f"need 0 <= d <= b, got d={d}, b={b}")
+    if b == d:
+        return 0
+    swa = b - max(d, b - spec.window_pages)
+    return ((b - d) * spec.page_bytes(Component.FULL) + swa * spec.page_bytes(Component.SWA)
+            + spec.page_bytes(Component.MAMBA))
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +160,13 @@ class CostModel:
         """Estimated time to land ``restore_bytes`` over all layers."""
         per_layer = restore_bytes / self.num_layers
         return self.num_layers * (self.layer_latency_s + per_layer / self.bandwidth_bytes_per_s)
+
+    def decide_plan(self, plan: LookupPlan, *, overlap: bool = True) -> Decision:
+        """:meth:`decide` for a plan after LOOKUP chose its boundary."""
+        spec = plan.spec
+        return self.decide(plan.restore_tokens,
+                           restore_bytes(spec, plan.device_pages, plan.boundary),
+                           len(plan.tokens) - plan.boundary * spec.page_size, overlap=overlap)
 
     def decide(self, restore_tokens: int, restore_bytes: int, suffix_tokens: int, *,
                overlap: bool = True) -> Decision:

@@ -5,7 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from layerlift.engine.costmodel import CostModel, CostPriors, Decision
+from layerlift.engine.costmodel import CostModel, CostPriors, Decision, restore_bytes
+from layerlift.engine.plan import LookupPlan
+from layerlift.pools import UnifiedKVPool
+from layerlift.pools.spec import Component, ModelSpec
+from layerlift.pools.tree import UnifiedRadixTree
 
 LAYERS = 16
 
@@ -93,3 +97,25 @@ def test_one_size_only_keeps_a_finite_bandwidth() -> None:
 def test_bad_input_is_a_value_error(call: object, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         call()  # type: ignore[operator]
+
+
+def test_restore_bytes_counts_full_pages_swa_window_and_one_checkpoint() -> None:
+    spec = ModelSpec.preset("tiny")  # window 4 pages
+    f, s, m = (spec.page_bytes(c) for c in (Component.FULL, Component.SWA, Component.MAMBA))
+    assert restore_bytes(spec, 0, 0) == 0
+    assert restore_bytes(spec, 0, 8) == 8 * f + 4 * s + m
+    assert restore_bytes(spec, 6, 8) == 2 * f + 2 * s + m
+    with pytest.raises(ValueError, match="d <= b"):
+        restore_bytes(spec, 4, 2)
+
+
+def test_decide_plan_reads_the_plan() -> None:
+    spec = ModelSpec.preset("tiny")
+    tokens = np.zeros(300, dtype=np.int64)
+    tree = UnifiedRadixTree(spec, UnifiedKVPool(spec, 4 << 20))
+    # LOOKUP found 16 pages (256 tokens) in the store, nothing on the device.
+    plan = LookupPlan(0, tokens, (), tree.match_prefix(tokens), spec, boundary=16)
+    model = CostModel(spec.num_layers)
+    got = model.decide_plan(plan)
+    want = model.decide(256, restore_bytes(spec, 0, 16), 300 - 256)
+    assert got == want and got.restore
