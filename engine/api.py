@@ -15,7 +15,6 @@ import logging
 import time
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Any
 
 import anyio
 import numpy as np
@@ -26,6 +25,7 @@ from layerlift.engine.compute import compute_bytes
 from layerlift.engine.config import EngineConfig
 from layerlift.engine.context import EngineContext, EngineError, match_plan, release_plan
 from layerlift.engine.handle import LoadHandle
+from layerlift.engine.model.base import Model
 from layerlift.engine.offload import Offloader, OffloadReport
 from layerlift.engine.plan import LookupPlan
 from layerlift.engine.restore import RestoreStage
@@ -71,7 +71,7 @@ class Engine:
     single-rank path.
     """
 
-    def __init__(self, model: Any, cfg: EngineConfig, *, store: Store | None = None) -> None:
+    def __init__(self, model: Model, cfg: EngineConfig, *, store: Store | None = None) -> None:
         need = min_pool_bytes(model.spec)
         if cfg.pool_bytes < need:
             raise ValueError(
@@ -115,8 +115,8 @@ class Engine:
         self.pool = UnifiedKVPool(spec, cfg.pool_bytes, device=cfg.device)
         if self.pool.buffer.device.type == "cpu":
             self.store.register(self.pool.buffer)
-        self.tree = UnifiedRadixTree(spec, self.pool)
-        schema = KeySchema(cfg.namespace, f"{spec.fingerprint}-{_identity(self.model)}", cfg.rank)
+        self.tree = UnifiedRadixTree(spec, self.pool, branch_checkpoints=cfg.branch_checkpoints)
+        schema = KeySchema(cfg.namespace, f"{spec.fingerprint}-{self.model.identity}", cfg.rank)
         self.linkers = make_linkers(spec, self.pool, self.tree, schema)
         self.lane = self._make_lane()
         policy = LoadPolicy(cfg.policy)
@@ -287,10 +287,3 @@ class Engine:
         says how many objects were stored and how many puts failed."""
         return await self.offloader.wait()
 
-
-def _identity(model: Any) -> str:
-    """The model's identity for the key fingerprint."""
-    identity = getattr(model, "identity", None)
-    if identity is None:
-        return f"s{model.seed}"
-    return str(identity)
