@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from layerlift.engine.plan import LookupPlan
+from layerlift.engine.results import Timings
 from layerlift.pools.spec import Component, ModelSpec
 
 __all__ = ["CostModel", "CostPriors", "Decision", "restore_bytes"]
@@ -154,6 +155,27 @@ class CostModel:
             return
         self._c_tok += self.alpha * (forward_seconds / computed_tokens - self._c_tok)
         self.forward_observations += 1
+
+    def observe_batch(self, timings: Timings, layer_bytes: Sequence[int],
+                      computed_tokens: int) -> None:
+        """One batch's :class:`Timings` (shared by its results): per-layer load
+        times from ``layer_landed`` (each layer from the later of the issue and
+        the previous landing; layers that did not land are skipped),
+        ``layer_bytes`` the bytes each layer's fetch moved for the whole batch,
+        and the forward's ``layer_compute`` over ``computed_tokens``."""
+        if timings.layer_landed:
+            if len(layer_bytes) != len(timings.layer_landed):
+                raise ValueError(f"{len(layer_bytes)} byte counts for "
+                                 f"{len(timings.layer_landed)} layers")
+            xs, ys, last = [], [], timings.load_issued
+            for x, landed in zip(layer_bytes, timings.layer_landed, strict=True):
+                if landed <= 0:
+                    continue
+                xs.append(x)
+                ys.append(max(0.0, landed - last))
+                last = max(last, landed)
+            self.observe_load(xs, ys)
+        self.observe_forward(computed_tokens, sum(timings.layer_compute))
 
     # ---- estimating ----------------------------------------------------------------------
     def load_seconds(self, restore_bytes: int) -> float:

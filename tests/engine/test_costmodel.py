@@ -7,6 +7,7 @@ import pytest
 
 from layerlift.engine.costmodel import CostModel, CostPriors, Decision, restore_bytes
 from layerlift.engine.plan import LookupPlan
+from layerlift.engine.results import Timings
 from layerlift.pools import UnifiedKVPool
 from layerlift.pools.spec import Component, ModelSpec
 from layerlift.pools.tree import UnifiedRadixTree
@@ -119,3 +120,20 @@ def test_decide_plan_reads_the_plan() -> None:
     got = model.decide_plan(plan)
     want = model.decide(256, restore_bytes(spec, 0, 16), 300 - 256)
     assert got == want and got.restore
+
+
+def test_observe_batch_reads_engine_timings() -> None:
+    model = CostModel(4, alpha=1.0)
+    # Issued at 10 ms, layers of 1 MB land every 2 ms; 0.1 s of forward for 1000 tokens.
+    t = Timings(load_issued=0.010, layer_landed=[0.012, 0.014, 0.016, 0.018],
+                layer_compute=[0.025] * 4)
+    model.observe_batch(t, [1_000_000] * 4, 1000)
+    assert model.compute_s_per_token == pytest.approx(1e-4)
+    assert model.load_observations == 4
+    # Every layer took 2 ms for 1 MB: the fit passes through (1 MB, 2 ms).
+    per_layer = model.layer_latency_s + 1e6 / model.bandwidth_bytes_per_s
+    assert per_layer == pytest.approx(2e-3, rel=1e-6)
+    model.observe_batch(Timings(layer_compute=[0.01]), [], 100)  # no restore: compute only
+    assert model.load_observations == 4 and model.forward_observations == 2
+    with pytest.raises(ValueError, match="byte counts"):
+        model.observe_batch(t, [1], 10)
