@@ -281,18 +281,25 @@ class Server:
                 if self._queue or self._closing:
                     break
                 await cond.wait()
-            batch: list[_Pending] = []
-            tokens = 0
-            while self._queue and len(batch) < self.cfg.max_batch_requests:
-                head = self._queue[0]
-                if head.future.done():
-                    self._queue.popleft()
-                    continue
-                if batch and tokens + len(head.tokens) > self.cfg.max_batch_tokens:
-                    break
-                batch.append(self._queue.popleft())
-                tokens += len(head.tokens)
+            batch = self._take_batch()
             cond.notify_all()  # room in the queue for waiting submitters
+        return batch
+
+    def _take_batch(self) -> list[_Pending]:
+        """Pop the next batch under the budget without waiting (empty if
+        nothing is queued). A prefetching ``_run_batch`` takes the following
+        batch with it while the current one runs."""
+        batch: list[_Pending] = []
+        tokens = 0
+        while self._queue and len(batch) < self.cfg.max_batch_requests:
+            head = self._queue[0]
+            if head.future.done():  # the caller gave up
+                self._queue.popleft()
+                continue
+            if batch and tokens + len(head.tokens) > self.cfg.max_batch_tokens:
+                break
+            batch.append(self._queue.popleft())
+            tokens += len(head.tokens)
         return batch
 
     async def _run_batch(self, batch: list[_Pending]) -> None:
@@ -300,9 +307,9 @@ class Server:
         engine error fails this batch's requests only.
 
         Prefetch seam: with ``cfg.prefetch`` and an engine that supports it,
-        this is where the next batch (``self._queue``'s head, formed under the
-        same budget) is looked up and loaded while ``engine.prefill(batch)``
-        runs, and handed to the following ``_run_batch``."""
+        this is where the next batch (``self._take_batch()``, same budget) is
+        looked up and loaded while ``engine.prefill(batch)`` runs, and handed
+        to the following ``_run_batch``."""
         batch_id = self._next_batch_id
         self._next_batch_id += 1
         start = time.perf_counter()
