@@ -24,6 +24,7 @@ from layerlift.engine.batch import Batch
 from layerlift.engine.compute import compute_bytes
 from layerlift.engine.config import EngineConfig
 from layerlift.engine.context import EngineContext, EngineError, match_plan, release_plan
+from layerlift.engine.costmodel import CostModel
 from layerlift.engine.handle import LoadHandle
 from layerlift.engine.model.base import Model
 from layerlift.engine.offload import Offloader, OffloadReport
@@ -129,8 +130,9 @@ class Engine:
         if isinstance(self.lane, CudaLane):
             self.restore.staging_alloc = self.lane.alloc_staging
         self.offloader = Offloader(self.tree, self.pool, self.linkers, self.store)
+        cost = CostModel(spec.num_layers) if cfg.restore == "auto" else None
         self._ctx = EngineContext(self.model, cfg, self.pool, self.tree, self.restore,
-                                  self.offloader)
+                                  self.offloader, cost)
         self._started = True
 
     def _make_lane(self) -> Lane:
@@ -221,6 +223,14 @@ class Engine:
             for tokens in prompts:
                 plans.append(match_plan(ctx, tokens))
             await self.restore.lookup(plans)
+            if ctx.cost is not None:
+                overlap = self.cfg.policy != "barrier"
+                for plan in plans:
+                    if plan.restores:
+                        decision = ctx.cost.decide_plan(plan, overlap=overlap)
+                        plan.decision = decision.reason
+                        if not decision.restore:
+                            plan.drop_restore(decision.reason)
         except BaseException:
             for plan in plans:
                 release_plan(ctx, plan)

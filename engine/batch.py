@@ -348,8 +348,21 @@ class Batch:
         for run in runs:
             insert_computed(self.ctx, run)
             del self.computes[run.plan.request_id]
+        self._teach_cost_model(timings)
         await self.close(None)
         return results
+
+    def _teach_cost_model(self, timings: Timings) -> None:
+        cost = self.ctx.cost
+        if cost is None:
+            return
+        layers = self.ctx.pool.spec.num_layers
+        moved = {t.layer: t.nbytes for t in self.task.timings} if self.task else {}
+        computed = sum(len(p.tokens) - p.boundary * p.spec.page_size for p in self.plans)
+        if len(timings.layer_landed) == layers and not self.recomputed:
+            cost.observe_batch(timings, [moved.get(i, 0) for i in range(layers)], computed)
+        else:
+            cost.observe_forward(computed, sum(timings.layer_compute))
 
     # ---- RUNNING in a host's own forward (external runner) -------------------------
     def begin_external(self) -> list[ForwardRequest]:

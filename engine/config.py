@@ -40,6 +40,10 @@ class EngineConfig:
       worker call; each layer is still released the moment it landed.
     * ``link``: ``None`` (the store's own link) or ``"emulated:GBPS[,LAT_US]"``
       (a modeled NIC over an in-memory store; benchmark only).
+    * ``restore``: ``"always"`` (restore whatever the store holds) or
+      ``"auto"`` (per request, restore only when a cost model learned from
+      this engine's own load and forward timings says it beats computing;
+      the result's ``restore_decision`` says which and why).
     * ``branch_checkpoints``: when a prompt leaves a cached one between two
       checkpoint boundaries, also capture the recurrent state at the branch
       page (at most one per request), so later prompts sharing the branch
@@ -66,6 +70,7 @@ class EngineConfig:
     layer_wait_timeout_s: float = 120.0
     offload: bool = True
     branch_checkpoints: bool = True
+    restore: str = "always"
     extra: dict[str, object] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -93,6 +98,8 @@ class EngineConfig:
             raise ValueError("max_in_flight, group_size and stream_size must be at least 1")
         if "/" in self.namespace or not self.namespace:
             raise ValueError(f"namespace must be a non-empty name without '/': {self.namespace!r}")
+        if self.restore not in ("always", "auto"):
+            raise ValueError(f"restore must be 'always' or 'auto', got {self.restore!r}")
         if self.link is not None and not self.link.startswith("emulated:"):
             raise ValueError(
                 f"link must be None or 'emulated:GBPS[,LATENCY_US]', got {self.link!r}"

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from layerlift.engine.config import EngineConfig
+from layerlift.engine.costmodel import CostModel
 from layerlift.engine.offload import Offloader
 from layerlift.engine.plan import LookupPlan
 from layerlift.engine.restore import RestoreStage
@@ -57,6 +58,7 @@ class EngineContext:
     tree: UnifiedRadixTree
     restore: RestoreStage
     offloader: Offloader
+    cost: CostModel | None = None  # restore="auto": restore or recompute, learned
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     device: asyncio.Lock = field(default_factory=asyncio.Lock)
     next_id: int = 0

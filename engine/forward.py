@@ -151,6 +151,7 @@ def build_results(plans: Sequence[LookupPlan], logprobs: torch.Tensor, timings: 
             restorable_boundaries=tuple(sorted(plan.restorable)),
             recomputed_after_failure=plan.request_id in recomputed,
             fallback_reason=plan.fallback_reason,
+            restore_decision=plan.decision,
         ))
     return results
 

@@ -38,6 +38,7 @@ class LookupPlan:
     boundary: int = 0
     lookup: dict[Component, PoolTransfer | None] = field(default_factory=dict)
     fallback_reason: str | None = None
+    decision: str | None = None  # the cost model's word (restore="auto")
     lookup_time: float = 0.0
     pins: list[tuple[Component, object]] = field(default_factory=list)
     released: bool = False

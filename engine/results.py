@@ -42,7 +42,8 @@ class PrefillResult:
     already on the device, ``computed_tokens`` were computed by the forward;
     they add up to the prompt length. ``recomputed_after_failure`` says the
     restore failed mid-way and the request was computed instead (its result
-    is still exact).
+    is still exact). ``restore_decision`` is the cost model's reason to
+    restore or compute (with ``EngineConfig(restore="auto")``; else None).
     """
 
     next_token_logprobs: torch.Tensor
@@ -53,3 +54,4 @@ class PrefillResult:
     restorable_boundaries: tuple[int, ...] = ()
     recomputed_after_failure: bool = False
     fallback_reason: str | None = None
+    restore_decision: str | None = None
