@@ -14,11 +14,14 @@ server talks to the engine only through ``await engine.prefill(prompts)``.
 Prompt length is the batch's cost: it bounds computed + restored tokens
 before LOOKUP has said how many are device hits (which cost almost nothing).
 
-Cross-batch prefetch (``ServeConfig.prefetch``) is not implemented by the
-engine yet: the server then runs plain batches and ``prefetch_active`` is
-False. ``Server._run_batch`` is the one place that calls the engine; that is
-where LOOKUP/LOAD of the next batch will start while this batch's forward
-runs.
+Cross-batch prefetch (``ServeConfig.prefetch``): the batcher keeps two
+batches in flight. The next batch is formed as soon as the current one was
+handed to the engine, and its ``prefill`` call starts at once; the engine
+pipelines concurrent calls (one batch loads while the previous one
+computes), so its LOOKUP and LOAD run during the current forward. Without
+prefetch, the next batch is formed when the current one returned (more
+requests coalesce into it, but its restore starts only then).
+``Server._run_batch`` is the one place that calls the engine.
 
 Threads: everything runs on the event loop that called ``start``.
 """
@@ -53,7 +56,9 @@ class ServerClosed(RuntimeError):
 
 
 class PrefillEngine(Protocol):
-    """What the server needs from an engine (``layerlift.Engine`` is one)."""
+    """What the server needs from an engine (``layerlift.Engine`` is one).
+    With ``prefetch``, two ``prefill`` calls run concurrently: the engine must
+    allow that (``layerlift.Engine`` pipelines them)."""
 
     async def prefill(self, prompts: Sequence[Sequence[int] | np.ndarray]) -> list[PrefillResult]:
         ...
@@ -68,9 +73,8 @@ class ServeConfig:
     * ``max_batch_requests``: requests per batch.
     * ``max_queue``: requests waiting (not yet in a batch) before ``submit``
       waits and ``submit_nowait`` raises :class:`QueueFull`.
-    * ``prefetch``: ask for cross-batch prefetch (LOOKUP/LOAD of the next
-      batch while the current forward runs). Falls back to plain batches
-      until the engine supports it; see ``Server.prefetch_active``.
+    * ``prefetch``: cross-batch prefetch: two batches in flight, the next
+      one's LOOKUP/LOAD running while the current forward runs.
     """
 
     max_batch_tokens: int = 4096
@@ -88,7 +92,9 @@ class ServeConfig:
 class Served:
     """One request's result and its serving times (``time.perf_counter`` seconds).
 
-    ``queue_s`` = batch start − submit; ``ttft_s`` = result − submit.
+    ``queue_s`` = batch start − submit; ``ttft_s`` = result − submit. The
+    batch starts when it is handed to the engine (with prefetch it may then
+    still wait inside the engine for the previous batch's load).
     """
 
     result: PrefillResult
@@ -183,10 +189,9 @@ class Server:
 
     @property
     def prefetch_active(self) -> bool:
-        """Whether batches are prefetched across the running forward. False
-        until the engine implements prefetch (``cfg.prefetch`` then falls back
-        to plain batches)."""
-        return False
+        """Whether the next batch is handed to the engine while the current
+        one runs (``cfg.prefetch``)."""
+        return self.cfg.prefetch
 
     @property
     def queued(self) -> int:
@@ -257,13 +262,25 @@ class Server:
 
     # ---- batching ----------------------------------------------------------------------
     async def _batcher(self) -> None:
+        slots = asyncio.Semaphore(2 if self.prefetch_active else 1)
+        running: set[asyncio.Task[None]] = set()
         try:
             while True:
+                await slots.acquire()
                 batch = await self._next_batch()
                 if not batch:
-                    return
-                await self._run_batch(batch)
+                    break
+                task = asyncio.get_running_loop().create_task(self._run_batch(batch))
+                running.add(task)
+                task.add_done_callback(running.discard)
+                task.add_done_callback(lambda _t: slots.release())
+            while running:
+                await asyncio.gather(*running)
         finally:  # however the batcher ends, nobody is left waiting
+            for task in running:  # cancelled: the engine aborts its batches
+                task.cancel()
+            if running:
+                await asyncio.gather(*running, return_exceptions=True)
             self._closing = True
             while self._queue:
                 self._fail(self._queue.popleft(), ServerClosed("the server stopped"))
@@ -287,8 +304,7 @@ class Server:
 
     def _take_batch(self) -> list[_Pending]:
         """Pop the next batch under the budget without waiting (empty if
-        nothing is queued). A prefetching ``_run_batch`` takes the following
-        batch with it while the current one runs."""
+        nothing is queued)."""
         batch: list[_Pending] = []
         tokens = 0
         while self._queue and len(batch) < self.cfg.max_batch_requests:
@@ -306,10 +322,8 @@ class Server:
         """Run one batch through the engine and answer its awaiters. An
         engine error fails this batch's requests only.
 
-        Prefetch seam: with ``cfg.prefetch`` and an engine that supports it,
-        this is where the next batch (``self._take_batch()``, same budget) is
-        looked up and loaded while ``engine.prefill(batch)`` runs, and handed
-        to the following ``_run_batch``."""
+        With prefetch two of these run at once; the engine orders their
+        loads and forwards (FIFO)."""
         batch_id = self._next_batch_id
         self._next_batch_id += 1
         start = time.perf_counter()

@@ -195,6 +195,41 @@ async def test_cancelled_awaiter_leaves_the_queue(engine: Engine) -> None:
     assert gated.batches == [[40], [40]]
 
 
+async def test_prefetch_hands_the_next_batch_over_while_one_runs(engine: Engine) -> None:
+    gated = GatedEngine(engine, gated=[0, 1])
+    cfg = ServeConfig(max_batch_requests=1, prefetch=True)
+    async with Server(gated, cfg) as server:
+        assert server.prefetch_active
+        first = asyncio.create_task(server.submit(prompt(40, 0)))
+        await gated.entered[0].wait()
+        second = server.submit_nowait(prompt(40, 1))
+        await asyncio.wait_for(gated.entered[1].wait(), 30)  # batch 0 still held
+        third = server.submit_nowait(prompt(40, 2))
+        for _ in range(50):
+            await asyncio.sleep(0)
+        assert not gated.entered[2].is_set() and server.queued == 1  # two in flight at most
+        gated.release(0)
+        await gated.entered[2].wait()
+        gated.release(1)
+        got = [await first, await second, await third]
+    assert [s.batch_id for s in got] == [0, 1, 2]
+
+
+async def test_without_prefetch_one_batch_is_in_flight(engine: Engine) -> None:
+    gated = GatedEngine(engine, gated=[0])
+    async with Server(gated, ServeConfig(max_batch_requests=1)) as server:
+        assert not server.prefetch_active
+        first = asyncio.create_task(server.submit(prompt(40, 0)))
+        await gated.entered[0].wait()
+        second = server.submit_nowait(prompt(40, 1))
+        for _ in range(50):
+            await asyncio.sleep(0)
+        assert not gated.entered[1].is_set() and server.queued == 1
+        gated.release(0)
+        await first
+        assert (await second).batch_id == 1
+
+
 def test_config_is_validated() -> None:
     with pytest.raises(ValueError, match="max_batch_tokens must be at least 1"):
         ServeConfig(max_batch_tokens=0)
@@ -214,10 +249,13 @@ async def _serve_all(server: Server, prompts: list[np.ndarray]) -> list[PrefillR
     return [s.result for s in served]
 
 
-async def test_results_are_exact_against_a_cold_engine(tiny_model: HybridModel) -> None:
+@pytest.mark.parametrize("prefetch", [False, True])
+async def test_results_are_exact_against_a_cold_engine(tiny_model: HybridModel,
+                                                       prefetch: bool) -> None:
     prompts = [prompt(150 + 17 * i, i, shared=96) for i in range(6)]
     cfg = EngineConfig(store="memory", pool_bytes=16 << 20)
-    async with Engine(tiny_model, cfg) as eng, Server(eng, ServeConfig(max_batch_tokens=400)) as s:
+    serve = ServeConfig(max_batch_tokens=400, prefetch=prefetch)
+    async with Engine(tiny_model, cfg) as eng, Server(eng, serve) as s:
         first = await _serve_all(s, prompts[:3])
         await eng.wait_offloads()
         eng.drop_device_cache()  # the rest restores the shared prefix from the store
