@@ -40,7 +40,10 @@ class MooncakeConfig:
     - `local_buffer_size`: bytes of the client's staging buffer (used for
       memory that is not registered).
     - `timeout_s`: bound on every store call; `setup_timeout_s`: bound on the
-      initial connection (a client cannot reach a dead master for ~90 s).
+      initial connection. Mooncake 0.3.13's `setup` holds the GIL while it
+      retries a master that does not answer (MC_STORE_CLIENT_SETUP_RETRIES,
+      default 20, ~4.5 s each), so against a dead master the bound only takes
+      effect after those ~90 s; lower that variable to fail sooner.
     - `workers`: threads that run the blocking Mooncake calls.
 
     Raises ValueError with a readable sentence for any bad field.

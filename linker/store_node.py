@@ -10,6 +10,7 @@ client (unmounting the segment) before it exits.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -50,6 +51,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="this node's address, as other clients reach it")  # fmt: skip
     parser.add_argument("--protocol", default="tcp", choices=("tcp", "rdma"))
     parser.add_argument("--rdma-devices", default="", help="e.g. mlx5_0,mlx5_1 (rdma only)")
+    parser.add_argument("--setup-retries", type=int, default=None,
+                        help="Mooncake's connection attempts at start, ~4.5 s each when no "
+                             "master answers (MC_STORE_CLIENT_SETUP_RETRIES; Mooncake's "
+                             "default is 20)")  # fmt: skip
     args = parser.parse_args(argv)
     try:
         config = MooncakeConfig(
@@ -64,6 +69,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     except ValueError as exc:
         parser.error(str(exc))
+    if args.setup_retries is not None:  # read by Mooncake when the client starts
+        os.environ["MC_STORE_CLIENT_SETUP_RETRIES"] = str(max(1, args.setup_retries))
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
