@@ -145,7 +145,7 @@ def _run(writer: MooncakeStore, reader: MooncakeStore, total: int, repeats: int)
 
 
 def run_loopback(total: int, repeats: int) -> dict[str, Any]:
-    with EmbeddedMaster(lease_ttl_ms=5000) as master:  # leases must outlast a transfer
+    with EmbeddedMaster(lease_ttl_ms=5000, http_metadata=False) as master:  # long leases
         writer = MooncakeStore(master.config(global_segment_size=256 << 20, timeout_s=60.0))
         reader = MooncakeStore(
             master.config(global_segment_size=0, local_buffer_size=16 << 20, timeout_s=60.0)

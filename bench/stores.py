@@ -73,7 +73,7 @@ class LinkStores:
             # A read lease covers a whole batch's restore (all layers, read while the
             # forward runs): the embedded default of 50 ms expires mid-restore on a busy
             # 2-core machine (LEASE_EXPIRED), so give it seconds, as `layerlift master` does.
-            self.master = EmbeddedMaster(lease_ttl_ms=5000).start()
+            self.master = EmbeddedMaster(lease_ttl_ms=5000, http_metadata=False).start()
             try:
                 holder = MooncakeStore(self.master.config(global_segment_size=segment_bytes,
                                                           timeout_s=60.0))
