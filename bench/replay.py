@@ -7,9 +7,10 @@ on a fresh engine and an empty store, arrivals on the scaled clock:
 * ``device-only``: no store (nothing offloaded): the device tree alone;
 * ``barrier`` / ``overlap``: device tree + store; restores wait for every
   layer / per layer;
-* ``overlap+prefetch``: overlap with ``ServeConfig(prefetch=True)``; until
-  the engine implements cross-batch prefetch it runs as plain overlap and the
-  report says ``prefetch_supported: false``.
+* ``overlap+prefetch``: overlap with ``ServeConfig(prefetch=True)``: two
+  batches in flight, the next one's LOOKUP and LOAD running while the
+  current one computes (``prefetch_supported`` in the details says whether
+  the server ran it so).
 
 The device pool is ``--pool-fraction`` of the replay's working set (its
 distinct tokens' FULL+SWA pages plus one checkpoint per interval), so

@@ -115,7 +115,8 @@ def test_tiny_replay_end_to_end(tmp_path: Path) -> None:
         total = tokens
     assert got["policies"]["device-only"]["tokens"]["restored"] == 0
     assert got["max_kl"] <= 1e-9
-    assert got["details"]["overlap+prefetch"]["prefetch_supported"] is False
+    assert got["details"]["overlap+prefetch"]["prefetch_supported"] is True
+    assert got["details"]["overlap"]["branch_checkpoints"] is True
     assert 0 < got["ideal_hit_fraction"] < 1
     assert got["scaling"]["block_tokens"] == 32 and got["scaling"]["requests"] >= 8
 
