@@ -5,6 +5,7 @@ between them. Never skipped: a ``netns`` test that skips counts as a failure
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,14 +16,23 @@ from layerlift.testing import NetnsHosts, netns_available
 from layerlift.testing.netns import leftover_namespaces
 
 
+def _veths() -> set[str]:
+    """veth interfaces of this (the root) namespace."""
+    out = subprocess.run(["ip", "-o", "link", "show", "type", "veth"],
+                         capture_output=True, text=True, check=True).stdout  # fmt: skip
+    return {line.split(":")[1].strip().split("@")[0] for line in out.splitlines()}
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _nothing_left_behind() -> Iterator[None]:
-    """At session end: no namespace and no process of the netns tests still exists."""
+    """At session end: no namespace, veth or process of the netns tests still exists."""
     ok, why = netns_available()
     if not ok:
         pytest.skip(f"network namespaces unavailable: {why}")  # counted as a failure
+    veths_before = _veths()
     yield
     assert not leftover_namespaces(), f"namespaces left behind: {leftover_namespaces()}"
+    assert _veths() <= veths_before, f"veths left behind: {_veths() - veths_before}"
     alive = [p.pid for p in STARTED if p.poll() is None]
     assert not alive, f"processes left running by the netns tests: {alive}"
 
