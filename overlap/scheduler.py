@@ -5,7 +5,9 @@ Jobs are grouped into *units* (one per layer; one per `group_size` layers under 
 units are issued in layer order to the lane, at most `max_in_flight` at a time. Under
 OVERLAP and GROUPS a unit's layers are marked done from the worker thread the moment its
 bytes land (no event-loop hop on the forward's critical path); under BARRIER nothing is
-marked before every unit landed.
+marked before every unit landed. On a lane that streams (CPU), OVERLAP and BARRIER both
+stream `stream_size` layers per worker call, so the barrier baseline pays the same
+hand-offs as overlap and differs only in when the forward may start.
 
 Failure of a job at layer k fails k and every later layer for that job's requests,
 stops issuing, and fails the never-issued units for their requests. Nothing raises out
@@ -87,7 +89,11 @@ class LoadScheduler:
         self.policy = policy
         self.max_in_flight = max_in_flight
         self.group_size = group_size if policy is LoadPolicy.GROUPS else 1
-        self.streaming = policy is LoadPolicy.OVERLAP and lane.streams_jobs and stream_size > 1
+        self.streaming = (
+            policy in (LoadPolicy.OVERLAP, LoadPolicy.BARRIER)
+            and lane.streams_jobs
+            and stream_size > 1
+        )
         if self.streaming:
             self.group_size = stream_size
 
@@ -203,9 +209,12 @@ class LoadTask:
         fut.add_done_callback(functools.partial(self._on_host_landed, unit, issued, nbytes))
 
     def _job_marker(self, unit: _Unit) -> JobCallback:
-        """Worker thread (OVERLAP, streaming): release a layer once all its jobs in this
-        unit returned; a failed job marks its requests failed first. The unit stops at
-        a failure or a cancellation, and its remaining layers are marked cancelled."""
+        """Worker thread (streaming): release a layer once all its jobs in this unit
+        returned (under BARRIER only record when it landed: `_maybe_finish` releases
+        every layer at once); a failed job marks its requests failed first. The unit
+        stops at a failure or a cancellation, and its remaining layers are marked
+        cancelled."""
+        release = not self._barrier
         left = Counter(job.layer for job in unit.jobs)
         readiness = self._readiness
         first_error: list[BaseException] = []
@@ -218,7 +227,8 @@ class LoadTask:
             if left[layer] > 0:  # finish the layer: its other jobs serve other requests
                 return False
             unit.landed_at[layer] = time.perf_counter()
-            readiness.mark_done(layer)
+            if release:
+                readiness.mark_done(layer)
             # Stop at our own failure or a cancel; another unit's failure at a later
             # layer must not cancel the earlier layers this unit still carries.
             if not first_error and not self._cancelled:
@@ -251,7 +261,7 @@ class LoadTask:
             return
         landing = fut.result()
         failed_layers = {f.layer for f in landing.failures}
-        if self._barrier:
+        if self._barrier and not self._sched.streaming:  # streaming: on_job marked them
             for f in landing.failures:
                 self._readiness.mark_failed(f.layer, f.error, f.requests or None)
         if landing.failures:
