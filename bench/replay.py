@@ -10,7 +10,10 @@ on a fresh engine and an empty store, arrivals on the scaled clock:
 * ``overlap+prefetch``: overlap with ``ServeConfig(prefetch=True)``: two
   batches in flight, the next one's LOOKUP and LOAD running while the
   current one computes (``prefetch_supported`` in the details says whether
-  the server ran it so).
+  the server ran it so);
+* ``overlap+auto``: overlap with ``EngineConfig(restore="auto")``: per
+  request, restore only when the engine's learned cost model says it beats
+  computing (the details count the requests it sent to compute).
 
 The device pool is ``--pool-fraction`` of the replay's working set (its
 distinct tokens' FULL+SWA pages plus one checkpoint per interval), so
@@ -48,7 +51,7 @@ from layerlift.testing.kl import KL_EXACT, kl_divergence
 
 __all__ = ["POLICIES", "main", "run_replay"]
 
-POLICIES = ("device-only", "barrier", "overlap", "overlap+prefetch")
+POLICIES = ("device-only", "barrier", "overlap", "overlap+prefetch", "overlap+auto")
 DEFAULT_LINK = "emulated:0.1,10"
 REPO = Path(__file__).resolve().parents[1]
 
@@ -145,16 +148,14 @@ async def _replay_one(run: Run, reqs: Sequence[tr.ScaledRequest], model: HybridM
     policy = "barrier" if run.policy == "barrier" else "overlap"
     cfg = EngineConfig(store=kind, policy=policy, pool_bytes=pool_bytes, offload=offload,
                        link=link, namespace=f"replay-{uuid.uuid4().hex[:10]}",
-                       branch_checkpoints=run.branch)
+                       branch_checkpoints=run.branch,
+                       restore="auto" if run.policy == "overlap+auto" else "always")
     serve_cfg = ServeConfig(max_batch_tokens=args.batch_tokens,
                             prefetch=run.policy == "overlap+prefetch")
-    async with Engine(model, cfg, store=store) as engine:
-        # Until Engine.start passes EngineConfig.branch_checkpoints to the tree.
-        engine.tree.branch_checkpoints = cfg.branch_checkpoints
-        async with Server(engine, serve_cfg) as server:
-            t0 = asyncio.get_running_loop().time()
-            served = await asyncio.gather(*(_arrive(server, r, t0) for r in reqs))
-            prefetch = server.prefetch_active
+    async with Engine(model, cfg, store=store) as engine, Server(engine, serve_cfg) as server:
+        t0 = asyncio.get_running_loop().time()
+        served = await asyncio.gather(*(_arrive(server, r, t0) for r in reqs))
+        prefetch = server.prefetch_active
     return _summary(served), served, prefetch
 
 
@@ -252,6 +253,9 @@ async def run_replay(args: argparse.Namespace) -> dict[str, Any]:
                 "batches": len({s.batch_id for s in served}),
                 "recomputed_after_failure": sum(s.result.recomputed_after_failure for s in served),
                 "fallbacks": sum(s.result.fallback_reason is not None for s in served),
+                "sent_to_compute": sum(s.result.fallback_reason is not None
+                                       and s.result.fallback_reason.startswith("recompute")
+                                       for s in served),
             }
             if run.policy == "overlap+prefetch":
                 details[run.name]["prefetch_supported"] = prefetch

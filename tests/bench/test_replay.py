@@ -97,12 +97,13 @@ def test_ideal_hit_fraction_on_a_hand_made_trace() -> None:
 def test_tiny_replay_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "replay.json"
     code = main(["--trace", str(SMALL), "--requests", "8", "--seed", "3", "--block-tokens", "32",
-                 "--time-scale", "1000000", "--policies", "device-only,overlap,overlap+prefetch",
+                 "--time-scale", "1000000",
+                 "--policies", "device-only,overlap,overlap+prefetch,overlap+auto",
                  "--kl-samples", "3", "--pool-fraction", "0.3", "--json", str(out), "--quiet"])
     assert code == 0
     got = json.loads(out.read_text())
     assert {"policies", "ideal_hit_fraction", "max_kl", "scaling"} <= set(got)
-    assert list(got["policies"]) == ["device-only", "overlap", "overlap+prefetch"]
+    assert list(got["policies"]) == ["device-only", "overlap", "overlap+prefetch", "overlap+auto"]
     keys = {"ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "queue_p90_s",
             "served_from_cache_fraction", "tokens", "prompt_tokens_per_s"}
     total = None
@@ -126,4 +127,5 @@ def test_cli_dispatches_replay(capsys: pytest.CaptureFixture[str]) -> None:
         cli_main(["bench", "replay", "--help"])
     assert exc.value.code == 0
     assert "--pool-fraction" in capsys.readouterr().out
-    assert set(POLICIES) == {"device-only", "barrier", "overlap", "overlap+prefetch"}
+    assert set(POLICIES) == {"device-only", "barrier", "overlap", "overlap+prefetch",
+                             "overlap+auto"}

@@ -64,12 +64,6 @@ def prompts() -> list[np.ndarray]:
             for _ in range(3)]
 
 
-def use_branch_setting(engine: Engine) -> None:
-    # Until Engine.start passes EngineConfig.branch_checkpoints to the tree
-    # (one line for the engine owner), the test applies it.
-    engine.tree.branch_checkpoints = engine.cfg.branch_checkpoints
-
-
 async def cold(model: HybridModel, ps: list[np.ndarray]) -> list[PrefillResult]:
     out = []
     for p in ps:
@@ -93,7 +87,6 @@ async def test_third_prompt_starts_at_the_branch_page(
                        branch_checkpoints=branches)
     a, b, c = prompts()
     async with Engine(model, cfg, store=store) as eng:  # type: ignore[arg-type]
-        use_branch_setting(eng)
         (ra,) = await eng.prefill([a])
         await eng.wait_offloads()
         store.take()
@@ -103,7 +96,7 @@ async def test_third_prompt_starts_at_the_branch_page(
         (rc,) = await eng.prefill([c])
         eng.tree.check_integrity()
         eng.pool.verify_byte_accounting()
-    assert report.ok
+    assert report.ok and eng.tree.branch_checkpoints is branches
     assert rb.device_hit_tokens == 512
     if branches:
         assert rc.device_hit_tokens == BRANCH_TOKENS
@@ -125,7 +118,6 @@ async def test_third_prompt_restores_the_branch_from_the_store(model: HybridMode
     cfg = EngineConfig(store="memory", pool_bytes=16 << 20)
     a, b, c = prompts()
     async with Engine(model, cfg) as eng:
-        use_branch_setting(eng)
         got = [*(await eng.prefill([a])), *(await eng.prefill([b]))]
         await eng.wait_offloads()
         eng.drop_device_cache()
