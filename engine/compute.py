@@ -62,12 +62,14 @@ def _needs(plan: LookupPlan, branch: bool = False) -> tuple[dict[Component, int]
 
 def compute_bytes(pool: KVPool, plan: LookupPlan, boundary: int | None = None) -> int:
     """Bytes of pages and state slots the forward of ``plan`` writes (from
-    ``boundary`` pages if given, else from the plan's boundary)."""
+    ``boundary`` pages if given, else from the plan's boundary). Counts the
+    branch checkpoint's slot whenever the plan has a branch page (an upper
+    bound when branch checkpoints are off)."""
     saved = plan.boundary
     if boundary is not None:
         plan.boundary = boundary
     try:
-        demand, _ = _needs(plan)
+        demand, _ = _needs(plan, branch=True)
     finally:
         plan.boundary = saved
     return sum(n * pool.page_bytes(c) for c, n in demand.items())

@@ -15,10 +15,15 @@ from collections.abc import Sequence
 
 import numpy as np
 import pytest
+import torch
 
 from layerlift import Engine, EngineConfig, HybridModel, ModelSpec, PrefillResult
+from layerlift.engine.compute import alloc_compute, branch_page, compute_bytes
+from layerlift.engine.plan import LookupPlan
 from layerlift.linker.mooncake_store import MooncakeStore
 from layerlift.linker.store_base import Store
+from layerlift.pools import Component, UnifiedKVPool
+from layerlift.pools.tree import UnifiedRadixTree
 from layerlift.testing import KL_EXACT, kl_divergence
 
 SPEC = ModelSpec.preset("tiny", track_interval=512)
@@ -124,3 +129,29 @@ async def test_third_prompt_restores_the_branch_from_the_store(model: HybridMode
         got += await eng.prefill([c])
     assert_exact(await cold(model, [a, b, c]), got)
     assert got[2].restored_tokens == BRANCH_TOKENS
+
+
+def test_branch_page_and_what_the_forward_allocates_for_it() -> None:
+    pool = UnifiedKVPool(SPEC, 16 << 20)
+    tree = UnifiedRadixTree(SPEC, pool)
+    a, b, _ = prompts()
+    n = len(a) // SPEC.page_size  # 50 pages: grid checkpoint at 32 only
+    full, swa = pool.alloc(Component.FULL, n), pool.alloc(Component.SWA, n)
+    slot = int(pool.alloc(Component.MAMBA, 1)[0])
+    tree.insert(a, full, swa, torch.ones(n, dtype=torch.bool), {32: slot})
+    match = tree.match_prefix(b)
+    plan = LookupPlan(0, b, (), match, SPEC, boundary=match.boundary_pages)
+    assert (match.boundary_pages, match.kv_pages, branch_page(plan)) == (32, 43, 43)
+    got = alloc_compute(pool, tree, plan)
+    assert got is not None and sorted(got.capture) == [43]
+    slot_bytes = SPEC.page_bytes(Component.MAMBA)
+    tree.branch_checkpoints = False
+    off = alloc_compute(pool, tree, plan)
+    assert off is not None and off.capture == {}
+    assert compute_bytes(pool, plan) == sum(
+        len(idx) * pool.page_bytes(c) for c, idx in got.demand().items())
+    assert compute_bytes(pool, plan) - slot_bytes == sum(
+        len(idx) * pool.page_bytes(c) for c, idx in off.demand().items())
+    plan.boundary = 43  # computing from the branch page: nothing to capture there
+    assert branch_page(plan) is None
+    tree.check_integrity()
