@@ -34,7 +34,10 @@ class MooncakeConfig:
     - `metadata_server`: "P2PHANDSHAKE", or the master's HTTP metadata server
       "http://HOST:PORT/metadata".
     - `protocol`: "tcp" or "rdma"; `rdma_devices` (e.g. ("mlx5_0",)) only with rdma.
-    - `local_hostname`: the address other clients use to reach this one.
+    - `local_hostname`: the address other clients use to reach this one. It is
+      advertised, not bound: Mooncake 0.3.13 listens for handshakes on 0.0.0.0
+      and for TCP data on every interface whatever it says (`MC_TCP_BIND_ADDRESS`
+      too only changes the advertised address); see the README for the remedy.
     - `global_segment_size`: bytes this client contributes to the cluster's
       pool; 0 makes it a pure client that only reads and writes others' memory.
     - `local_buffer_size`: bytes of the client's staging buffer (used for
