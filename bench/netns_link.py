@@ -91,7 +91,7 @@ def netns_cluster(rate: str, segment_bytes: int, workdir: str) -> Iterator[tuple
         with open(Path(workdir) / "servers.log", "ab") as log:  # the children keep their copy
             proc = hosts.popen(
                 "master",
-                [*cli, "master", "--host", hosts["master"].address, "--rpc-port", str(RPC_PORT)],
+                [*cli, "master", "--p2p", "--host", hosts["master"].address, "--rpc-port", str(RPC_PORT)],
                 env=env, stdout=subprocess.PIPE, stderr=log, cwd=workdir,
             )  # fmt: skip
             _expect(proc, b"master_address", "master")

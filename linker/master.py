@@ -275,6 +275,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--host", default="127.0.0.1", help="address to bind and advertise (default 127.0.0.1)"
     )
+    parser.add_argument(
+        "--p2p",
+        action="store_true",
+        help="run no HTTP metadata server (Mooncake binds it to 0.0.0.0 whatever --host "
+        "says); clients then use metadata 'P2PHANDSHAKE'",
+    )
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     master = EmbeddedMaster(
@@ -284,6 +290,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         log_path=args.log,
         lease_ttl_ms=args.lease_ttl_ms,
         host=args.host,
+        http_metadata=not args.p2p,
     )
     try:
         with master:

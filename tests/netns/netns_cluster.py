@@ -80,7 +80,7 @@ class Cluster:
         cli = [sys.executable, "-m", "layerlift.engine.cli"]
         address = self.hosts["master"].address
         self.master = self._spawn(
-            "master", [*cli, "master", "--host", address, "--rpc-port", str(RPC_PORT)]
+            "master", [*cli, "master", "--p2p", "--host", address, "--rpc-port", str(RPC_PORT)]
         )
         assert self.master.stdout is not None
         line = self.master.stdout.readline()
