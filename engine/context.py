@@ -82,7 +82,11 @@ def match_plan(ctx: EngineContext, tokens: Sequence[int] | np.ndarray) -> Lookup
     arr = arr.astype(np.int64, copy=False)
     if arr.min() < 0 or arr.max() >= ctx.vocab_size:
         raise ValueError(f"token ids must lie in [0, {ctx.vocab_size}) for this model")
-    match = ctx.tree.match_prefix(arr)
+    # At least one token is computed (it gives the next-token distribution):
+    # match only the pages before the last token, or a prompt cached whole at
+    # a checkpoint would have nothing left to compute.
+    usable = (len(arr) - 1) // spec.page_size
+    match = ctx.tree.match_prefix(arr[: usable * spec.page_size])
     ctx.tree.lock(match.node)
     plan = LookupPlan(ctx.next_id, arr, tuple(page_hashes(arr, spec.page_size)), match, spec)
     ctx.next_id += 1

@@ -434,3 +434,23 @@ async def test_load_refuses_plans_that_do_not_fit_together(model: HybridModel) -
         assert_exact(got, ref)
         await engine.wait_offloads()
         assert_quiescent(engine)
+
+
+@pytest.mark.parametrize("length", [64, 65, 128])
+async def test_a_prompt_cached_whole_is_served(model: HybridModel, length: int) -> None:
+    """A prompt whose every page is cached at a checkpoint (length a multiple
+    of the track interval) still computes its last token; prefilling it
+    twice used to raise "device boundary 4 must lie in [0, 3]"."""
+    prompt = np.arange(length, dtype=np.int64) % model.vocab_size
+    async with Engine(model, EngineConfig(store="memory", pool_bytes=16 << 20)) as engine:
+        first = await engine.prefill([prompt])
+        again = await engine.prefill([prompt])
+        assert again[0].computed_tokens >= 1
+        assert_exact(again, first)
+        await engine.wait_offloads()
+        engine.drop_device_cache()
+        restored = await engine.prefill([prompt])
+        assert restored[0].computed_tokens >= 1
+        assert_exact(restored, first)
+        await engine.wait_offloads()
+        assert_quiescent(engine)
