@@ -23,10 +23,13 @@ so every restore is a real Mooncake TCP transfer over loopback; ``emulated:GBPS[
 — a shared in-process ``MemoryStore`` whose fetches copy the real bytes into the pools and
 then sleep until a modeled NIC would have delivered them (costs no CPU).
 
-Per-layer profile (from the barrier run, where loading and computing never overlap):
-``A_l`` = when layer l landed minus when the loads were issued (running max), ``a_l`` =
-``A_l - A_{l-1}``, ``c_l`` = the barrier forward's ``layer_compute``. ``load_s = Σa``,
-``compute_s = Σc``. The fixed overhead ``T_barrier - Σa - Σc`` (lookup, PREPARE, issuing,
+The barrier reads every page object whole in one batch call (the best whole-batch
+restore), streamed through one worker call like the overlap's per-layer reads.
+Per-layer profile: ``A_l`` = when layer l landed in the overlap run minus when its loads
+were issued (running max; those loads never wait for the forward), ``a_l`` =
+``A_l - A_{l-1}``, ``c_l`` = the barrier forward's ``layer_compute`` (nothing overlaps it
+there). ``load_s = Σa``, ``compute_s = Σc``, ``barrier_load_s`` = the barrier's one
+whole-object read. The fixed overhead ``T_barrier - barrier_load_s - Σc`` (lookup, PREPARE, issuing,
 thread hand-offs, logits) is charged to the bound unchanged, so
 ``bound = overhead + max(Σa + c_last, a_0 + Σc)`` and
 ``T_barrier - bound = min(Σa - a_0, Σc - c_last)`` is the most overlap can save.
@@ -95,7 +98,8 @@ def _kl(ref: PrefillResult, got: PrefillResult) -> float:
 
 
 def _profile(res: PrefillResult) -> tuple[list[float], list[float]]:
-    """Per-layer load times a_l and compute times c_l of a barrier run."""
+    """Per-layer load times a_l (from the issue, running max of the landing
+    times) and compute times c_l of one run."""
     t = res.timings
     a, last = [], t.load_issued
     for landed in t.layer_landed:
@@ -223,9 +227,14 @@ def _record(smp: Samples, results: dict[str, list[PrefillResult]]) -> None:
     for s, res in results.items():
         smp.ttft[s].append(res[0].timings.ttft)
         smp.fstart[s].append(res[0].timings.forward_start)
-    a, c = _profile(results["barrier"][0])
+    # Loads: the overlap run's per-layer profile (its loads never wait for the
+    # forward); the barrier's one whole-object read gives its own load time.
+    # Computes: the barrier run's (nothing overlaps them there).
+    a, _ = _profile(results["overlap"][0])
+    whole, c = _profile(results["barrier"][0])
     smp.prof_a.append(a)
     smp.prof_c.append(c)
+    smp.barrier_load.append(sum(whole))
     t = results["overlap"][0].timings
     room = min(sum(a) - a[0], sum(c) - c[-1])
     if room > 1e-3:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from layerlift.linker.store_base import Store
+from layerlift.linker.store_base import Store, StoreKeyMissing
 from layerlift.overlap.base import LayerJob
 from layerlift.overlap.link import EmulatedLink
 from layerlift.pools.base import KVPool
@@ -66,7 +66,9 @@ class BatchLoad:
     """
 
     def __init__(self, pool: KVPool, store: Store, link: EmulatedLink | None,
-                 staging_alloc: Callable[[int], torch.Tensor] | None = None) -> None:
+                 staging_alloc: Callable[[int], torch.Tensor] | None = None,
+                 *, whole: bool = False) -> None:
+        self.whole = whole
         self.pool = pool
         self.store = store
         self.link = link
@@ -108,8 +110,60 @@ class BatchLoad:
         return [k for items in self.items.values() for k in items.keys]
 
     def jobs(self) -> list[LayerJob]:
-        """One job per layer; a layer with nothing to load gets a no-op job."""
+        """One job per layer (a layer with nothing to load gets a no-op job);
+        with ``whole``, one job at layer 0 that reads every object whole."""
+        if self.whole:
+            return [self._whole_job()]
         return [self._job(layer) for layer in range(self.pool.spec.num_layers)]
+
+    def _whole_job(self) -> LayerJob:
+        """The best whole-batch restore (the barrier's): one ``get`` of every
+        page object, straight into its page (the object is the page). Layer 0
+        carries it, so a failure fails every layer."""
+        comps = [c for c in Component if len(self.items[c])]
+        if not comps:
+            return LayerJob(layer=0, fetch=_noop)
+        keys: list[str] = []
+        ptrs: list[int] = []
+        sizes: list[int] = []
+        h2d: list[tuple[torch.Tensor, PageScatter]] = []
+        if self.on_device and self._staging is None:
+            self._open_whole_staging(comps)
+        off = 0
+        for c in comps:
+            items, pb = self.items[c], self.pool.page_bytes(c)
+            n = len(items)
+            keys += items.keys
+            sizes += [pb] * n
+            if self.on_device:
+                assert self._staging is not None
+                ptrs += [self._staging_ptr + off + i * pb for i in range(n)]
+                h2d.append((self._staging[off : off + n * pb],
+                            PageScatter(self.pool.buffer, pb, 0, pb, items.indices)))
+                off += n * pb
+            else:
+                base = np.asarray(items.indices, dtype=np.int64) * pb
+                ptrs += (base + self.pool.buffer.data_ptr()).tolist()
+        store = self.store
+
+        def fetch() -> None:
+            got = store.get(keys, ptrs, sizes)
+            missing = [k for k, ok in zip(keys, got, strict=True) if not ok]
+            if missing:
+                raise StoreKeyMissing(f"{len(missing)} objects vanished: {missing[:3]}")
+
+        nbytes = sum(sizes)
+        wrapped = self.link.wrap(fetch, nbytes) if self.link is not None else fetch
+        owners = frozenset(o for c in comps for o in self.items[c].owners)
+        return LayerJob(layer=0, fetch=wrapped, nbytes=nbytes, requests=owners,
+                        h2d=h2d or None)
+
+    def _open_whole_staging(self, comps: list[Component]) -> None:
+        if self._staging_alloc is None:
+            raise ValueError("a device pool needs a staging allocator (the CUDA lane's)")
+        total = sum(len(self.items[c]) * self.pool.page_bytes(c) for c in comps)
+        self._staging = self._staging_alloc(max(total, 1))
+        self._staging_ptr = self.store.register(self._staging)
 
     def _job(self, layer: int) -> LayerJob:
         component, _, offset, size = self.pool.spec.layer_slice(layer)
@@ -144,7 +198,7 @@ class BatchLoad:
         are unaffected (the lane snapshotted them); the rest load only what
         the tree adopted."""
         for job in jobs:
-            fresh = self._job(job.layer)
+            fresh = self._whole_job() if self.whole else self._job(job.layer)
             job.fetch, job.nbytes, job.requests = fresh.fetch, fresh.nbytes, fresh.requests
 
 

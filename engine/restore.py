@@ -29,7 +29,7 @@ from layerlift.linker.contract import LinkerTransferPhase, LinkRequest
 from layerlift.linker.restorable import choose_boundary, restorable_boundaries
 from layerlift.linker.store_base import Store, StoreError
 from layerlift.linker.transaction import RestoreTransaction, TransactionState
-from layerlift.overlap.base import LayerJob
+from layerlift.overlap.base import LayerJob, LoadPolicy
 from layerlift.overlap.link import EmulatedLink
 from layerlift.overlap.readiness import LayerReadiness
 from layerlift.overlap.scheduler import LoadScheduler
@@ -163,7 +163,10 @@ class RestoreStage:
         """Gather the PREPAREd transfers of a batch into one load: one job
         per layer covering every request. ``txns`` is shared, not copied:
         the batch owns it and the load sees every change."""
-        load = BatchLoad(self.pool, self.store, self.link, self.staging_alloc)
+        # The barrier waits for everything anyway: its best restore reads
+        # whole objects in one call (the fair baseline for per-layer overlap).
+        load = BatchLoad(self.pool, self.store, self.link, self.staging_alloc,
+                         whole=self.scheduler.policy is LoadPolicy.BARRIER)
         seen: set[str] = set()
         for rid, txn in txns.items():
             for c, t in txn.transfers.items():

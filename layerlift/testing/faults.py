@@ -133,8 +133,32 @@ class FaultyStore(Store):
         self.inner.put(keys, ptrs, sizes)
 
     def get(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[bool]:
+        """A whole-object read covers every layer of its objects: a fault set
+        on any of those layers applies (the lowest layer's first)."""
         self._check_up()
-        return self.inner.get(keys, ptrs, sizes)
+        comps = {k.split("/")[-3] for k in keys}
+        for layer in range(self.spec.num_layers):
+            if self.spec.layer_slice(layer)[0].value not in comps:
+                continue
+            fault = self._take_fault(layer)
+            if fault is not None:
+                with self._lock:
+                    self.ranged_calls.append(layer)
+                fault.started.set()
+                if fault.gate is not None and not fault.gate.wait(self.timeout_s):
+                    raise StoreIOError(f"injected gate of layer {layer} never opened")
+                if fault.error is not None:
+                    raise fault.error
+                break
+        keep = [i for i, k in enumerate(keys) if k.split("/")[-3] not in self.skipped]
+        if len(keep) == len(keys):
+            return self.inner.get(keys, ptrs, sizes)
+        got = self.inner.get([keys[i] for i in keep], [ptrs[i] for i in keep],
+                             [sizes[i] for i in keep]) if keep else []
+        out = [True] * len(keys)  # skipped objects "read" without a byte written
+        for i, ok in zip(keep, got, strict=True):
+            out[i] = ok
+        return out
 
     def get_ranges(self, keys: Sequence[str], dst_ptrs: Sequence[Sequence[int]],
                    sizes: Sequence[Sequence[int]], src_offsets: Sequence[Sequence[int]]) -> None:
