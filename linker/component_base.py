@@ -103,11 +103,8 @@ class ComponentLinker(ABC):
             entries = sorted({e for b in cands for e in self.needed(self.spec, d, b)})
             return self._transfer(request, entries, None) if entries else None
         b = request.boundary
-        if b is None or not d < b <= request.n_pages or b % self.spec.track_pages:
-            raise ValueError(
-                f"LOAD needs a boundary b in ({d}, {request.n_pages}], a multiple "
-                f"of track_pages ({self.spec.track_pages}); got {b}"
-            )
+        if b is None or not d < b <= request.n_pages:
+            raise ValueError(f"LOAD needs a boundary b in ({d}, {request.n_pages}]; got {b}")
         entries = self.needed(self.spec, d, b)
         slots = self._alloc(len(entries))
         return None if slots is None else self._transfer(request, entries, slots)

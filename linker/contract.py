@@ -143,13 +143,14 @@ class LinkRequest(NamedTuple):
 
 
 def candidate_boundaries(spec: ModelSpec, d: int, n_pages: int) -> list[int]:
-    """Multiples of ``track_pages`` in ``(d, n_pages]``: where a checkpoint
-    could be, hence where a restore could end."""
+    """Every page boundary in ``(d, n_pages]``: where a checkpoint could be,
+    hence where a restore could end. Checkpoints are taken every
+    ``track_pages`` and also at branch pages (where a prompt left a cached
+    one off that grid), so any page boundary may hold one; LOOKUP asks the
+    store about each in the same batched call."""
     if not 0 <= d <= n_pages:
         raise ValueError(f"device boundary {d} must lie in [0, {n_pages}]")
-    t = spec.track_pages
-    first = (d // t + 1) * t
-    return list(range(first, n_pages + 1, t))
+    return list(range(d + 1, n_pages + 1))
 
 
 def check_keys(schema: KeySchema, transfer: PoolTransfer) -> None:

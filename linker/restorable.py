@@ -3,7 +3,8 @@
 A KV hit of N pages is not a restorable hit of N pages: a restore must end
 at a boundary b where FULL pages ``[d, b)``, the SWA trailing window
 ``[max(d, b - W), b)`` and a MAMBA checkpoint at exactly b are all in the
-store. The set is sparse (only multiples of ``track_pages``), so it is kept
+store. The set is sparse (only where a checkpoint was stored: every
+``track_pages``, and branch pages), so it is kept
 as a set, not a number; with tensor parallelism every rank computes its own
 and the caller intersects them (SGLang #37091: ``restorable_prefix_pages``).
 """

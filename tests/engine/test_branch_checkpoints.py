@@ -115,10 +115,6 @@ async def test_third_prompt_starts_at_the_branch_page(
     assert_exact(await cold(model, [a, b, c]), [ra, rb, rc])
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "LOOKUP only asks the store for checkpoints on the track_pages grid "
-    "(linker/contract.py candidate_boundaries; component_base LOAD checks "
-    "b % track_pages): a branch checkpoint in the store is not found yet"))
 async def test_third_prompt_restores_the_branch_from_the_store(model: HybridModel) -> None:
     cfg = EngineConfig(store="memory", pool_bytes=16 << 20)
     a, b, c = prompts()

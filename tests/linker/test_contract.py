@@ -106,15 +106,17 @@ def test_lookup_transfers_per_component() -> None:
     hashes = page_hashes(toks, PS)
     req = LinkRequest(tuple(hashes), 1)
     got = {c: lk.build_transfer(LOOKUP, request=req) for c, lk in rig.linkers.items()}
-    assert got[F].pages == (1, 2, 3, 4, 5) and got[F].hit_policy is HitPolicy.ALL_PAGES
-    assert got[S].pages == (1, 2, 3, 4, 5) and got[S].trailing == 2
-    assert got[M].pages == (2, 4, 6) and got[M].trailing == 1
-    assert got[M].keys == tuple(rig.schema.keys("mamba", [hashes[1], hashes[3], hashes[5]]))
+    # Every page boundary in (d, n] is a candidate: checkpoints sit on the
+    # track grid and at branch pages, and LOOKUP asks about each.
+    assert got[F].pages == (1, 2, 3, 4, 5, 6) and got[F].hit_policy is HitPolicy.ALL_PAGES
+    assert got[S].pages == (1, 2, 3, 4, 5, 6) and got[S].trailing == 2
+    assert got[M].pages == (2, 3, 4, 5, 6, 7) and got[M].trailing == 1
+    assert got[M].keys == tuple(rig.schema.keys("mamba", list(hashes[1:7])))
     assert got[F].keys[0] == rig.schema.key("full", hashes[1])
     assert all(t.device_indices is None for t in got.values())
     wide = Rig(window_pages=1, track_pages=3)
-    req = LinkRequest(tuple(page_hashes(tokens(*range(9)), PS)), 0)
-    assert wide.linkers[S].build_transfer(LOOKUP, request=req).pages == (2, 5, 8)
+    req = LinkRequest(tuple(page_hashes(tokens(*range(9)), PS)), 3)
+    assert wide.linkers[S].build_transfer(LOOKUP, request=req).pages == (3, 4, 5, 6, 7, 8)
     none = LinkRequest(tuple(hashes[:1]), 0)
     assert rig.linkers[F].build_transfer(LOOKUP, request=none) is None
 

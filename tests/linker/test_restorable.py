@@ -2,7 +2,8 @@
 
 A boundary b is restorable from the device boundary d iff FULL pages
 ``[d, b)``, the SWA window ``[max(d, b - W), b)`` and a MAMBA checkpoint at
-exactly b are in the store (b a multiple of T); d itself always is.
+exactly b are in the store (b on the track grid, or a branch page where a
+checkpoint was taken off it); d itself always is.
 """
 
 from __future__ import annotations
@@ -39,10 +40,11 @@ def lookup(spec: ModelSpec, d: int, n: int) -> dict[Component, PoolTransfer | No
 def restorable(spec: ModelSpec, d: int, n: int, *, no_full: set[int] = frozenset(),
                no_swa: set[int] = frozenset(), ckpts: set[int] | None = None) -> frozenset[int]:
     """The store holds every page except ``no_full``/``no_swa`` and the
-    checkpoints ``ckpts`` (default: all)."""
+    checkpoints ``ckpts`` (default: every one on the track grid)."""
     transfers = lookup(spec, d, n)
+    t = spec.track_pages
     have = {F: lambda p: p not in no_full, S: lambda p: p not in no_swa,
-            M: lambda b: ckpts is None or b in ckpts}
+            M: lambda b: b % t == 0 if ckpts is None else b in ckpts}
     exists = {c: [have[c](p) for p in t.pages] for c, t in transfers.items() if t is not None}
     return restorable_boundaries(spec, d, n, transfers, exists)
 
@@ -64,6 +66,10 @@ CASES = [
     (4, 2, 2, 8, 0, set(), set(), set(), {0}),  # no checkpoint at all
     (4, 8, 2, 8, 0, set(), {7}, {4, 8}, {0, 4}),
     (16, 2, 1, 3, 0, {2}, set(), {1, 3}, {0, 1}),
+    # a branch checkpoint off the grid (page 3) is a boundary like any other
+    (4, 2, 2, 8, 0, set(), set(), {3, 8}, {0, 3, 8}),
+    (4, 2, 4, 10, 0, set(), set(), {4, 7, 8}, {0, 4, 7, 8}),
+    (4, 2, 4, 10, 0, set(), {5}, {4, 7, 8}, {0, 4, 8}),  # 7's window lacks page 5
 ]
 
 
