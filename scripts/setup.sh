@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent set-up for a fresh machine (run as root, or with sudo available):
-#   - Debian's libibverbs1 + ibverbs-providers (the Mooncake wheel links them)
+#   - Debian's libibverbs1 + ibverbs-providers, libnuma1, libcurl4 (the Mooncake
+#     wheel links them) and iproute2 (network-namespace tests), when missing
 #   - a virtual environment .venv in the repo root
 #   - torch (the local CPU wheel on these machines: torch==2.13.0), then
 #     LayerLift editable with its Mooncake extra, the dev tools and the `hf`
@@ -11,10 +12,17 @@ cd "$(dirname "$0")/.."
 EXTRA="${LAYERLIFT_EXTRA:-cpu}"
 PY="${PYTHON:-python3}"
 
-if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1'; then
+# Debian packages: the libraries the Mooncake wheel links, and iproute2 (ip,
+# tc, ss) for the network-namespace tests and the netns benchmark link.
+APT=()
+ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1' || APT+=(libibverbs1 ibverbs-providers)
+ldconfig -p 2>/dev/null | grep -q 'libnuma.so.1' || APT+=(libnuma1)
+ldconfig -p 2>/dev/null | grep -q 'libcurl.so.4' || APT+=(libcurl4)
+command -v ip >/dev/null && command -v tc >/dev/null || APT+=(iproute2)
+if [ "${#APT[@]}" -gt 0 ]; then
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
   $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libibverbs1 ibverbs-providers >/dev/null
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${APT[@]}" >/dev/null
 fi
 
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
