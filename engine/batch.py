@@ -218,8 +218,8 @@ class Batch:
         except StoreError as exc:
             await self._drop_before_commit(frozenset(rl.txns), f"store session failed: {exc}")
             return
+        self.load_issued = time.perf_counter() - self.started  # before a worker can land one
         self.task = self.ctx.restore.scheduler.start(rl.jobs, rl.readiness)
-        self.load_issued = time.perf_counter() - self.started
         landed = asyncio.ensure_future(self.task.done())
         landed.add_done_callback(self._on_landed)
 
