@@ -124,7 +124,27 @@ def _forward(model: Any, pool: Any, runs: Sequence[ForwardRun], deps: Sequence[R
     def after(layer: int) -> None:
         timings.layer_compute.append(time.perf_counter() - mark[0])
 
-    out = model.forward_batch(reqs, pool, before, after)
+    if stream is None:
+        return model.forward_batch(reqs, pool, before, after), timings
+    # On a GPU the host only enqueues: time each layer's compute with CUDA
+    # events on the forward's stream (read once, after the forward).
+    spans: list[tuple[Any, Any]] = []
+
+    def before_cuda(layer: int) -> None:
+        before(layer)
+        start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        start.record(stream)
+        spans.append((start, None))
+
+    def after_cuda(layer: int) -> None:
+        end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        end.record(stream)
+        spans[-1] = (spans[-1][0], end)
+
+    out = model.forward_batch(reqs, pool, before_cuda, after_cuda)
+    if spans and spans[-1][1] is not None:
+        spans[-1][1].synchronize()
+        timings.layer_compute = [a.elapsed_time(b) / 1e3 for a, b in spans if b is not None]
     return out, timings
 
 
