@@ -11,7 +11,7 @@ The public API::
 
 from __future__ import annotations
 
-from layerlift.engine.api import DebugSwitches, Engine, EngineError
+from layerlift.engine.api import Engine, EngineError
 from layerlift.engine.config import EngineConfig
 from layerlift.engine.model import HybridModel, Model
 from layerlift.engine.plan import LookupPlan
@@ -20,7 +20,6 @@ from layerlift.pools.spec import Component, ModelDims, ModelSpec
 
 __all__ = [
     "Component",
-    "DebugSwitches",
     "Engine",
     "EngineConfig",
     "EngineError",

@@ -24,11 +24,16 @@ __all__ = ["FaultyModel", "InjectedForwardError", "SkipLayerWaits"]
 
 class SkipLayerWaits:
     """A model wrapper whose forward skips the engine's per-layer waits while
-    ``enabled``; every other attribute is the wrapped model's."""
+    ``enabled``; every other attribute is the wrapped model's.
+
+    ``forward_done`` is set each time a forward without waits returned (on
+    CUDA once its kernels ran), so a test can hold a layer's read back until
+    then and show that the forward read a layer that never landed."""
 
     def __init__(self, model: Any) -> None:
         self.inner = model
         self.enabled = False
+        self.forward_done = threading.Event()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -36,7 +41,15 @@ class SkipLayerWaits:
     def forward_batch(self, requests: Any, pool: Any, before_layer: Any, after_layer: Any) -> Any:
         if not self.enabled:
             return self.inner.forward_batch(requests, pool, before_layer, after_layer)
-        return self.inner.forward_batch(requests, pool, _no_wait, after_layer)
+        try:
+            return self.inner.forward_batch(requests, pool, _no_wait, after_layer)
+        finally:
+            device = getattr(getattr(pool, "buffer", None), "device", None)
+            if device is not None and device.type == "cuda":
+                import torch
+
+                torch.cuda.synchronize(device)
+            self.forward_done.set()
 
 
 def _no_wait(layer: int) -> None:

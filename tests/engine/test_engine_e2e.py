@@ -151,7 +151,7 @@ async def test_skip_mamba_load_breaks_results(tiny_model: HybridModel, mc_tiny: 
 @pytest.mark.mooncake
 async def test_skip_layer_waits_breaks_results(tiny_model: HybridModel, mc_tiny: RecordingStore,
                                                namespace: str,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
+                                               ) -> None:
     """Layer 0's fetch is held back until the forward has returned: without
     the per-layer waits the forward reads a layer that never landed."""
     batch = prompts(tiny_model.vocab_size, [300, 260], seed=3)
@@ -160,13 +160,12 @@ async def test_skip_layer_waits_breaks_results(tiny_model: HybridModel, mc_tiny:
     async with Engine(model, cfg, store=mc_tiny) as engine:
         r1 = await engine.prefill(batch)
         await drop(engine)
-        forward_done = watch_forward(monkeypatch, tiny_model)
         gate = threading.Event()
         fault = mc_tiny.gate_layer(0, gate)
         model.enabled = True
         task = asyncio.create_task(engine.prefill(batch))
         try:
-            assert await anyio.to_thread.run_sync(forward_done.wait, WAIT_S)
+            assert await anyio.to_thread.run_sync(model.forward_done.wait, WAIT_S)
             assert not gate.is_set()
         finally:
             gate.set()

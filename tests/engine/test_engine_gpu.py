@@ -89,23 +89,12 @@ async def test_cuda_skipped_waits_break_results() -> None:
     async with Engine(model, cfg, store=store) as engine:
         first = await engine.prefill(prompts)
         await _drop(engine)
-        done = threading.Event()
-        inner = model.inner.forward_batch
-
-        def forward_batch(*args, **kwargs):  # type: ignore[no-untyped-def]
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                torch.cuda.synchronize()
-                done.set()
-
-        model.inner.forward_batch = forward_batch  # type: ignore[method-assign]
         gate = threading.Event()
         store.gate_layer(0, gate)
         model.enabled = True
         task = asyncio.create_task(engine.prefill(prompts))
         try:
-            assert await asyncio.to_thread(done.wait, 60.0)
+            assert await asyncio.to_thread(model.forward_done.wait, 60.0)
         finally:
             gate.set()
         again = await task

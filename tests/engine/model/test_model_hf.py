@@ -120,22 +120,12 @@ async def test_skipping_the_layer_waits_breaks_exactness(
     async with engine_for(wrapped, store, namespace) as engine:
         await engine.prefill(batch)
         await offload_and_drop(engine)
-        done = threading.Event()
-        inner = model.forward_batch
-
-        def forward_batch(*args, **kwargs):  # type: ignore[no-untyped-def]
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                done.set()
-
-        model.forward_batch = forward_batch  # type: ignore[method-assign]
         gate = threading.Event()
         store.gate_layer(0, gate)
         wrapped.enabled = True
         task = asyncio.create_task(engine.prefill(batch))
         try:
-            assert await asyncio.to_thread(done.wait, 60.0)
+            assert await asyncio.to_thread(wrapped.forward_done.wait, 60.0)
         finally:
             gate.set()
         wrong = await task
