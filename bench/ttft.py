@@ -66,6 +66,7 @@ from layerlift.engine.config import EngineConfig
 from layerlift.engine.results import PrefillResult
 from layerlift.overlap.link import parse_link
 from layerlift.pools.spec import ModelSpec
+from layerlift.testing.kl import kl_divergence
 from layerlift.testing.netns import netns_available
 
 __all__ = ["DEFAULT_EMULATED", "main", "run_bench"]
@@ -87,14 +88,6 @@ def _prompts(vocab: int, pt: Point, seed: int) -> tuple[list[np.ndarray], list[n
     full = [rng.integers(0, vocab, pt.prefix + pt.suffix, dtype=np.int64)
             for _ in range(pt.batch)]
     return [f[: pt.prefix] for f in full], full
-
-
-def _kl(ref: PrefillResult, got: PrefillResult) -> float:
-    # renormalise in float64: the float32 log-probs are normalised only to ~1e-7, which
-    # would otherwise dominate the first-order term of the KL
-    lp = torch.log_softmax(ref.next_token_logprobs.double(), -1)
-    lq = torch.log_softmax(got.next_token_logprobs.double(), -1)
-    return float((lp.exp() * (lp - lq)).sum().clamp_min(0.0))
 
 
 def _profile(res: PrefillResult) -> tuple[list[float], list[float]]:
@@ -207,7 +200,8 @@ async def _run_point(label: str, link: str, pt: Point, spec: ModelSpec, engines:
                 if r.restored_tokens != expect_restore[s]:
                     smp.fallbacks.append(f"{s}: restored {r.restored_tokens} != {expect_restore[s]}")
             if s != "recompute":
-                smp.max_kl = max(smp.max_kl, *(_kl(a, b) for a, b in zip(ref, res, strict=True)))
+                smp.max_kl = max(smp.max_kl, *(kl_divergence(a.next_token_logprobs, b.next_token_logprobs)
+                                               for a, b in zip(ref, res, strict=True)))
         if measured:
             _record(smp, results)
         progress.show(f"{desc} rep {rep + 1}/{args.warmup + args.repeats}")
