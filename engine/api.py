@@ -11,6 +11,7 @@ life cycle and all of its cleanup live in ``engine/batch.py``.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Sequence
@@ -213,11 +214,12 @@ class Engine:
                     "of pages and state slots beyond its device hit")
 
     async def _lookup_locked(self, prompts: Sequence[Sequence[int] | np.ndarray],
-                             started: float) -> list[LookupPlan]:
-        """Acquire the batch lock and LOOKUP every prompt; on return the
-        caller holds the lock and the plans (on an exception neither)."""
+                             started: float, wait_s: float | None = None) -> list[LookupPlan]:
+        """Acquire the load lock and LOOKUP every prompt; on return the
+        caller holds the lock and the plans (on an exception neither).
+        ``wait_s``: ``EngineError`` if the lock is not free by then."""
         ctx = self._context()
-        await ctx.lock.acquire()
+        await _acquire(ctx.lock, wait_s)
         plans: list[LookupPlan] = []
         try:
             for tokens in prompts:
@@ -245,8 +247,11 @@ class Engine:
         """LOOKUP one prompt: device hit, restorable boundaries, chosen boundary.
         Locks the device hit until the plan is loaded and finished (or
         ``release_plan``). Waits while a batch is in flight, so a plan never
-        sees data that is still loading."""
-        (plan,) = await self._lookup_locked([tokens], time.perf_counter())
+        sees data that is still loading. Raises ``EngineError`` after
+        ``layer_wait_timeout_s`` if another batch's failed load is still
+        unpublishing (e.g. a handle that is never forwarded or aborted)."""
+        (plan,) = await self._lookup_locked([tokens], time.perf_counter(),
+                                            self.cfg.layer_wait_timeout_s)
         self._context().lock.release()
         return plan
 
@@ -258,7 +263,12 @@ class Engine:
         fit alone; the plans are released then."""
         ctx = self._context()
         started = time.perf_counter() - max((p.lookup_time for p in plans), default=0.0)
-        await ctx.lock.acquire()
+        try:
+            await _acquire(ctx.lock, self.cfg.layer_wait_timeout_s)
+        except BaseException:
+            for plan in plans:
+                release_plan(ctx, plan)
+            raise
         try:
             batch, rest = await Batch.prepare(ctx, plans, started)
         except BaseException:
@@ -273,7 +283,7 @@ class Engine:
             for plan in rest:
                 release_plan(ctx, plan)
             raise err
-        await batch.issue()
+        await batch.issue(device_timeout=self.cfg.layer_wait_timeout_s)
         return LoadHandle(batch)
 
     def release_plan(self, plan: LookupPlan) -> None:
@@ -297,3 +307,13 @@ class Engine:
         says how many objects were stored and how many puts failed."""
         return await self.offloader.wait()
 
+
+async def _acquire(lock: asyncio.Lock, wait_s: float | None) -> None:
+    """``lock.acquire()``; ``EngineError`` after ``wait_s`` seconds."""
+    try:
+        async with asyncio.timeout(wait_s):
+            await lock.acquire()
+    except TimeoutError:
+        raise EngineError(
+            f"the engine's load lock stayed taken for {wait_s} s: another batch's load "
+            "has not ended (a step-by-step handle must be forwarded or aborted)") from None

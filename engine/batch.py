@@ -192,22 +192,30 @@ class Batch:
         )
 
     # ---- LOADING ------------------------------------------------------------------
-    async def issue(self) -> None:
+    async def issue(self, device_timeout: float | None = None) -> None:
         """Open the store session and hand the per-layer fetches to the
-        scheduler (returns once issued, not landed). A session that fails to
-        open (a key evicted since LOOKUP, the store gone) turns every restore
-        of the batch into a recompute: nothing was published yet."""
+        scheduler, then wait for the device (the previous batch's exit; the
+        fetches run meanwhile). A session that fails to open (a key evicted
+        since LOOKUP, the store gone) turns every restore of the batch into a
+        recompute: nothing was published yet. ``device_timeout``: raise
+        ``EngineError`` (the batch exits) if the device is not free by then."""
         self._to(BatchState.LOADING)
-        await self._guard(self._issue())
+        await self._guard(self._issue(device_timeout))
 
-    async def _issue(self) -> None:
+    async def _issue(self, device_timeout: float | None) -> None:
         rl = self.rl
         assert rl is not None
         if rl.txns:
             await self._open_and_start(rl)
         if self.task is None:
             self._release_load_lock()  # nothing in flight
-        await self.ctx.device.acquire()
+        try:
+            async with asyncio.timeout(device_timeout):
+                await self.ctx.device.acquire()
+        except TimeoutError:
+            raise EngineError(
+                f"another batch kept the device for {device_timeout} s: a step-by-step "
+                "handle must be forwarded or aborted before the next load") from None
         self._holds_device = True
 
     async def _open_and_start(self, rl: RestoreLoad) -> None:

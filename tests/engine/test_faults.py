@@ -454,3 +454,21 @@ async def test_a_prompt_cached_whole_is_served(model: HybridModel, length: int) 
         assert_exact(restored, first)
         await engine.wait_offloads()
         assert_quiescent(engine)
+
+
+async def test_a_handle_left_open_does_not_hang_the_next_load(model: HybridModel,
+                                                              batch: list[np.ndarray]) -> None:
+    """A step-by-step handle that is neither forwarded nor aborted keeps the
+    device: the next ``load`` gives up after ``layer_wait_timeout_s`` with a
+    clear error (it used to wait forever) and releases its plans."""
+    cfg = EngineConfig(store="memory", pool_bytes=16 << 20, layer_wait_timeout_s=0.5)
+    async with Engine(model, cfg) as engine:
+        first = await engine.load([await engine.lookup(batch[0])])
+        second = [await engine.lookup(batch[1])]
+        with pytest.raises(EngineError, match="kept the device"):
+            await engine.load(second)
+        first.abort()
+        await first.aclose()
+        await engine.wait_offloads()
+        assert_quiescent(engine)
+        assert len(await engine.prefill(batch)) == 2
