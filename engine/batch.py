@@ -37,7 +37,6 @@ pass is never abandoned (cancellation takes effect when it returns).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
 import time
 from collections.abc import Coroutine, Hashable, Sequence
@@ -56,15 +55,14 @@ from layerlift.engine.forward import (
     insert_computed,
     run_forward,
 )
+from layerlift.engine.inflight import InFlightLoad
 from layerlift.engine.model.api import ForwardRequest
 from layerlift.engine.plan import LookupPlan
-from layerlift.engine.restore import RestoreLoad, with_dependents
+from layerlift.engine.restore import RestoreLoad
 from layerlift.engine.results import PrefillResult, Timings
-from layerlift.linker.store_base import StoreError
 from layerlift.linker.transaction import RestoreTransaction, TransactionState
 from layerlift.overlap.base import LayerLoadError, LayerWaitTimeout, ReadinessView
 from layerlift.overlap.readiness import LayerReadiness
-from layerlift.overlap.scheduler import LoadTask
 from layerlift.pools.spec import Component
 
 __all__ = ["Batch", "BatchState", "RerunRequired"]
@@ -120,14 +118,11 @@ class Batch:
         self.txns: dict[int, RestoreTransaction] = {}
         self.computes: dict[int, ComputeAlloc] = {}
         self.rl: RestoreLoad | None = None
-        self.task: LoadTask | None = None
-        self.session = contextlib.ExitStack()
         self.recomputed: set[int] = set()
         self.load_issued = 0.0
         self._pins: dict[int, list[tuple[Component, torch.Tensor]]] = {}
-        self._end: asyncio.Future[frozenset[Hashable]] | None = None
         self._exit_task: asyncio.Task[None] | None = None
-        self._holds_load_lock = True
+        self.flight = InFlightLoad(ctx, self.txns, self._unpin)
         self._holds_device = False
         self._ext_runs: list[ForwardRun] = []
         self._ext_deps: list[ReadinessView] = []
@@ -152,7 +147,7 @@ class Batch:
                         raise batch._too_big(rest[0])
                     break
                 rest.pop(0)
-            batch.rl = ctx.restore.build_load(batch.txns)
+            batch.rl = batch.flight.rl = ctx.restore.build_load(batch.txns)
             batch._readiness = batch.rl.readiness
         except BaseException as exc:
             await batch.close(exc)
@@ -206,9 +201,13 @@ class Batch:
         rl = self.rl
         assert rl is not None
         if rl.txns:
-            await self._open_and_start(rl)
-        if self.task is None:
-            self._release_load_lock()  # nothing in flight
+            self.load_issued = time.perf_counter() - self.started  # before a layer can land
+            failed = await self.flight.start()
+            if failed is not None:
+                await self._drop_before_commit(frozenset(rl.txns),
+                                               f"store session failed: {failed}")
+        if self.flight.task is None:
+            self.flight.release_lock()  # nothing in flight
         try:
             async with asyncio.timeout(device_timeout):
                 await self.ctx.device.acquire()
@@ -217,32 +216,6 @@ class Batch:
                 f"another batch kept the device for {device_timeout} s: a step-by-step "
                 "handle must be forwarded or aborted before the next load") from None
         self._holds_device = True
-
-    async def _open_and_start(self, rl: RestoreLoad) -> None:
-        store, keys = self.ctx.restore.store, rl.load.keys
-        try:
-            await anyio.to_thread.run_sync(
-                lambda: self.session.enter_context(store.open_session(keys)))
-        except StoreError as exc:
-            await self._drop_before_commit(frozenset(rl.txns), f"store session failed: {exc}")
-            return
-        self.load_issued = time.perf_counter() - self.started  # before a worker can land one
-        self.task = self.ctx.restore.scheduler.start(rl.jobs, rl.readiness)
-        landed = asyncio.ensure_future(self.task.done())
-        landed.add_done_callback(self._on_landed)
-
-    def _on_landed(self, fut: asyncio.Future[None]) -> None:
-        """The load ran to its end: let the next batch look up and fetch
-        (prefetch) unless something failed, in which case the lock stays
-        until this batch unpublished what did not land."""
-        if not fut.cancelled() and fut.exception() is None and self.rl is not None \
-                and not self.rl.readiness.failed_requests():
-            self._release_load_lock()
-
-    def _release_load_lock(self) -> None:
-        if self._holds_load_lock:
-            self._holds_load_lock = False
-            self.ctx.lock.release()
 
     async def _drop_before_commit(self, rids: frozenset[int], reason: str) -> None:
         rl = self.rl
@@ -269,7 +242,7 @@ class Batch:
                 result = rl.inserted.get(plan.request_id)
                 if result is not None:
                     self._pin_restore(plan, result.canonical)
-            if self.task is None:
+            if self.flight.task is None:
                 for layer in range(rl.readiness.num_layers):
                     rl.readiness.mark_done(layer)
         except BaseException as exc:
@@ -339,7 +312,7 @@ class Batch:
     async def _after_good_pass(self) -> bool:
         """The pass ran through: True once every restore it read had landed
         in full; otherwise the failed ones are set up to recompute (False)."""
-        if self._end is not None:  # the load had ended before this pass
+        if self.flight.ended:  # the load had ended before this pass
             return True
         failed = await self._end_load()
         if failed:
@@ -351,7 +324,7 @@ class Batch:
                       timings: Timings) -> list[PrefillResult]:
         results = build_results(
             self.plans, logprobs, timings, started=self.started, load_issued=self.load_issued,
-            landed=self.task.timings if self.task is not None else [],
+            landed=self.flight.timings,
             recomputed=self.recomputed)
         for run in runs:
             insert_computed(self.ctx, run)
@@ -365,7 +338,7 @@ class Batch:
         if cost is None:
             return
         layers = self.ctx.pool.spec.num_layers
-        moved = {t.layer: t.nbytes for t in self.task.timings} if self.task else {}
+        moved = {t.layer: t.nbytes for t in self.flight.timings}
         computed = sum(len(p.tokens) - p.boundary * p.spec.page_size for p in self.plans)
         if len(timings.layer_landed) == layers and not self.recomputed:
             cost.observe_batch(timings, [moved.get(i, 0) for i in range(layers)], computed)
@@ -434,7 +407,7 @@ class Batch:
         while it runs, and loads of other batches whose nodes a plan matched
         while they were still landing."""
         deps: list[ReadinessView] = []
-        if self._end is None and self.rl is not None and self.rl.txns:
+        if not self.flight.ended and self.rl is not None and self.rl.txns:
             deps.append(self.rl.readiness)
         for plan in self.plans:
             for pending in plan.match.pending:
@@ -465,64 +438,12 @@ class Batch:
 
     # ---- end of the load ------------------------------------------------------------
     def _stop_load(self, reason: str) -> None:
-        if self.task is not None:
-            self.task.cancel(reason)
+        self.flight.stop(reason)
         self._readiness.cancel(reason)
 
     async def _end_load(self, *, abort: bool = False) -> frozenset[Hashable]:
-        """Once: wait until no fetch runs, close the session, then finish the
-        restores that landed and unpublish the rest (with the requests that
-        read their pages; with ``abort`` every one). Returns the requests
-        unpublished. Later calls return the same set."""
-        if self._end is None:
-            self._end = asyncio.ensure_future(self._end_load_now(abort))
-        return await asyncio.shield(self._end)
-
-    async def _end_load_now(self, abort: bool) -> frozenset[Hashable]:
-        rl = self.rl
-        if self.task is not None:
-            await self.task.wait_quiescent()
-        await anyio.to_thread.run_sync(self.session.close)
-        if rl is None:
-            self._release_load_lock()
-            return frozenset()
-        rl.load.close_staging()
-        broken = with_dependents(rl.readiness.failed_requests(), rl.deps) & set(self.txns)
-        failed = frozenset(self.txns) if abort else broken
-        for rid, txn in self.txns.items():
-            if rid not in failed and txn.state is TransactionState.COMMITTED:
-                txn.finish()
-        self._unpin(failed)
-        try:
-            self._unpublish(failed, landed=frozenset(self.txns) - broken)
-        finally:
-            self._release_load_lock()
-        return failed
-
-    def _unpublish(self, failed: frozenset[Hashable], landed: frozenset[Hashable]) -> None:
-        """ABORT the restores of ``failed``: their pages leave the tree and
-        their slots are freed. A restore whose node another request locks
-        goes after it; one that landed in full and that a later batch has
-        looked up since (prefetch) stays published instead: its bytes are
-        whole and that batch reads them."""
-        live = (TransactionState.LOADED, TransactionState.PREPARED, TransactionState.COMMITTED)
-        todo = [(rid, t) for rid, t in self.txns.items() if rid in failed and t.state in live]
-        while todo:
-            left = []
-            for rid, txn in todo:
-                try:
-                    txn.abort()
-                except ValueError:
-                    left.append((rid, txn))
-            if len(left) == len(todo):
-                keep = [(rid, t) for rid, t in left
-                        if rid in landed and t.state is TransactionState.COMMITTED]
-                if not keep:
-                    raise RuntimeError("failed restores lock each other; cannot unpublish")
-                for _, txn in keep:
-                    txn.finish()
-                left = [x for x in left if x not in keep]
-            todo = left
+        """End the load once (see :meth:`InFlightLoad.end`)."""
+        return await self.flight.end(abort=abort)
 
     # ---- ABORTED / exit -------------------------------------------------------------
     def abort(self, error: BaseException | None = None) -> None:
@@ -570,7 +491,7 @@ class Batch:
             self._readiness.cancel("the batch has ended")  # settles what is not done
         finally:
             self.state = BatchState.DONE if error is None else BatchState.ABORTED
-            self._release_load_lock()
+            self.flight.release_lock()
             if self._holds_device:
                 self._holds_device = False
                 ctx.device.release()

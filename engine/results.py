@@ -13,8 +13,9 @@ __all__ = ["PrefillResult", "Timings"]
 class Timings:
     """Wall-clock seconds, measured from the moment ``prefill`` was called.
 
-    ``lookup``: the store lookup finished. ``load_issued``: the per-layer
-    fetches were handed to the scheduler. ``forward_start``: layer 0 of the
+    ``lookup``: the store lookup finished. ``load_issued``: the load
+    started (its read session opening, then the per-layer fetches handed to
+    the scheduler). ``forward_start``: layer 0 of the
     forward began computing (after its wait). ``layer_wait``: seconds the
     forward waited before each layer. ``layer_landed``: when each layer's
     restored bytes landed (empty without a restore). ``ttft``: the next-token
