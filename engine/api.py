@@ -21,7 +21,7 @@ import anyio
 import numpy as np
 import torch
 
-from layerlift.engine.batch import Batch
+from layerlift.engine.batch import Batch, too_big
 from layerlift.engine.compute import compute_bytes
 from layerlift.engine.config import EngineConfig
 from layerlift.engine.context import EngineContext, EngineError, match_plan, release_plan
@@ -203,15 +203,12 @@ class Engine:
         return results
 
     def _check_fits(self, plans: Sequence[LookupPlan]) -> None:
-        """``EngineError`` for a prompt whose compute alone exceeds the pool."""
-        total = self.pool.buffer.numel()
+        """``EngineError`` for a prompt whose compute alone exceeds the pool
+        (checked before any part runs)."""
         for plan in plans:
-            need = compute_bytes(self.pool, plan, boundary=plan.device_pages)
-            if need > total:
-                raise EngineError(
-                    f"prompt {plan.request_id} ({len(plan.tokens)} tokens) cannot fit in the "
-                    f"device pool ({total} bytes) even alone: computing it needs {need} bytes "
-                    "of pages and state slots beyond its device hit")
+            if compute_bytes(self.pool, plan, boundary=plan.device_pages) > \
+                    self.pool.buffer.numel():
+                raise too_big(self.pool, plan)
 
     async def _lookup_locked(self, prompts: Sequence[Sequence[int] | np.ndarray],
                              started: float, wait_s: float | None = None) -> list[LookupPlan]:

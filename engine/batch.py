@@ -63,12 +63,22 @@ from layerlift.engine.results import PrefillResult, Timings
 from layerlift.linker.transaction import RestoreTransaction, TransactionState
 from layerlift.overlap.base import LayerLoadError, LayerWaitTimeout, ReadinessView
 from layerlift.overlap.readiness import LayerReadiness
+from layerlift.pools.base import KVPool
 from layerlift.pools.spec import Component
 
 __all__ = ["Batch", "BatchState", "RerunRequired"]
 
 T = TypeVar("T")
 MAX_FORWARD_ATTEMPTS = 3
+
+
+def too_big(pool: KVPool, plan: LookupPlan) -> EngineError:
+    """The error for a prompt that cannot fit in the pool even alone."""
+    need = compute_bytes(pool, plan, boundary=plan.device_pages)
+    return EngineError(
+        f"prompt {plan.request_id} ({len(plan.tokens)} tokens) cannot fit in the device pool "
+        f"({pool.buffer.numel()} bytes) even alone: computing it needs {need} bytes "
+        "of pages and state slots beyond its device hit")
 
 
 class RerunRequired(EngineError):
@@ -179,12 +189,7 @@ class Batch:
         return True
 
     def _too_big(self, plan: LookupPlan) -> EngineError:
-        need = compute_bytes(self.ctx.pool, plan, boundary=plan.device_pages)
-        return EngineError(
-            f"prompt {plan.request_id} ({len(plan.tokens)} tokens) cannot fit in the device pool "
-            f"({self.ctx.pool.buffer.numel()} bytes) even alone: computing it needs {need} bytes "
-            "of pages and state slots beyond its device hit"
-        )
+        return too_big(self.ctx.pool, plan)
 
     # ---- LOADING ------------------------------------------------------------------
     async def issue(self, device_timeout: float | None = None) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["assert_quiescent"]
+__all__ = ["assert_quiescent", "offload_and_drop"]
 
 
 def assert_quiescent(engine: Any) -> None:
@@ -28,3 +28,19 @@ def assert_quiescent(engine: Any) -> None:
     if core is not None:
         pinned = {a.name: int((a.pins > 0).sum()) for a in core.chain}
         assert not any(pinned.values()), f"pages still pinned: {pinned}"
+
+
+async def offload_and_drop(engine: Any, *, expect_ok: bool = True) -> None:
+    """Wait for every offload (``expect_ok``: none failed), empty the device
+    cache and zero the (now empty) pool, so that a restore that reads a slot
+    it never loaded cannot pass by finding the old bytes there."""
+    report = await engine.wait_offloads()
+    if expect_ok:
+        assert report.ok, f"offloads failed: {report}"
+    engine.drop_device_cache()
+    buffer = engine.pool.buffer
+    buffer.zero_()
+    if buffer.device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(buffer.device)

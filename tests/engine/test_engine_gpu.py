@@ -24,6 +24,7 @@ from layerlift.testing import (
     SkipLayerWaits,
     assert_quiescent,
     kl_divergence,
+    offload_and_drop,
 )
 
 pytestmark = [
@@ -37,13 +38,6 @@ def _prompts(spec: ModelSpec, n: int, seed: int) -> list[list[int]]:
     return [rng.integers(0, spec.dims.vocab_size, 300).tolist() for _ in range(n)]
 
 
-async def _drop(engine: Engine) -> None:
-    assert (await engine.wait_offloads()).ok
-    engine.drop_device_cache()
-    engine.pool.buffer.zero_()
-    torch.cuda.synchronize()
-
-
 @pytest.mark.parametrize("policy", ["overlap", "barrier"])
 async def test_cuda_restore_equals_compute(policy: str) -> None:
     spec = ModelSpec.preset("tiny")
@@ -52,7 +46,7 @@ async def test_cuda_restore_equals_compute(policy: str) -> None:
     cfg = EngineConfig(store="memory", policy=policy, device="cuda", pool_bytes=32 << 20)
     async with Engine(model, cfg, store=MemoryStore()) as engine:
         first = await engine.prefill(prompts)
-        await _drop(engine)
+        await offload_and_drop(engine)
         again = await engine.prefill(prompts)
         for a, b in zip(first, again, strict=True):
             assert b.restored_tokens == 256
@@ -69,7 +63,7 @@ async def test_cuda_failed_layer_is_recomputed() -> None:
     cfg = EngineConfig(store="memory", device="cuda", pool_bytes=32 << 20)
     async with Engine(model, cfg, store=store) as engine:
         (first,) = await engine.prefill([prompt])
-        await _drop(engine)
+        await offload_and_drop(engine)
         store.fail_layer(3)
         (again,) = await engine.prefill([prompt])
         assert again.recomputed_after_failure
@@ -88,7 +82,7 @@ async def test_cuda_skipped_waits_break_results() -> None:
     cfg = EngineConfig(store="memory", device="cuda", pool_bytes=32 << 20)
     async with Engine(model, cfg, store=store) as engine:
         first = await engine.prefill(prompts)
-        await _drop(engine)
+        await offload_and_drop(engine)
         gate = threading.Event()
         store.gate_layer(0, gate)
         model.enabled = True
@@ -114,7 +108,7 @@ async def test_cuda_restore_on_a_second_device() -> None:
     cfg = EngineConfig(store="memory", device="cuda:1", pool_bytes=32 << 20)
     async with Engine(model, cfg, store=MemoryStore()) as engine:
         first = await engine.prefill(prompts)
-        await _drop(engine)
+        await offload_and_drop(engine)
         again = await engine.prefill(prompts)
         for a, b in zip(first, again, strict=True):
             assert b.restored_tokens > 0

@@ -19,7 +19,7 @@ from layerlift.engine.results import PrefillResult
 from layerlift.linker.memory_store import MemoryStore
 from layerlift.linker.mooncake_store import MooncakeStore
 from layerlift.overlap.base import LayerLoadError
-from layerlift.testing import FaultyStore, assert_quiescent, kl_divergence
+from layerlift.testing import FaultyStore, assert_quiescent, kl_divergence, offload_and_drop
 
 KL_TOL = 1e-6
 
@@ -71,9 +71,7 @@ async def test_host_forward_restores_exactly(model: HybridModel, mc_client: Moon
     cfg = EngineConfig(store="memory", namespace=namespace, pool_bytes=16 << 20)
     async with Engine(model, cfg, store=FaultyStore(mc_client, model.spec)) as engine:
         ref = await engine.prefill(prompts)
-        await engine.wait_offloads()
-        engine.drop_device_cache()
-        engine.pool.buffer.zero_()
+        await offload_and_drop(engine)
         got = await _serve_externally(model, engine, prompts)
         assert all(r.restored_tokens > 0 and not r.recomputed_after_failure for r in got)
         _exact(got, ref)
@@ -91,9 +89,7 @@ async def test_host_forward_recomputes_a_failed_layer(model: HybridModel) -> Non
     async with Engine(model, EngineConfig(store="memory", pool_bytes=16 << 20),
                       store=store) as engine:
         ref = await engine.prefill(prompts)
-        await engine.wait_offloads()
-        engine.drop_device_cache()
-        engine.pool.buffer.zero_()
+        await offload_and_drop(engine)
         store.fail_layer(5)
         got = await _serve_externally(model, engine, prompts)
         assert all(r.recomputed_after_failure and r.restored_tokens == 0 for r in got)

@@ -40,6 +40,7 @@ from layerlift.testing import (
     InjectedForwardError,
     assert_quiescent,
     kl_divergence,
+    offload_and_drop,
 )
 
 KL_TOL = 1e-6
@@ -256,9 +257,7 @@ async def run_case(order: str, fault: Fault, inner: Store, model: HybridModel,
                        pool_bytes=16 << 20, layer_wait_timeout_s=WAIT_S)
     async with Engine(faulty_model, cfg, store=store) as engine:
         assert_exact(await engine.prefill(prompts), cold)  # computes, then offloads
-        assert (await engine.wait_offloads()).ok
-        engine.drop_device_cache()
-        engine.pool.buffer.zero_()
+        await offload_and_drop(engine)
         puts_failed = engine.offloader.report.failed
 
         gate, box = threading.Event(), {}
@@ -298,9 +297,7 @@ async def run_case(order: str, fault: Fault, inner: Store, model: HybridModel,
             for r, a in zip(out, again, strict=True):
                 if a.device_hit_tokens == r.device_hit_tokens + r.restored_tokens:
                     assert torch.equal(r.next_token_logprobs, a.next_token_logprobs)
-        await engine.wait_offloads()
-        engine.drop_device_cache()
-        engine.pool.buffer.zero_()
+        await offload_and_drop(engine, expect_ok=False)  # the report counts the injected put
         restored = await engine.prefill(prompts)
         assert all(r.restored_tokens > 0 for r in restored), "the next prefill did not restore"
         assert_exact(restored, cold)
@@ -352,9 +349,7 @@ async def test_evicted_key_between_lookup_and_load_recomputes(model: HybridModel
     async with Engine(model, EngineConfig(store="memory", pool_bytes=32 << 20),
                       store=store) as engine:
         ref = await engine.prefill(prompts)
-        await engine.wait_offloads()
-        engine.drop_device_cache()
-        engine.pool.buffer.zero_()
+        await offload_and_drop(engine)
         store.fail_session = StoreKeyMissing("injected: evicted after LOOKUP")
         got = await engine.prefill(prompts)
         assert [r.restored_tokens for r in got] == [0, 0]

@@ -19,7 +19,13 @@ from layerlift.engine.results import PrefillResult
 from layerlift.linker.memory_store import MemoryStore
 from layerlift.linker.mooncake_store import MooncakeStore
 from layerlift.linker.store_base import Store
-from layerlift.testing import FaultyModel, FaultyStore, assert_quiescent, kl_divergence
+from layerlift.testing import (
+    FaultyModel,
+    FaultyStore,
+    assert_quiescent,
+    kl_divergence,
+    offload_and_drop,
+)
 
 WAIT_S = 30.0
 LAST = 7  # the tiny preset's last layer
@@ -38,9 +44,7 @@ def _exact(got: list[PrefillResult], ref: list[PrefillResult]) -> None:
 
 async def _stored(engine: Engine, prompts: list[np.ndarray]) -> list[PrefillResult]:
     ref = await engine.prefill(prompts)
-    assert (await engine.wait_offloads()).ok
-    engine.drop_device_cache()
-    engine.pool.buffer.zero_()
+    await offload_and_drop(engine)
     return ref
 
 

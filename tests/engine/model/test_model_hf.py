@@ -24,7 +24,7 @@ from layerlift.engine.model import ForwardRequest
 from layerlift.engine.model.hf import TransformersModel
 from layerlift.linker.mooncake_store import MooncakeStore
 from layerlift.pools.spec import Component
-from layerlift.testing import FaultyStore, SkipLayerWaits
+from layerlift.testing import FaultyStore, SkipLayerWaits, offload_and_drop
 
 TOL = 1e-5
 WRONG = 1e-3
@@ -42,13 +42,6 @@ def max_delta(model: TransformersModel, batch: Sequence[list[int]], results: Seq
               ) -> float:
     return max(float((r.next_token_logprobs - cold_logprobs(model, p)).abs().max())  # type: ignore[attr-defined]
                for p, r in zip(batch, results, strict=True))
-
-
-async def offload_and_drop(engine: Engine) -> None:
-    report = await engine.wait_offloads()
-    assert report.ok, report
-    engine.drop_device_cache()
-    engine.pool.buffer.zero_()  # a restore that reads what it never loaded cannot pass
 
 
 def engine_for(model: object, store: FaultyStore, namespace: str, policy: str = "overlap"
