@@ -30,26 +30,29 @@ class ComputeAlloc:
         return {Component.FULL: self.full, Component.SWA: self.swa, Component.MAMBA: slots}
 
 
-def branch_page(plan: LookupPlan) -> int | None:
+def branch_page(plan: LookupPlan, boundary: int | None = None) -> int | None:
     """Where the prompt leaves the cached prefix, if that is off the
-    checkpoint grid and inside the computed range: a branch checkpoint there
-    lets later prompts that share the branch restore up to it (instead of
-    the last grid boundary). ``None`` otherwise."""
+    checkpoint grid and inside the computed range (from ``boundary`` pages,
+    default the plan's boundary): a branch checkpoint there lets later
+    prompts that share the branch restore up to it (instead of the last grid
+    boundary). ``None`` otherwise. Reads ``plan`` only."""
     spec = plan.spec
+    b = plan.boundary if boundary is None else boundary
     kv, whole = plan.match.kv_pages, len(plan.tokens) // spec.page_size
-    if plan.boundary < kv < whole and kv % spec.track_pages:
+    if b < kv < whole and kv % spec.track_pages:
         return kv
     return None
 
 
-def _needs(plan: LookupPlan, branch: bool = False) -> tuple[dict[Component, int], list[int]]:
+def _needs(plan: LookupPlan, b: int, branch: bool) -> tuple[dict[Component, int], list[int]]:
+    """Pages per component the forward of ``plan`` writes from boundary ``b``
+    (pages), and the boundaries whose checkpoints it captures."""
     spec = plan.spec
     ps, t = spec.page_size, spec.track_pages
-    b = plan.boundary
     total_pages = -(-len(plan.tokens) // ps)
     whole = len(plan.tokens) // ps
     capture = list(range((b // t + 1) * t, whole + 1, t))
-    at = branch_page(plan) if branch else None
+    at = branch_page(plan, b) if branch else None
     if at is not None:
         capture = sorted([*capture, at])
     demand = {
@@ -64,14 +67,10 @@ def compute_bytes(pool: KVPool, plan: LookupPlan, boundary: int | None = None) -
     """Bytes of pages and state slots the forward of ``plan`` writes (from
     ``boundary`` pages if given, else from the plan's boundary). Counts the
     branch checkpoint's slot whenever the plan has a branch page (an upper
-    bound when branch checkpoints are off)."""
-    saved = plan.boundary
-    if boundary is not None:
-        plan.boundary = boundary
-    try:
-        demand, _ = _needs(plan, branch=True)
-    finally:
-        plan.boundary = saved
+    bound when branch checkpoints are off). Reads ``plan`` only: it never
+    changes the plan, not even for a moment."""
+    b = plan.boundary if boundary is None else boundary
+    demand, _ = _needs(plan, b, branch=True)
     return sum(n * pool.page_bytes(c) for c, n in demand.items())
 
 
@@ -79,7 +78,7 @@ def alloc_compute(pool: KVPool, tree: UnifiedRadixTree, plan: LookupPlan) -> Com
     """Allocate (evicting unlocked tree data on a shortfall) and pin what the
     forward of ``plan`` writes. ``None`` if the pool cannot hold it even
     after eviction."""
-    demand, capture = _needs(plan, tree.branch_checkpoints)
+    demand, capture = _needs(plan, plan.boundary, tree.branch_checkpoints)
     # More than the whole buffer can never fit (and alloc_many raises for it).
     if sum(n * pool.page_bytes(c) for c, n in demand.items()) > pool.buffer.numel():
         return None
