@@ -1,11 +1,24 @@
-"""LayerLift's benchmarks, installed as ``layerlift.bench``.
+"""LayerLift's benchmarks, installed as ``layerlift.bench``; each one is a
+``layerlift bench NAME`` subcommand with the same output options
+(``--json``, ``--markdown``, ``--plot``: :mod:`layerlift.bench.output`).
 
-* ``ttft`` (``layerlift bench ttft``): recompute vs barrier vs overlap, with
-  ``stores`` (the shared stores per link), ``stats`` (the performance model)
-  and ``report`` (table, Markdown, plot);
-* ``store`` (``python -m layerlift.bench.store``): Mooncake ranged vs whole reads;
-* ``pools`` (``python -m layerlift.bench.pools``): tri-pool admission;
-* ``overhead`` (``python -m layerlift.bench.overhead``): per-layer scheduling cost.
-
-Nothing in the engine imports from here.
+``BENCHMARKS`` names each subcommand's module (imported only when run) and
+its one line of help. ``report`` is not a benchmark: it regenerates
+``docs/results.md`` from ``bench/results/*.json``. Nothing in the engine
+imports from here; the CLI (``layerlift.cli``) sits above it.
 """
+
+from __future__ import annotations
+
+__all__ = ["BENCHMARKS"]
+
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "ttft": ("layerlift.bench.ttft", "time to first token: recompute vs barrier vs overlap restore"),
+    "replay": ("layerlift.bench.replay",
+               "the Mooncake conversation trace through the serving loop, per policy"),
+    "store": ("layerlift.bench.store", "Mooncake per-layer ranged reads vs whole-object reads"),
+    "sched": ("layerlift.bench.sched", "the load scheduler alone, loads and computes that use no CPU"),
+    "overhead": ("layerlift.bench.overhead", "per-layer scheduling overhead of the overlap machinery"),
+    "pools": ("layerlift.bench.pools", "tri-pool admission against static splits (equal bytes)"),
+    "report": ("layerlift.bench.results", "regenerate docs/results.md from bench/results/*.json"),
+}

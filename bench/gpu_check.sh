@@ -42,7 +42,7 @@ echo "== pytest -m gpu"
 
 echo "== layerlift bench ttft --quick --device cuda"
 # On a GPU the forward is ~100x faster than on the CPU box: add a fast emulated link too.
-timeout 420 "$PY" -m layerlift.engine.cli bench ttft --quick --device cuda \
+timeout 420 "$PY" -m layerlift.cli bench ttft --quick --device cuda \
   --links "mooncake,emulated:0.1,10,emulated:25,5" --no-progress \
   --json "$RES/ttft_gpu.json" --markdown "$RES/ttft_gpu.md" --plot "$RES/ttft_gpu.png" \
   2>&1 | tee "$RES/ttft_gpu.txt"

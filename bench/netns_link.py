@@ -58,7 +58,7 @@ def _child_argv(args: argparse.Namespace, master: str, out: Path) -> list[str]:
         return ",".join(str(v) for v in values)
 
     argv = [
-        sys.executable, "-m", "layerlift.engine.cli", "bench", "ttft",
+        sys.executable, "-m", "layerlift.cli", "bench", "ttft",
         "--model", join(args.preset), "--prefix", join(args.prefix),
         "--suffix", join(args.suffix), "--batch", join(args.batch),
         "--repeats", str(args.repeats), "--warmup", str(args.warmup),
@@ -85,7 +85,7 @@ def netns_cluster(rate: str, segment_bytes: int, workdir: str) -> Iterator[tuple
     master and a storage node of `segment_bytes` running; yields the hosts and the
     master's address. Their stderr goes to `workdir`/servers.log."""
     env = {**os.environ, "MC_LOG_LEVEL": "ERROR", "GLOG_minloglevel": "2"}
-    cli = [sys.executable, "-m", "layerlift.engine.cli"]
+    cli = [sys.executable, "-m", "layerlift.cli"]
     with NetnsHosts(["master", "store", "engine"], rates={"engine": rate}) as hosts:
         master = f"{hosts['master'].address}:{RPC_PORT}"
         with open(Path(workdir) / "servers.log", "ab") as log:  # the children keep their copy

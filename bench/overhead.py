@@ -1,4 +1,4 @@
-"""Per-layer scheduling overhead of the overlap machinery (`python bench/overhead.py`).
+"""Per-layer scheduling overhead of the overlap machinery (`layerlift bench overhead`).
 
 What the forward loses per layer to readiness and scheduling, with zero-byte fetches and
 a trivial layer (a 16x16 matmul), for 32/64 layers and batch 1/16:
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import time
 from collections.abc import Awaitable, Callable
@@ -36,6 +35,7 @@ from typing import Any
 
 import torch
 
+from layerlift.bench.output import add_output_options, write_outputs
 from layerlift.overlap import (
     CombinedReadiness,
     CpuLane,
@@ -137,8 +137,9 @@ async def run_grid(max_in_flight: int, stream_size: int) -> list[dict[str, Any]]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", metavar="PATH", help="write {grid, per_layer_overhead_us}")
+    parser = argparse.ArgumentParser(prog="layerlift bench overhead",
+                                     description=__doc__.splitlines()[0])
+    add_output_options(parser)
     parser.add_argument("--max-in-flight", type=int, default=8,
                         help="end_to_end scheduler bound (default: the engine's, 8)")
     parser.add_argument("--stream-size", type=int, default=64,
@@ -161,12 +162,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"worst per-layer overhead: {worst} us over the grid (target < 50 us)")
     print(f"worst per-layer wait overhead (data already landed): {wait_worst} us")
     print(f"stress case, one job per request per layer: {stress} us")
-    if args.json:
-        out = {"grid": rows, "per_layer_overhead_us": worst, "wait_overhead_us": wait_worst,
-               "per_request_jobs_overhead_us": stress,
-               "max_in_flight": args.max_in_flight, "stream_size": args.stream_size}
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
+    out = {"grid": rows, "per_layer_overhead_us": worst, "wait_overhead_us": wait_worst,
+           "per_request_jobs_overhead_us": stress,
+           "max_in_flight": args.max_in_flight, "stream_size": args.stream_size}
+    write_outputs("overhead", out, args, argv)
     return 0
 
 

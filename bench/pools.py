@@ -1,6 +1,6 @@
 """Pool benchmark: allocator throughput, and admission under a shifting workload.
 
-    python bench/pools.py [--json PATH] [--requests N] [--seed S]
+    layerlift bench pools [--json PATH] [--markdown PATH] [--plot PATH] [--requests N] [--seed S]
 
 (1) ``alloc_ops_per_s``: alloc + free calls per second per sub-pool, for
     single pages and for 64-page requests, on a half-full pool.
@@ -22,7 +22,6 @@ Everything runs on the CPU; figures are from the allocator only.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import time
@@ -31,6 +30,8 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
+from layerlift.bench.output import add_output_options, write_outputs
+from layerlift.bench.results import render
 from layerlift.pools import Component, KVPool, ModelSpec, StaticKVPool, UnifiedKVPool
 
 F, S, M = Component.FULL, Component.SWA, Component.MAMBA
@@ -160,8 +161,8 @@ def run(requests: int, seed: int, live: int) -> dict[str, object]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", help="write the figures to this path")
+    ap = argparse.ArgumentParser(prog="layerlift bench pools", description=__doc__.split("\n\n")[0])
+    add_output_options(ap)
     ap.add_argument("--requests", type=int, default=1000, help="requests per phase")
     ap.add_argument("--live", type=int, default=40, help="live request budget")
     ap.add_argument("--seed", type=int, default=0)
@@ -169,11 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     out = run(args.requests, args.seed, args.live)
     out["wall_s"] = time.perf_counter() - start
-    text = json.dumps(out, indent=2)
-    print(text)
-    if args.json:
-        with open(args.json, "w") as fh:
-            fh.write(text + "\n")
+    record = write_outputs("pools", out, args, argv)
+    print(render(record))
     return 0
 
 

@@ -1,6 +1,6 @@
 """The scheduler alone: per-layer overlap with loads and computes that use no CPU.
 
-``python -m layerlift.bench.sched [--json PATH]``. Each layer's load is a
+``layerlift bench sched [--json PATH] [--markdown PATH] [--plot PATH]``. Each layer's load is a
 timed wait of ``a_l`` on one shared wire (``EmulatedLink``: transfers queue
 for it in the order they started) run by the real ``LoadScheduler`` on the
 real ``CpuLane``
@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from layerlift.bench.output import add_output_options, write_outputs
 from layerlift.bench.stats import efficiency, lower_bound, recurrence
 from layerlift.overlap import CpuLane, LayerJob, LayerReadiness, LoadPolicy, LoadScheduler
 from layerlift.overlap.link import EmulatedLink
@@ -111,14 +112,14 @@ def _profile_from(path: str, index: int) -> tuple[list[float], list[float]]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m layerlift.bench.sched",
+        prog="layerlift bench sched",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--profile", default=None, help="TTFT JSON to take the profile from")
     ap.add_argument("--point", type=int, default=0, help="index of the point in --profile")
     ap.add_argument("--repeats", type=int, default=9)
-    ap.add_argument("--json", default=None, help="write the results here")
+    add_output_options(ap)
     args = ap.parse_args(argv)
     if args.profile:
         a0, c = _profile_from(args.profile, args.point)
@@ -140,9 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{1e3 * r['bound_s']:>8.1f} {em if em is None else f'{em:.3f}':>9} "
               f"{eb if eb is None else f'{eb:.3f}':>9} "
               f"{es if es is None else f'{es:.3f}':>10}")  # fmt: skip
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"profiles": rows}, indent=1))
+    write_outputs("sched", {"profiles": rows}, args, argv)
     return 0
 
 

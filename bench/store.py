@@ -1,6 +1,6 @@
 """Per-layer ranged reads against whole-object reads from Mooncake Store.
 
-    python -m layerlift.bench.store [--json PATH] [--repeats N] [--netns RATE]
+    layerlift bench store [--json PATH] [--markdown PATH] [--plot PATH] [--repeats N] [--netns RATE]
 
 N page objects laid out layer-major (8 layers of K+V, 8 KV heads x 128 head
 dim, bf16) are read back by a client with no segment of its own, three ways:
@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from layerlift.bench.output import add_output_options, write_outputs
 from layerlift.linker.master import EmbeddedMaster
 from layerlift.linker.mooncake_config import MooncakeConfig
 from layerlift.linker.mooncake_store import MooncakeStore
@@ -200,9 +201,9 @@ def _print(link: str, results: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m layerlift.bench.store", description=__doc__.splitlines()[0]
+        prog="layerlift bench store", description=__doc__.splitlines()[0]
     )
-    parser.add_argument("--json", type=Path, default=None, help="write results as JSON")
+    add_output_options(parser)
     parser.add_argument("--repeats", type=int, default=9, help="repeats per mode")
     parser.add_argument("--bytes", type=int, default=64 << 20, help="bytes per page size")
     parser.add_argument("--netns", default=None, help="also over a namespace link (e.g. 1gbit)")
@@ -211,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cluster:
         page_sizes = run_cluster(args.cluster, args.bytes, args.repeats)
         if args.json is not None:
-            args.json.write_text(json.dumps({"page_sizes": page_sizes}))
+            Path(args.json).write_text(json.dumps({"page_sizes": page_sizes}))
         return 0
     links = {"mooncake-tcp-loopback": run_loopback(args.bytes, args.repeats)}
     _print("mooncake-tcp-loopback", links["mooncake-tcp-loopback"])
@@ -219,17 +220,15 @@ def main(argv: list[str] | None = None) -> int:
         label = f"mooncake-tcp-netns {args.netns}"
         links[label] = run_netns(args.netns, args.bytes, args.repeats)
         _print(label, links[label])
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        report: dict[str, Any] = {
-            "links": links,
-            "layers_per_object": LAYERS,
-            "layout": f"{KV_HEADS} kv heads x {HEAD_DIM} head dim, bf16, K+V",
-            "depth": DEPTH,
-            "timing": "modes rotated per repeat; ranged includes session start/end; "
-            "ratios are per-repeat (paired) ratios of GB/s",
-        }
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    report: dict[str, Any] = {
+        "links": links,
+        "layers_per_object": LAYERS,
+        "layout": f"{KV_HEADS} kv heads x {HEAD_DIM} head dim, bf16, K+V",
+        "depth": DEPTH,
+        "timing": "modes rotated per repeat; ranged includes session start/end; "
+        "ratios are per-repeat (paired) ratios of GB/s",
+    }
+    write_outputs("store", report, args, argv)
     return 0
 
 

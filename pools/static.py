@@ -2,7 +2,7 @@
 
 The buffer is split once, at construction, into FULL | MAMBA | SWA byte
 regions by ``fractions``; a component can never use another's idle bytes.
-This is what the unified pool is measured against (``bench/pools.py``).
+This is what the unified pool is measured against (``layerlift bench pools``).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import pytest
 
 from layerlift.bench import trace as tr
 from layerlift.bench.replay import POLICIES, main
-from layerlift.engine.cli import main as cli_main
+from layerlift.cli import main as cli_main
 
 SMALL = Path(__file__).resolve().parents[1] / "data" / "conversation_trace_small.jsonl"
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from layerlift.engine.cli import main
+from layerlift.cli import main
 
 POINT_KEYS = {
     "link", "prefix_tokens", "suffix_tokens", "batch", "preset", "ttft_s", "ttft_p90_s",
@@ -64,7 +64,7 @@ def test_bench_rejects_bad_prefix() -> None:
 
 
 def test_console_script_master_help() -> None:
-    proc = subprocess.run([sys.executable, "-c", "from layerlift.engine.cli import main; "
+    proc = subprocess.run([sys.executable, "-c", "from layerlift.cli import main; "
                            "raise SystemExit(main(['master', '--help']))"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "layerlift master" in proc.stdout

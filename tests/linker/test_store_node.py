@@ -20,7 +20,7 @@ pytestmark = pytest.mark.mooncake
 def test_a_pure_client_stores_into_the_node_and_sigterm_ends_it(tmp_path: Path) -> None:
     with EmbeddedMaster(lease_ttl_ms=5000) as master:
         node = subprocess.Popen(
-            [sys.executable, "-m", "layerlift.engine.cli", "store-node",
+            [sys.executable, "-m", "layerlift.cli", "store-node",
              "--master", master.master_address, "--metadata", master.metadata_url,
              "--bytes", "32M"],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=tmp_path,
@@ -54,7 +54,7 @@ def test_without_a_master_it_says_so(tmp_path: Path) -> None:
     from layerlift.linker.master import free_port
 
     done = subprocess.run(
-        [sys.executable, "-m", "layerlift.engine.cli", "store-node",
+        [sys.executable, "-m", "layerlift.cli", "store-node",
          "--master", f"127.0.0.1:{free_port()}", "--bytes", "1M", "--setup-retries", "1"],
         capture_output=True, text=True, cwd=tmp_path, timeout=120,
         env={**os.environ, "MC_LOG_LEVEL": "ERROR"},
@@ -65,7 +65,7 @@ def test_without_a_master_it_says_so(tmp_path: Path) -> None:
 
 def test_bad_sizes_are_refused(tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "layerlift.engine.cli", "store-node",
+        [sys.executable, "-m", "layerlift.cli", "store-node",
          "--master", "127.0.0.1:1", "--bytes", "lots"],
         capture_output=True, text=True, cwd=tmp_path, timeout=60,
     )  # fmt: skip

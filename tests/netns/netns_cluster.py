@@ -77,7 +77,7 @@ class Cluster:
         return proc
 
     def start_master(self) -> None:
-        cli = [sys.executable, "-m", "layerlift.engine.cli"]
+        cli = [sys.executable, "-m", "layerlift.cli"]
         address = self.hosts["master"].address
         self.master = self._spawn(
             "master", [*cli, "master", "--p2p", "--host", address, "--rpc-port", str(RPC_PORT)]
@@ -87,7 +87,7 @@ class Cluster:
         assert line.startswith(b"master_address"), f"the master did not start: {line!r}"
 
     def start_store(self) -> None:
-        cli = [sys.executable, "-m", "layerlift.engine.cli"]
+        cli = [sys.executable, "-m", "layerlift.cli"]
         host = self.hosts["store"].address
         self.store = self._spawn(
             "store",

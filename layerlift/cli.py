@@ -1,29 +1,57 @@
-"""The ``layerlift`` console script.
+"""The ``layerlift`` console script, at the top of the layers (it may import
+``layerlift.bench``; the engine never does).
 
     layerlift master [--rpc-port P ...]     run a mooncake_master in the foreground
     layerlift store-node --master H:P ...   a Mooncake client contributing a segment
-    layerlift bench ttft [options]          TTFT: recompute vs barrier vs overlap restore
-    layerlift bench replay [options]        the conversation trace through the serving loop
+    layerlift bench NAME [options]          one benchmark (``layerlift bench --help``)
+    layerlift bench report                  regenerate docs/results.md from the JSON
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import cast
 
-USAGE = """usage: layerlift <command> [options]
+from layerlift.bench import BENCHMARKS
+
+__all__ = ["main"]
+
+
+def _bench_usage() -> str:
+    width = max(len(n) for n in BENCHMARKS)
+    lines = [f"  bench {name:<{width}}  {help_}" for name, (_, help_) in BENCHMARKS.items()]
+    return "\n".join(lines)
+
+
+USAGE = f"""usage: layerlift <command> [options]
 
 commands:
   master        run a private mooncake_master on loopback until Ctrl-C
                 (layerlift master --help)
   store-node    contribute a memory segment to a Mooncake cluster until SIGTERM
                 (layerlift store-node --help)
-  bench ttft    time to first token: recompute vs barrier vs overlap restore
-                (layerlift bench ttft --help)
-  bench replay  the Mooncake conversation trace through the serving loop, per policy
-                (layerlift bench replay --help)
+{_bench_usage()}
+
+Every benchmark takes --json PATH, --markdown PATH and --plot PATH
+(layerlift bench NAME --help lists the rest).
 """
+
+
+def _bench(args: list[str]) -> int:
+    if not args or args[0] in ("-h", "--help"):
+        print(f"usage: layerlift bench NAME [options]\n\n{_bench_usage()}",
+              file=sys.stdout if args else sys.stderr)
+        return 0 if args else 2
+    if args[0] not in BENCHMARKS:
+        print(f"layerlift bench: unknown benchmark {args[0]!r}; choose from "
+              f"{', '.join(BENCHMARKS)}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(BENCHMARKS[args[0]][0])
+    run = cast(Callable[[Sequence[str]], int], module.main)
+    return run(args[1:])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -46,16 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return store_node_main(args[1:])
     if args[0] == "bench":
-        if len(args) >= 2 and args[1] == "ttft":
-            from layerlift.bench.ttft import main as ttft_main
-
-            return ttft_main(args[2:])
-        if len(args) >= 2 and args[1] == "replay":
-            from layerlift.bench.replay import main as replay_main
-
-            return replay_main(args[2:])
-        print("usage: layerlift bench ttft|replay [options]", file=sys.stderr)
-        return 0 if len(args) >= 2 and args[1] in ("-h", "--help") else 2
+        return _bench(args[1:])
     print(f"layerlift: unknown command {args[0]!r}\n\n{USAGE}", file=sys.stderr, end="")
     return 2
 

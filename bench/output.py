@@ -1,0 +1,55 @@
+"""The output options every ``layerlift bench NAME`` shares, and how they are written.
+
+Every benchmark takes ``--json PATH``, ``--markdown PATH`` and ``--plot PATH``.
+The JSON is the record (it carries ``benchmark``: the benchmark's name, and
+``meta.command``: the command line that made it); the Markdown and the plot are
+drawn from that record by :mod:`layerlift.bench.results`, the same functions
+``layerlift bench report`` uses for ``docs/results.md``, so a table written
+by a run and the table in the docs cannot differ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["add_output_options", "command_line", "write_outputs"]
+
+
+def add_output_options(ap: argparse.ArgumentParser) -> None:
+    """Add ``--json``, ``--markdown`` and ``--plot`` (each a path, off by default)."""
+    ap.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON here")
+    ap.add_argument("--markdown", default=None, metavar="PATH",
+                    help="write the Markdown table here (the one docs/results.md shows)")
+    ap.add_argument("--plot", default=None, metavar="PATH",
+                    help="write a PNG plot here (needs matplotlib: the dev extra)")
+
+
+def command_line(name: str, argv: Sequence[str] | None) -> str:
+    """The ``layerlift bench NAME ...`` line a run was started with."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    return " ".join(["layerlift", "bench", name, *args])
+
+
+def write_outputs(name: str, data: dict[str, Any], args: argparse.Namespace,
+                  argv: Sequence[str] | None) -> dict[str, Any]:
+    """Stamp ``data`` with the benchmark's name and command, then write what
+    ``args`` asks for (JSON, Markdown, plot). Returns the stamped record."""
+    from layerlift.bench import results
+
+    meta = dict(data.get("meta", {}))
+    meta.setdefault("command", command_line(name, argv))
+    record = {"benchmark": name, **data, "meta": meta}
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
+    if args.markdown:
+        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.markdown).write_text(results.render(record) + "\n")
+    if args.plot:
+        results.plot(record, args.plot)
+    return record
