@@ -16,6 +16,14 @@ FULL layers only, so a whole page is one contiguous copy and the slice of one
 layer is one contiguous range. SWA pages likewise; a MAMBA slot is
 ``[layer0 s0|s1..][layer1 s0|s1..]...``.
 
+Keys and values need not have one shape (:class:`KVShape`): multi-head latent
+attention (DeepSeek-V3, Kimi) has keys of ``nope + rope`` width and narrower
+values, and a cache that holds MLA's compressed latent stores one "head" of
+``kv_lora_rank`` as keys and one of ``qk_rope_head_dim`` as values. Each
+attention layer may have its own shape; its slice is then as wide as its own
+K and V, and the per-layer offsets inside a page object add up the slices
+before it.
+
 :class:`ModelSpec` is the cache layout only; the reference model's
 hyperparameters (vocabulary, widths) ride along in :class:`ModelDims` and
 never reach the pools.
@@ -35,6 +43,7 @@ __all__ = [
     "PLACEHOLDER_PAGE_BYTES",
     "AttentionSpec",
     "Component",
+    "KVShape",
     "LayerSlice",
     "MambaSpec",
     "ModelDims",
@@ -97,6 +106,39 @@ class AttentionSpec:
     @property
     def layer_page_bytes(self) -> int:
         return 2 * self.page_size * self.num_kv_heads * self.head_dim * _elem(self.dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class KVShape:
+    """Per token, the keys ``[k_heads, k_dim]`` and values ``[v_heads, v_dim]``
+    one attention layer keeps in its cache. Ordinary attention has one shape
+    for both (:meth:`uniform`); MLA does not. Raises ``ValueError`` for a
+    non-positive size."""
+
+    k_heads: int
+    k_dim: int
+    v_heads: int
+    v_dim: int
+
+    def __post_init__(self) -> None:
+        for name in ("k_heads", "k_dim", "v_heads", "v_dim"):
+            if int(getattr(self, name)) <= 0:
+                raise ValueError(f"KV shape: {name} must be positive, got {getattr(self, name)}")
+
+    @classmethod
+    def uniform(cls, heads: int, dim: int) -> KVShape:
+        """Keys and values both ``[heads, dim]``."""
+        return cls(heads, dim, heads, dim)
+
+    @property
+    def k_elems(self) -> int:
+        """Elements of one token's keys."""
+        return self.k_heads * self.k_dim
+
+    @property
+    def v_elems(self) -> int:
+        """Elements of one token's values."""
+        return self.v_heads * self.v_dim
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,6 +316,14 @@ class ModelSpec:
     tokens and must be multiples of ``page_size``. Raises ``ValueError`` on
     any inconsistency.
 
+    ``kv_shapes``, when given, names the :class:`KVShape` of every attention
+    layer (FULL and SWA, in layer order) and overrides ``num_kv_heads`` and
+    ``head_dim`` for them: keys and values of different widths (MLA), or
+    layers of different widths. A layer's K then V are ``[page_size,
+    k_heads, k_dim]`` and ``[page_size, v_heads, v_dim]``; read a layer's
+    shape with :meth:`kv_shape` and its place with :meth:`layer_slice`.
+    Shapes that are all ``num_kv_heads x head_dim`` are stored as ``None``.
+
     ``dims`` are the reference model's hyperparameters (vocabulary, widths):
     they are not part of the layout and the pools never read them. When
     ``state`` is omitted it is the reference model's Mamba-2 state of
@@ -288,6 +338,7 @@ class ModelSpec:
     track_interval: int = 64
     dtype: str = "float32"
     state: MambaSpec | None = None
+    kv_shapes: tuple[KVShape, ...] | None = None
     dims: ModelDims = field(default_factory=ModelDims, compare=False)
     name: str = field(default="custom", compare=False)
 
@@ -308,6 +359,17 @@ class ModelSpec:
         _dtype(self.dtype)
         if self.state is None:
             object.__setattr__(self, "state", self.dims.mamba_state())
+        if self.kv_shapes is not None:
+            shapes = tuple(self.kv_shapes)
+            n_attn = sum(ch != "M" for ch in self.layers)
+            if len(shapes) != n_attn or not all(isinstance(s, KVShape) for s in shapes):
+                raise ValueError(
+                    f"kv_shapes must give one KVShape per attention layer ({n_attn} in "
+                    f"{self.layers!r}), got {len(shapes)} entries"
+                )
+            default = KVShape.uniform(self.num_kv_heads, self.head_dim)
+            object.__setattr__(self, "kv_shapes",
+                               None if all(s == default for s in shapes) else shapes)
 
     @classmethod
     def preset(cls, name: str, **overrides: object) -> ModelSpec:
@@ -355,6 +417,8 @@ class ModelSpec:
 
     @cached_property
     def full(self) -> AttentionSpec:
+        """The default (``num_kv_heads x head_dim``) FULL layer; per-layer
+        shapes (``kv_shapes``) are read with :meth:`kv_shape`."""
         return AttentionSpec(self.num_kv_heads, self.head_dim, self.page_size, self.kv_dtype)
 
     @cached_property
@@ -377,40 +441,72 @@ class ModelSpec:
     def track_pages(self) -> int:
         return self.track_interval // self.page_size
 
+    def kv_shape(self, layer: int) -> KVShape:
+        """The K and V shape (per token) of FULL or SWA layer ``layer``.
+        Raises ``ValueError`` for a MAMBA layer."""
+        if self.kinds[layer] is Component.MAMBA:
+            raise ValueError(f"layer {layer} is a recurrent layer: it keeps state, not K and V")
+        if self.kv_shapes is None:
+            return KVShape.uniform(self.num_kv_heads, self.head_dim)
+        return self.kv_shapes[layer - self.kinds[:layer].count(Component.MAMBA)]
+
     # ---- bytes ------------------------------------------------------------
+    @cached_property
+    def _slice_bytes(self) -> tuple[int, ...]:
+        """Bytes of every layer's slice of one page or slot, by global layer."""
+        elem = _elem(self.kv_dtype)
+        out = []
+        for layer, kind in enumerate(self.kinds):
+            if kind is Component.MAMBA:
+                out.append(self.mamba.layer_slot_bytes)
+            else:
+                s = self.kv_shape(layer)
+                out.append(self.page_size * (s.k_elems + s.v_elems) * elem)
+        return tuple(out)
+
     def layer_bytes(self, component: Component) -> int:
-        """Bytes of one layer's slice of one page (FULL/SWA) or slot (MAMBA)."""
-        if component is Component.FULL:
-            return self.full.layer_page_bytes
-        if component is Component.SWA:
-            return self.swa.layer_page_bytes
-        return self.mamba.layer_slot_bytes
+        """Bytes of one layer's slice of one page (FULL/SWA) or slot (MAMBA),
+        the same for every layer of ``component``. Raises ``ValueError`` when
+        its layers differ in width: use :meth:`layer_slice` per layer then."""
+        if component is Component.MAMBA:
+            return self.mamba.layer_slot_bytes
+        sizes = {self._slice_bytes[g] for g in self.layers_of(component)}
+        if not sizes:
+            default = self.full if component is Component.FULL else self.swa
+            return default.layer_page_bytes
+        if len(sizes) > 1:
+            raise ValueError(f"the {component.value} layers differ in width ({sorted(sizes)} "
+                             "bytes per page): ask layer_slice(layer) for one layer's size")
+        return sizes.pop()
 
     def page_bytes(self, component: Component) -> int:
         """Bytes of one whole page (FULL/SWA) or slot (MAMBA): one store object.
         A component without layers keeps a :data:`PLACEHOLDER_PAGE_BYTES` page."""
-        n = len(self.layers_of(component))
-        return self.layer_bytes(component) * n if n else PLACEHOLDER_PAGE_BYTES
+        n = sum(self._slice_bytes[g] for g in self.layers_of(component))
+        return n if n else PLACEHOLDER_PAGE_BYTES
 
     def layer_slice(self, layer: int) -> LayerSlice:
         """Where layer ``layer`` lives inside its component's page object."""
         component = self.kinds[layer]
         j = self.local_index(layer)
-        size = self.layer_bytes(component)
-        return LayerSlice((component, j, j * size, size))
+        before = self.layers_of(component)[:j]
+        offset = sum(self._slice_bytes[g] for g in before)
+        return LayerSlice((component, j, offset, self._slice_bytes[layer]))
 
     @cached_property
     def fingerprint(self) -> str:
         """A short hash of everything that decides the bytes of a page object.
 
         Two specs with a different layout, shape, dtype, page size, window,
-        track interval or state layout never share a fingerprint, so they
-        never read each other's store objects. The weights are not in it: the
-        engine adds the model's identity.
+        track interval, state layout or per-layer K and V widths never share a
+        fingerprint, so they never read each other's store objects. The
+        weights are not in it: the engine adds the model's identity.
         """
         state = tuple((t.name, t.shape, str(t.dtype)) for t in self.mamba.tensors)
-        parts = (
+        parts: tuple[object, ...] = (
             self.layers, self.num_kv_heads, self.head_dim, self.dtype, self.page_size,
             self.swa_window, self.track_interval, state,
         )
+        if self.kv_shapes is not None:  # uniform shapes keep their old fingerprint
+            parts += (tuple((s.k_heads, s.k_dim, s.v_heads, s.v_dim) for s in self.kv_shapes),)
         return hashlib.blake2b(repr(parts).encode(), digest_size=8).hexdigest()

@@ -36,24 +36,27 @@ def kv_layer_view(
     buf: torch.Tensor, spec: ModelSpec, component: Component, local_layer: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of the ``local_layer``-th layer of ``component`` (FULL or SWA),
-    each ``[max_pages, page_size, num_kv_heads, head_dim]`` indexed by page."""
+    ``[max_pages, page_size, k_heads, k_dim]`` and ``[max_pages, page_size,
+    v_heads, v_dim]`` (the layer's :meth:`ModelSpec.kv_shape`; usually
+    ``num_kv_heads x head_dim`` both) indexed by page."""
     if component is Component.MAMBA:
         raise ValueError("kv_layer_view is for FULL and SWA layers; use mamba_layer_view")
     n_layers = len(spec.layers_of(component))
     if not 0 <= local_layer < n_layers:
         raise ValueError(f"{component.value} has {n_layers} layers, no layer {local_layer}")
+    layer = spec.layers_of(component)[local_layer]
+    kv = spec.kv_shape(layer)
     typed = _typed(buf, spec.kv_dtype)
     page_bytes = spec.page_bytes(component)
     elem = typed.element_size()
     page_elems = page_bytes // elem
-    layer_elems = spec.layer_bytes(component) // elem
     max_pages = buf.numel() // page_bytes
-    hd = spec.num_kv_heads * spec.head_dim
-    shape = (max_pages, spec.page_size, spec.num_kv_heads, spec.head_dim)
-    stride = (page_elems, hd, spec.head_dim, 1)
-    base = local_layer * layer_elems
-    k = typed.as_strided(shape, stride, typed.storage_offset() + base)
-    v = typed.as_strided(shape, stride, typed.storage_offset() + base + spec.page_size * hd)
+    base = typed.storage_offset() + spec.layer_slice(layer).offset // elem
+    k = typed.as_strided((max_pages, spec.page_size, kv.k_heads, kv.k_dim),
+                         (page_elems, kv.k_elems, kv.k_dim, 1), base)
+    v = typed.as_strided((max_pages, spec.page_size, kv.v_heads, kv.v_dim),
+                         (page_elems, kv.v_elems, kv.v_dim, 1),
+                         base + spec.page_size * kv.k_elems)
     return k, v
 
 

@@ -46,12 +46,19 @@ from layerlift.engine.model.api import (
     validate_requests,
 )
 from layerlift.engine.model.base import LayerHook
-from layerlift.engine.model.hf_layout import HFLayout, derive_layout, hf_config
+from layerlift.engine.model.hf_layout import (
+    HFLayout,
+    UnsupportedModelError,
+    architecture,
+    derive_layout,
+    hf_config,
+)
 from layerlift.pools.spec import Component, ModelSpec
 
-__all__ = ["TransformersModel"]
+__all__ = ["TransformersModel", "UnsupportedModelError"]
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._:+=@-]")
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
 
 @dataclass
@@ -73,30 +80,40 @@ class _Pass:
 class TransformersModel:
     """A transformers causal LM (``AutoModelForCausalLM``) as a LayerLift model.
 
-    ``name`` and ``revision`` form the identity that keys its store objects;
-    without a name the identity is a hash of the weights. ``page_size`` and
-    ``track_interval`` choose the paging (a sliding window must be a multiple
-    of ``page_size``). Raises ``ValueError`` saying why for an architecture
-    that cannot be restored exactly: a custom cache class, state kept on the
-    modules, or a torch path known to be inexact (Jamba, Zamba, Mamba1,
-    FalconMamba, RecurrentGemma).
+    ``identity`` keys its store objects, so it must change whenever the
+    bytes a prefill computes may change: with an explicit ``revision`` it is
+    ``name@revision`` (the user vouches for it); otherwise it is a digest of
+    the weights and the config (``name`` then only prefixes it for
+    readability; ``weights_digest``, when given, stands for the weights'
+    digest, e.g. :meth:`from_pretrained`'s digest of the weight files).
+    ``page_size`` and ``track_interval`` choose the paging (a sliding window
+    must be a multiple of ``page_size``).
+
+    Raises :class:`UnsupportedModelError` (a ``ValueError`` naming the
+    architecture, the layer, the reason and what support would take) for a
+    model that cannot be restored exactly: a cache class of its own, layers
+    whose state LayerLift cannot map or see, a forward that cannot continue
+    from a filled cache, or a torch path known to be inexact (Jamba, Zamba,
+    Mamba1, FalconMamba, RecurrentGemma). Nothing is refused later, at a
+    prefill.
     """
 
     def __init__(self, hf_model: nn.Module, *, name: str | None = None,
                  revision: str | None = None, page_size: int = 16,
-                 track_interval: int = 64) -> None:
+                 track_interval: int = 64, weights_digest: str | None = None) -> None:
         self.hf = hf_model.eval()
         self.layout: HFLayout = derive_layout(hf_model, page_size, track_interval)
         self.spec: ModelSpec = self.layout.spec
         text = hf_config(hf_model).get_text_config(decoder=True)
         self.vocab_size = int(text.vocab_size)
-        self.identity = _identity(hf_model, name, revision)
+        self.identity = _identity(hf_model, name, revision, weights_digest)
         self._layers = _decoder_layers(hf_model, len(self.layout.groups))
         self._lock = threading.Lock()
         self._pass: _Pass | None = None
         for i, module in enumerate(self._layers):
             module.register_forward_pre_hook(self._pre_hook(i), with_kwargs=True)
             module.register_forward_hook(self._post_hook(i))
+        self._check_continuation()
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, name: str | None = None,
@@ -104,13 +121,18 @@ class TransformersModel:
                         device: str | torch.device = "cpu", page_size: int = 16,
                         track_interval: int = 64) -> TransformersModel:
         """Load ``AutoModelForCausalLM`` from a local directory (nothing is
-        downloaded); ``name`` defaults to the directory's name."""
+        downloaded). Without ``revision`` the identity is a digest of the
+        directory's weight files and ``config.json`` (two checkpoints saved
+        under the same directory name never share store keys); ``name``
+        (default: the directory's name) only prefixes it. Raises
+        ``ValueError`` when the directory holds no weight file."""
         from transformers import AutoModelForCausalLM
 
+        digest = None if revision else _file_digest(Path(path))
         hf: Any = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype,
                                                        local_files_only=True)
         return cls(hf.to(device), name=name or Path(path).name, revision=revision,
-                   page_size=page_size, track_interval=track_interval)
+                   page_size=page_size, track_interval=track_interval, weights_digest=digest)
 
     @property
     def device(self) -> torch.device:
@@ -164,6 +186,25 @@ class TransformersModel:
             out.append(torch.log_softmax(logits[0].float(), dim=-1))
         return torch.cat(out) if req.want_token_logprobs else out[-1]
 
+    def _check_continuation(self) -> None:
+        """Run two tokens after a zeroed placeholder cache of a window's
+        length (hooks idle), so a model that cannot continue from a cache
+        LayerLift fills is refused here, not at its first prefill."""
+        p = max(self.spec.page_size, self.spec.swa_window)
+        dev = self.device
+        try:
+            with self._lock, torch.inference_mode():
+                self.hf(input_ids=torch.zeros(1, 2, dtype=torch.int64, device=dev),
+                        cache=self._prepared_cache(p), use_cache=True,
+                        attention_mask=torch.ones(1, p + 2, dtype=torch.int64, device=dev),
+                        position_ids=torch.arange(p, p + 2, device=dev)[None], logits_to_keep=1)
+        except Exception as e:
+            raise UnsupportedModelError(
+                architecture(self.hf), f"its forward cannot continue from a cache of {p} tokens "
+                f"filled layer by layer ({type(e).__name__}: {e})",
+                "cache layers whose placeholders engine/model/hf.py can size (their keys, "
+                "values and lengths)") from e
+
     # ---- cache placeholders --------------------------------------------------------
     def _prepared_cache(self, p: int) -> Any:
         """A fresh cache whose layers already have the restored lengths (zeros)."""
@@ -180,12 +221,16 @@ class TransformersModel:
                 continue
             if Component.MAMBA in kinds:
                 self._placeholder_state(layer, dev)
-            for kind in kinds - {Component.MAMBA}:
+            for g in group:
+                kind = spec.kinds[g]
+                if kind is Component.MAMBA:
+                    continue
                 n = p if kind is Component.FULL else min(p, spec.swa_window - 1)
-                z = torch.zeros(1, spec.num_kv_heads, n, spec.head_dim, dtype=spec.kv_dtype,
-                                device=dev)
-                layer.lazy_initialization(z, z)
-                layer.keys, layer.values = z, z.clone()
+                kv = spec.kv_shape(g)
+                zk = torch.zeros(1, kv.k_heads, n, kv.k_dim, dtype=spec.kv_dtype, device=dev)
+                zv = torch.zeros(1, kv.v_heads, n, kv.v_dim, dtype=spec.kv_dtype, device=dev)
+                layer.lazy_initialization(zk, zv)
+                layer.keys, layer.values = zk, zv
                 if kind is Component.SWA:
                     layer.cumulative_length = p
         return cache
@@ -296,17 +341,48 @@ def _decoder_layers(hf_model: nn.Module, n: int) -> nn.ModuleList:
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     layers = getattr(decoder, "layers", None)
     if not isinstance(layers, nn.ModuleList) or len(layers) < n:
-        raise ValueError(f"{type(hf_model).__name__} has no decoder `layers` list matching its "
-                         f"{n} cache layers: LayerLift cannot hook its layers")
+        raise UnsupportedModelError(
+            architecture(hf_model), f"{type(hf_model).__name__} has no decoder `layers` list "
+            f"matching its {n} cache layers, so LayerLift cannot hook its layers",
+            "the decoder's layers exposed as `get_decoder().layers`")
     return layers
 
 
-def _identity(hf_model: nn.Module, name: str | None, revision: str | None) -> str:
+def _identity(hf_model: nn.Module, name: str | None, revision: str | None,
+              digest: str | None) -> str:
+    """``name@revision`` when the user names a revision; otherwise a digest
+    of what determines the bytes: the weights (``digest`` of the files they
+    were loaded from, or of the state dict) and the config."""
     dtype = str(next(hf_model.parameters()).dtype).removeprefix("torch.")
-    if name:
-        return _UNSAFE.sub("_", f"hf-{name}@{revision or 'local'}-{dtype}")
+    if name and revision:
+        return _UNSAFE.sub("_", f"hf-{name}@{revision}-{dtype}")
+    if digest is None:
+        h = hashlib.blake2b(digest_size=8)
+        cfg = hf_config(hf_model).to_dict()
+        for volatile in ("_name_or_path", "transformers_version", "dtype", "torch_dtype"):
+            cfg.pop(volatile, None)
+        h.update(repr(sorted(cfg.items())).encode())
+        for key, tensor in sorted(hf_model.state_dict().items()):
+            h.update(key.encode())
+            h.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        digest = h.hexdigest()
+    return _UNSAFE.sub("_", f"hf-{name or 'weights'}-{digest}-{dtype}")
+
+
+def _file_digest(path: Path) -> str:
+    """A digest of a checkpoint directory's weight files and ``config.json``
+    (names and bytes). Raises ``ValueError`` when it holds no weight file."""
+    if not path.is_dir():
+        raise ValueError(f"{path} is not a directory holding a saved model")
+    weights = sorted(f for f in path.iterdir() if f.is_file() and f.suffix in _WEIGHT_SUFFIXES)
+    if not weights:
+        raise ValueError(f"{path} holds no weight file ({', '.join(_WEIGHT_SUFFIXES)}): nothing "
+                         "to identify the model by")
     h = hashlib.blake2b(digest_size=8)
-    for key, tensor in sorted(hf_model.state_dict().items()):
-        h.update(key.encode())
-        h.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return f"hf-weights-{h.hexdigest()}-{dtype}"
+    config = path / "config.json"
+    for f in ([config] if config.is_file() else []) + weights:
+        h.update(f.name.encode())
+        with f.open("rb") as fh:
+            while chunk := fh.read(1 << 24):
+                h.update(chunk)
+    return h.hexdigest()

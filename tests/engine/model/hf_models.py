@@ -38,6 +38,17 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # short convolution (conv state only) + full attention
     "lfm2": dict(_COMMON, intermediate_size=64,
                  layer_types=["conv", "full_attention", "conv", "full_attention"]),
+    # KDA linear attention + MLA full attention; the cache holds MLA's compressed
+    # latent: keys [1 head, kv_lora_rank] and values [1 head, qk_rope_head_dim]
+    "kimi_linear": dict(
+        _COMMON, num_key_value_heads=4, intermediate_size=64, moe_intermediate_size=32,
+        kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+        layer_types=["linear_attention", "full_attention"] * 2,
+        linear_attn_config={"head_dim": 16, "num_heads": 4, "short_conv_kernel_size": 4,
+                            "kda_layers": [1, 3], "full_attn_layers": [2, 4]},
+        num_local_experts=4, num_experts_per_tok=2, first_k_dense_replace=1,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    ),
 }
 
 
