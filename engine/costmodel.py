@@ -1,5 +1,4 @@
-"""Restore or recompute, per request: a cost model learned from the engine's
-own timings.
+"""Restore or recompute, per request: a cost model learned from what happened.
 
 Restoring ``R`` tokens moves their bytes over the link, layer by layer;
 computing them costs forward time. On a slow link a short prefix is cheaper
@@ -14,17 +13,31 @@ first decisions are sensible):
   ``x`` bytes takes ``latency + x / bandwidth``. ``observe_load`` fits that
   line by least squares over EMAs of ``x``, ``y``, ``x*x``, ``x*y`` (the
   priors enter as two pseudo-points, so one observation never gives a
-  degenerate fit);
+  degenerate fit). ``observe_layers`` reads the load's own per-layer records
+  (the lane's :class:`~layerlift.overlap.scheduler.LayerTiming`), so it
+  needs nothing from whoever ran the forward;
 * the forward, from each batch's per-layer compute times: seconds per
-  computed token (``observe_forward``).
+  computed token (``observe_forward``). A batch whose forward was not timed
+  (a host's forward that reported no timings) teaches nothing: zero seconds
+  is "not measured", never "free".
 
 Estimates follow DESIGN.md section 5 for one request with per-layer load
-``a`` and compute ``c`` over ``L`` layers:
+``a`` and compute ``c`` over ``L`` layers. ``H`` (``ahead_s``) is compute
+already queued on the device ahead of this batch (cross-batch prefetch: the
+load runs while the batch ahead computes); a plan is priced by what it adds
+to the critical path after that, ``T - H``:
 
 * recompute: ``c_tok * (R + S)`` (S = suffix tokens computed either way);
-* barrier restore: ``L * a + c_tok * S``;
-* overlap restore: ``max(L * a + c_last, a + c_tok * S)`` with
-  ``c_last = c_tok * S / L`` (the per-layer overlap bound).
+* barrier restore: ``max(H, L * a) - H + c_tok * S``;
+* overlap restore: ``max(max(H, a) + c_tok * S, L * a + c_last) - H`` with
+  ``c_last = c_tok * S / L`` (the per-layer overlap bound, its forward
+  starting at ``H`` at the earliest).
+
+Exploration: once recompute has won ``explore_after`` decisions in a row
+with no fresh link measurement, :meth:`CostModel.decide_plan` restores the
+next plan anyway (reason ``"explore: ..."``), so a link that got faster is
+noticed; with recompute winning for good, one plan in ``explore_after + 1``
+restores.
 
 Pure logic: no clocks, no engine state. Not thread-safe; call it from the
 event loop.
@@ -37,6 +50,7 @@ from dataclasses import dataclass
 
 from layerlift.engine.plan import LookupPlan
 from layerlift.engine.results import Timings
+from layerlift.overlap.scheduler import LayerTiming
 from layerlift.pools.spec import Component, ModelSpec
 
 __all__ = ["CostModel", "CostPriors", "Decision", "restore_bytes"]
@@ -86,15 +100,21 @@ class CostModel:
 
     ``alpha`` is the weight of a new observation in every moving average
     (0 < alpha <= 1). ``num_layers`` splits a restore's bytes over layers.
+    ``explore_after``: after that many recompute decisions of
+    :meth:`decide_plan` in a row without a link measurement, the next plan
+    restores to measure the link again (``None``: never explore).
     """
 
     def __init__(self, num_layers: int, priors: CostPriors | None = None,
-                 alpha: float = 0.2) -> None:
+                 alpha: float = 0.2, explore_after: int | None = 16) -> None:
         if num_layers < 1:
             raise ValueError(f"num_layers must be at least 1, got {num_layers}")
         if not 0 < alpha <= 1:
             raise ValueError(f"alpha must lie in (0, 1], got {alpha}")
-        self.num_layers, self.alpha = num_layers, alpha
+        if explore_after is not None and explore_after < 1:
+            raise ValueError(f"explore_after must be at least 1 (or None), got {explore_after}")
+        self.num_layers, self.alpha, self.explore_after = num_layers, alpha, explore_after
+        self.recompute_streak = 0  # recompute decisions since the link was last measured
         self.priors = priors or CostPriors()
         p = self.priors
         # Two pseudo-points on the prior line: 0 bytes and 1 MiB per layer.
@@ -145,13 +165,33 @@ class CostModel:
             self._mxx += a * (x * x - self._mxx)
             self._mxy += a * (x * y - self._mxy)
             self.load_observations += 1
+            self.recompute_streak = 0
+
+    def observe_layers(self, layers: Sequence[LayerTiming]) -> None:
+        """One load's per-layer records from the lane (absolute clock): a
+        layer's time runs from the later of its issue and the previous
+        layer's landing to its own landing. Layers that failed, never landed
+        or moved nothing are skipped (a load cut short still teaches what
+        landed)."""
+        xs: list[int] = []
+        ys: list[float] = []
+        last = float("-inf")
+        for t in sorted(layers, key=lambda t: t.layer):
+            if t.failed or t.landed <= 0 or t.nbytes <= 0:
+                continue
+            xs.append(t.nbytes)
+            ys.append(max(0.0, t.landed - max(t.issued, last)))
+            last = max(last, t.landed)
+        self.observe_load(xs, ys)
 
     def observe_forward(self, computed_tokens: int, forward_seconds: float) -> None:
         """One forward that computed ``computed_tokens`` (all requests of the
-        batch) in ``forward_seconds`` (the sum of its per-layer compute)."""
+        batch) in ``forward_seconds`` (the sum of its per-layer compute).
+        ``forward_seconds == 0`` means the forward was not timed (a host's
+        forward that reported nothing): nothing is learned."""
         if computed_tokens < 0 or forward_seconds < 0:
             raise ValueError("computed_tokens and forward_seconds must not be negative")
-        if computed_tokens == 0:
+        if computed_tokens == 0 or forward_seconds == 0:
             return
         self._c_tok += self.alpha * (forward_seconds / computed_tokens - self._c_tok)
         self.forward_observations += 1
@@ -162,7 +202,9 @@ class CostModel:
         times from ``layer_landed`` (each layer from the later of the issue and
         the previous landing; layers that did not land are skipped),
         ``layer_bytes`` the bytes each layer's fetch moved for the whole batch,
-        and the forward's ``layer_compute`` over ``computed_tokens``."""
+        and the forward's ``layer_compute`` over ``computed_tokens`` (learned
+        only when it has one entry per layer: an untimed forward teaches
+        nothing)."""
         if timings.layer_landed:
             if len(layer_bytes) != len(timings.layer_landed):
                 raise ValueError(f"{len(layer_bytes)} byte counts for "
@@ -175,7 +217,8 @@ class CostModel:
                 ys.append(max(0.0, landed - last))
                 last = max(last, landed)
             self.observe_load(xs, ys)
-        self.observe_forward(computed_tokens, sum(timings.layer_compute))
+        if len(timings.layer_compute) == self.num_layers:
+            self.observe_forward(computed_tokens, sum(timings.layer_compute))
 
     # ---- estimating ----------------------------------------------------------------------
     def load_seconds(self, restore_bytes: int) -> float:
@@ -183,20 +226,51 @@ class CostModel:
         per_layer = restore_bytes / self.num_layers
         return self.num_layers * (self.layer_latency_s + per_layer / self.bandwidth_bytes_per_s)
 
-    def decide_plan(self, plan: LookupPlan, *, overlap: bool = True) -> Decision:
-        """:meth:`decide` for a plan after LOOKUP chose its boundary."""
+    def compute_seconds(self, tokens: int) -> float:
+        """Estimated forward time of ``tokens`` computed tokens (e.g. the
+        batch ahead on the device, for ``ahead_s``)."""
+        if tokens < 0:
+            raise ValueError(f"tokens must not be negative, got {tokens}")
+        return self._c_tok * tokens
+
+    def decide_plan(self, plan: LookupPlan, *, overlap: bool = True,
+                    ahead_s: float = 0.0) -> Decision:
+        """The engine's decision for a plan after LOOKUP chose its boundary:
+        :meth:`decide`, then exploration. Recompute decisions count into
+        ``recompute_streak`` (a link measurement resets it); once it passes
+        ``explore_after`` the plan restores anyway, with a reason starting
+        ``"explore:"``, and the streak restarts."""
         spec = plan.spec
-        return self.decide(plan.restore_tokens,
-                           restore_bytes(spec, plan.device_pages, plan.boundary),
-                           len(plan.tokens) - plan.boundary * spec.page_size, overlap=overlap)
+        d = self.decide(plan.restore_tokens,
+                        restore_bytes(spec, plan.device_pages, plan.boundary),
+                        len(plan.tokens) - plan.boundary * spec.page_size, overlap=overlap,
+                        ahead_s=ahead_s)
+        if d.restore:
+            self.recompute_streak = 0
+            return d
+        if plan.restore_tokens == 0:
+            return d
+        self.recompute_streak += 1
+        if self.explore_after is None or self.recompute_streak <= self.explore_after:
+            return d
+        self.recompute_streak = 0
+        reason = (f"explore: recompute won {self.explore_after} decisions in a row without a "
+                  f"fresh link measurement; restoring {plan.restore_tokens} tokens to measure "
+                  f"it (estimated ~{d.est_restore_s * 1e3:.2f} ms against computing "
+                  f"~{d.est_compute_s * 1e3:.2f} ms)")
+        return Decision(True, reason, d.est_restore_s, d.est_compute_s)
 
     def decide(self, restore_tokens: int, restore_bytes: int, suffix_tokens: int, *,
-               overlap: bool = True) -> Decision:
+               overlap: bool = True, ahead_s: float = 0.0) -> Decision:
         """Restore ``restore_tokens`` (``restore_bytes`` over the link) and
-        compute ``suffix_tokens``, or compute all of them? Ties restore (the
-        restore also fills the device cache without a forward)."""
-        if min(restore_tokens, restore_bytes, suffix_tokens) < 0:
-            raise ValueError("token and byte counts must not be negative")
+        compute ``suffix_tokens``, or compute all of them? ``ahead_s``:
+        seconds of compute queued on the device before this batch's forward
+        can start (a prefetched load runs during them); both options are
+        priced by what they add to the critical path after that (see the
+        module docstring). Ties restore (the restore also fills the device
+        cache without a forward). A pure function of the estimates."""
+        if min(restore_tokens, restore_bytes, suffix_tokens) < 0 or ahead_s < 0:
+            raise ValueError("token and byte counts and ahead_s must not be negative")
         c = self._c_tok
         est_compute = c * (restore_tokens + suffix_tokens)
         if restore_tokens == 0:
@@ -205,16 +279,18 @@ class CostModel:
         suffix = c * suffix_tokens
         if overlap:
             first_layer = load / self.num_layers
-            est_restore = max(load + suffix / self.num_layers, first_layer + suffix)
+            end = max(load + suffix / self.num_layers, max(ahead_s, first_layer) + suffix)
         else:
-            est_restore = load + suffix
+            end = max(ahead_s, load) + suffix
+        est_restore = end - ahead_s
         gbps = self.bandwidth_bytes_per_s / 1e9
+        hidden = f", {ahead_s * 1e3:.2f} ms of it behind the batch ahead" if ahead_s else ""
         if est_restore <= est_compute:
             reason = (f"restore: loading {restore_tokens} tokens ({restore_bytes} B at "
-                      f"{gbps:.3g} GB/s) ~{est_restore * 1e3:.2f} ms beats computing them "
-                      f"~{est_compute * 1e3:.2f} ms")
+                      f"{gbps:.3g} GB/s{hidden}) ~{est_restore * 1e3:.2f} ms beats computing "
+                      f"them ~{est_compute * 1e3:.2f} ms")
             return Decision(True, reason, est_restore, est_compute)
         reason = (f"recompute: computing {restore_tokens} tokens ~{est_compute * 1e3:.2f} ms "
-                  f"beats loading {restore_bytes} B at {gbps:.3g} GB/s "
+                  f"beats loading {restore_bytes} B at {gbps:.3g} GB/s{hidden} "
                   f"~{est_restore * 1e3:.2f} ms")
         return Decision(False, reason, est_restore, est_compute)

@@ -93,6 +93,9 @@ def test_one_size_only_keeps_a_finite_bandwidth() -> None:
         (lambda: CostModel(4).observe_load([1, 2], [0.1]), "byte counts"),
         (lambda: CostModel(4).observe_load([-1], [0.1]), "negative"),
         (lambda: CostModel(4).decide(-1, 0, 0), "negative"),
+        (lambda: CostModel(4).decide(1, 1, 1, ahead_s=-1.0), "negative"),
+        (lambda: CostModel(4, explore_after=0), "explore_after"),
+        (lambda: CostModel(4).compute_seconds(-1), "negative"),
     ],
 )
 def test_bad_input_is_a_value_error(call: object, match: str) -> None:
@@ -133,7 +136,13 @@ def test_observe_batch_reads_engine_timings() -> None:
     # Every layer took 2 ms for 1 MB: the fit passes through (1 MB, 2 ms).
     per_layer = model.layer_latency_s + 1e6 / model.bandwidth_bytes_per_s
     assert per_layer == pytest.approx(2e-3, rel=1e-6)
-    model.observe_batch(Timings(layer_compute=[0.01]), [], 100)  # no restore: compute only
+    model.observe_batch(Timings(layer_compute=[0.01] * 4), [], 100)  # no restore: compute only
     assert model.load_observations == 4 and model.forward_observations == 2
+    assert model.compute_s_per_token == pytest.approx(4e-4)
+    # A forward without per-layer timings (a host that reported none) teaches nothing.
+    model.observe_batch(Timings(load_issued=0.010, layer_landed=[0.012, 0.014, 0.016, 0.018]),
+                        [1_000_000] * 4, 1000)
+    assert model.forward_observations == 2 and model.load_observations == 8
+    assert model.compute_s_per_token == pytest.approx(4e-4)
     with pytest.raises(ValueError, match="byte counts"):
         model.observe_batch(t, [1], 10)
