@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -143,7 +143,7 @@ def _pools(r: Record) -> list[str]:
 
 
 def _plot_bars(path: str, title: str, labels: Sequence[str],
-               series: dict[str, Sequence[float]], ylabel: str) -> None:
+               series: Mapping[str, Sequence[float]], ylabel: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")

@@ -15,7 +15,8 @@ a failing ladder copies no bytes.
 
 Capacity views are exact by construction: they run that very ladder on an
 O(1) clone of the state (the arrays are immutable, see ``end_allocator.py``)
-and are memoized per capacity epoch (see ``capacity.py``).
+and are memoized per capacity epoch (see ``capacity.py``); the ladder and
+the views live in ``ladder.py``.
 
 Only the owner thread calls mutators. Misuse raises ``PoolError`` before any
 state changes; shortage is a ``None`` / ``False`` return.
@@ -29,14 +30,7 @@ import numpy as np
 import torch
 
 from layerlift.pools.base import PoolError
-from layerlift.pools.capacity import (
-    CapacityEpoch,
-    CapacityMemo,
-    available_pages,
-    joint_fits,
-    overlap_error,
-    verify_accounting,
-)
+from layerlift.pools.capacity import CapacityEpoch, CapacityMemo
 from layerlift.pools.end_allocator import (
     EndAllocator,
     Side,
@@ -44,7 +38,14 @@ from layerlift.pools.end_allocator import (
     SubPoolSpec,
     as_index_array,
 )
-from layerlift.pools.float_allocator import FloatAllocator, relieve_after_direct_failure
+from layerlift.pools.float_allocator import FloatAllocator
+from layerlift.pools.ladder import (
+    available_pages,
+    joint_fits,
+    overlap_error,
+    relieve_after_direct_failure,
+    verify_accounting,
+)
 
 __all__ = ["MultiEndedAllocator", "NameMoveListener"]
 
@@ -344,5 +345,5 @@ class MultiEndedAllocator:
         return self.sub(name).n_pages
 
     def verify_byte_accounting(self) -> None:
-        """See :func:`~layerlift.pools.capacity.verify_accounting`."""
+        """See :func:`~layerlift.pools.ladder.verify_accounting`."""
         verify_accounting(self)

@@ -16,6 +16,7 @@ views simulate the shortfall ladder exactly (see ``allocator.py``).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -24,7 +25,7 @@ import numpy as np
 from layerlift.pools.base import PoolError
 from layerlift.pools.capacity import CapacityEpoch, _CapacityField
 
-__all__ = ["EndAllocator", "Grow", "SubAllocator", "SubPoolSpec"]
+__all__ = ["EndAllocator", "Grow", "SubAllocator", "SubPoolSpec", "as_index_array", "sub_errors"]
 
 Grow = Literal["up", "down", "float"]
 Side = Literal["low", "high"]
@@ -280,3 +281,30 @@ class EndAllocator(SubAllocator):
             k = min(holes.size, movers.size)
             m = int((holes[:k] > movers[:k]).sum())
         return movers[:m].copy(), holes[:m].copy()
+
+
+def sub_errors(subs: Sequence[SubAllocator]) -> list[str]:
+    """Per-sub-pool accounting errors: shapes, ``n_used`` vs the used mask
+    (leaks / double counts), negative pins, pins or deferrals of free pages."""
+    errors: list[str] = []
+    for a in subs:
+        used, pins, deferred = a.used, a.pins, a.deferred
+        for field, arr, dtype in (("used", used, bool), ("pins", pins, np.int32),
+                                  ("deferred", deferred, bool)):
+            if arr.shape != (a.n_pages,) or arr.dtype != dtype:
+                errors.append(f"{a.name}.{field} has shape {arr.shape} dtype {arr.dtype}")
+        if errors:
+            return errors
+        count = int(used.sum())
+        if count != a.n_used:
+            errors.append(f"{a.name}: {count} pages marked used but n_used={a.n_used} "
+                          "(leaked or double-counted pages)")
+        if bool((pins < 0).any()):
+            errors.append(f"{a.name}: negative pin counts at {np.flatnonzero(pins < 0)[:4]}")
+        if bool((pins > 0)[~used].any()):
+            errors.append(f"{a.name}: pinned pages {np.flatnonzero((pins > 0) & ~used)[:4]} "
+                          "are not allocated")
+        if bool(deferred[~used].any()):
+            errors.append(f"{a.name}: deferred pages {np.flatnonzero(deferred & ~used)[:4]} "
+                          "are not allocated (double free)")
+    return errors

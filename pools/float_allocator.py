@@ -17,18 +17,12 @@ longer than necessary, and moving pages costs a copy.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from layerlift.pools.capacity import CapacityEpoch
-from layerlift.pools.end_allocator import EndAllocator, Side, SubAllocator, SubPoolSpec
+from layerlift.pools.end_allocator import Side, SubAllocator, SubPoolSpec
 
-if TYPE_CHECKING:
-    from layerlift.pools.allocator import MultiEndedAllocator
-
-__all__ = ["FloatAllocator", "relieve_after_direct_failure"]
+__all__ = ["FloatAllocator"]
 
 _EMPTY = np.empty(0, np.int64)
 
@@ -124,55 +118,3 @@ class FloatAllocator(SubAllocator):
             k = min(holes.size, movers.size)
             m = int((holes[:k] > movers[:k]).sum())
         return movers[:m].copy(), holes[:m].copy()
-
-
-# ---- the shortfall ladder (module level: it drives the whole chain) -----------
-def relieve_after_direct_failure(core: MultiEndedAllocator, demand: Mapping[str, int]) -> bool:
-    """The shortfall ladder past the first (failed) direct attempt: flush
-    deferred frees -> recheck -> the moving rungs. True once ``demand`` fits
-    without further moves."""
-    if core.flush_deferred() and core.fits_now(demand):
-        return True
-    # Rehearse the moving rungs on an O(1) clone (they are deterministic):
-    # bytes are copied only when the ladder is known to succeed.
-    return _moving_rungs(core.clone(), demand) and _moving_rungs(core, demand)
-
-
-def _moving_rungs(core: MultiEndedAllocator, demand: Mapping[str, int]) -> bool:
-    """Float opens the short side -> recheck -> ENDs compact -> float again."""
-    if _float_open_short_side(core, demand) and core.fits_now(demand):
-        return True
-    # Last rung: the ENDs fill their own holes (frontiers retreat toward
-    # their edges), then the float slides again into the bytes they left.
-    for end in (core.chain[0], core.chain[-1]):
-        assert isinstance(end, EndAllocator)
-        core.move(end, *end.compact_plan())
-    if core.fits_now(demand):
-        return True
-    return _float_open_short_side(core, demand) and core.fits_now(demand)
-
-
-def _float_open_short_side(core: MultiEndedAllocator, demand: Mapping[str, int]) -> bool:
-    """Move the float(s) next to the ENDs so that every END line of the
-    demand vector is free and each such float keeps room for its own
-    share. False when a pinned slot or the sizes make that impossible."""
-    up, down = core.chain[0], core.chain[-1]
-    assert isinstance(up, EndAllocator) and isinstance(down, EndAllocator)
-    live = [(i, a) for i, a in enumerate(core.chain[1:-1], 1) if a.n_used > 0]
-    if not live:
-        return False
-    (i0, first), (i1, last) = live[0], live[-1]
-    assert isinstance(first, FloatAllocator) and isinstance(last, FloatAllocator)
-    # An END with no demand keeps its side where it is (an empty END is
-    # transparent: the float may use the bytes up to the buffer edge).
-    a, b = int(demand.get(up.name, 0)), int(demand.get(down.name, 0))
-    low_line = up.required_line(a) if a else core.bounds(i0)[0]
-    high_line = down.required_line(b) if b else core.bounds(i1)[1]
-    if first is last:
-        plan = first.plan_window(low_line, high_line, demand.get(first.name, 0))
-        return core.apply_plan(first, plan)
-    top = core.bounds(i0)[1]
-    if not core.apply_plan(first, first.plan_window(low_line, top, demand.get(first.name, 0))):
-        return False
-    bottom = core.bounds(i1)[0]
-    return core.apply_plan(last, last.plan_window(bottom, high_line, demand.get(last.name, 0)))

@@ -14,8 +14,8 @@ import numpy as np
 import torch
 
 from layerlift.pools.base import KVPool, MoveListener, PoolAccountingError, PoolError
-from layerlift.pools.capacity import CapacityEpoch, sub_errors
-from layerlift.pools.end_allocator import SubAllocator, SubPoolSpec, as_index_array
+from layerlift.pools.capacity import CapacityEpoch
+from layerlift.pools.end_allocator import SubAllocator, SubPoolSpec, as_index_array, sub_errors
 from layerlift.pools.spec import Component, ModelSpec
 from layerlift.pools.unified import component_of
 

@@ -2,7 +2,9 @@
 
 Keys are page-aligned token runs. Per-kind logic (what a node keeps, how it
 is adopted, split and evicted) lives in one component object per kind
-(``pools/tree_components.py``); the tree only walks, splits, locks and keeps
+(``pools/tree_components.py``, with the nodes and their per-component data;
+``pools/tree_integrity.py`` validates input and checks invariants); the
+tree only walks, splits, locks, retracts and keeps
 the reverse maps ``owners[component][device index] -> (node, offset)`` so a
 page the pool moves is rewritten in O(moved pages).
 
@@ -26,7 +28,8 @@ from __future__ import annotations
 
 import bisect
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -36,15 +39,17 @@ from layerlift.pools.hashing import ROOT_HASH, page_hashes
 from layerlift.pools.spec import Component, ModelSpec
 from layerlift.pools.tree_components import (
     TREE_COMPONENT_TYPES,
+    InsertBuilder,
     InsertInputs,
+    InsertResult,
     MambaComponent,
+    PageData,
+    SlotData,
     TreeComponent,
+    TreeIntegrityError,
+    TreeNode,
 )
 from layerlift.pools.tree_integrity import check_offered, check_tree, validate_insert
-from layerlift.pools.tree_node import TreeIntegrityError, TreeNode
-from layerlift.pools.tree_paths import TreePaths
-from layerlift.pools.tree_result import InsertBuilder, InsertResult, MatchResult, TreeStats
-from layerlift.pools.tree_retract import retract
 
 __all__ = [
     "InsertResult", "MatchResult", "TreeIntegrityError", "TreeNode", "TreeStats",
@@ -54,7 +59,42 @@ __all__ = [
 _EVICT_ORDER = (Component.FULL, Component.SWA, Component.MAMBA)
 
 
-class UnifiedRadixTree(TreePaths):
+class MatchResult(NamedTuple):
+    """What the device holds for a prompt.
+
+    ``boundary_pages`` (d) is the deepest page count at which FULL pages
+    ``[0, d)``, the SWA window ``[d - W, d)`` and a MAMBA checkpoint at d all
+    exist (0 if none). ``full_indices``/``swa_indices`` have d entries (SWA
+    entries before the window are unspecified). ``mamba_slot`` is the
+    checkpoint at d (``None`` iff d == 0). ``node`` ends exactly at d (the
+    root when d == 0): lock it. ``kv_pages`` >= d counts FULL pages present
+    along the path: the depth at which the prompt leaves the cached prefix,
+    even where no checkpoint exists there (the engine captures a branch
+    checkpoint at it); ``kv_full_indices`` are their indices. ``pending`` lists
+    the non-None ``pending`` objects of the nodes covering ``[0, d)``.
+    """
+
+    boundary_pages: int
+    full_indices: torch.Tensor
+    swa_indices: torch.Tensor
+    mamba_slot: int | None
+    node: TreeNode
+    kv_pages: int
+    kv_full_indices: torch.Tensor
+    pending: list[object]
+
+
+class TreeStats(NamedTuple):
+    """Sizes of the tree: nodes (root excluded), pages held per component
+    (MAMBA: checkpoints), locked nodes, and pages an eviction could free."""
+
+    nodes: int
+    pages: dict[Component, int]
+    locked_nodes: int
+    evictable: dict[Component, int]
+
+
+class UnifiedRadixTree:
     """Prefix cache of a hybrid model over one :class:`KVPool`.
 
     ``branch_checkpoints``: whether the engine should capture branch
@@ -314,10 +354,55 @@ class UnifiedRadixTree(TreePaths):
         return freed
 
     def retract(self, released: Mapping[Component, torch.Tensor]) -> None:
-        """Take back indices an insert adopted whose bytes are bad (a load
-        failed after COMMIT); see ``pools/tree_retract.py``. The indices are
-        not freed: the caller owns them again."""
-        retract(self, released)
+        """Take back indices an insert adopted whose bytes are bad, *without*
+        freeing them (the caller owns them again and frees them); pages of
+        removed subtrees that are not in ``released`` are freed through the pool.
+
+        Why: a restore COMMITs (the tree adopts the slots) before its
+        per-layer loads finish; if a load then fails, the adopted pages hold
+        partial bytes and must leave the tree. SWA pages become tombstones
+        and MAMBA checkpoints are dropped. FULL pages cannot be tombstoned (a
+        node always has its FULL pages), and the pages an insert adopts for
+        FULL always form whole new nodes, so the nodes owning them are
+        removed with their subtrees (whatever hung below a bad prefix is bad
+        too).
+
+        ``ValueError``, before anything changes, if an index is not owned by
+        the tree or a subtree to remove holds a locked node.
+        """
+        owners = self.owners
+        mine = {c: [int(i) for i in released.get(c, torch.zeros(0)).tolist()] for c in Component}
+        for c, idx in mine.items():
+            stray = [i for i in idx if i not in owners[c]]
+            if stray:
+                raise ValueError(f"{c.value} indices {stray[:4]} are not owned by the tree")
+        doomed_roots = {id(owners[Component.FULL][i][0]): owners[Component.FULL][i][0]
+                        for i in mine[Component.FULL]}
+        doomed: dict[int, TreeNode] = {}
+        for root in doomed_roots.values():
+            for node in _subtree_post_order(root):
+                doomed.setdefault(id(node), node)
+        locked = [n for n in doomed.values() if n.lock_ref > 0]
+        if locked:
+            raise ValueError(f"cannot retract: {locked[0]} is locked (unlock dependants first)")
+        for c, idx in mine.items():
+            for i in idx:
+                node, off = owners[c].pop(i)
+                data = node.data[c]
+                if isinstance(data, PageData):
+                    data.valid[off] = False
+                    data.indices[off] = 0
+                else:
+                    assert isinstance(data, SlotData)
+                    data.slot = None
+        removed: set[int] = set()
+        for root in doomed_roots.values():
+            if id(root) in removed:
+                continue
+            for node in _subtree_post_order(root):
+                if id(node) not in removed:
+                    self.remove_leaf(node)
+                    removed.add(id(node))
 
     # ---- accounting ------------------------------------------------------------
     def stats(self) -> TreeStats:
@@ -331,6 +416,92 @@ class UnifiedRadixTree(TreePaths):
     def check_integrity(self) -> None:
         """Raise :class:`TreeIntegrityError` on any broken invariant."""
         check_tree(self)
+
+    # ---- offload bookkeeping --------------------------------------------------
+    def window_pages(self, node: TreeNode) -> list[tuple[TreeNode, int]]:
+        """``(node, offset)`` of the pages ``[end - W, end)`` before ``node``'s
+        end, walking up into ancestors, in page order."""
+        out: list[tuple[TreeNode, int]] = []
+        lo = max(0, node.end_page - self.spec.window_pages)
+        cur: TreeNode | None = node
+        while cur is not None and cur.end_page > lo and not cur.is_root:
+            first = max(lo, cur.start_page) - cur.start_page
+            out[:0] = [(cur, off) for off in range(first, cur.num_pages)]
+            cur = cur.parent
+        return out
+
+    def mark_stored(self, node: TreeNode, component: Component,
+                    pages: Iterable[int] | None = None) -> None:
+        """Record that ``component``'s data reached the store (call after a
+        successful put only; a failed put leaves the flags unset).
+
+        ``pages`` are the transfer's entries: absolute page positions along
+        ``node``'s path (MAMBA: boundaries). Default: every page of ``node``
+        (FULL), its trailing window (SWA), its checkpoint (MAMBA). Giving the
+        pages keeps this exact even if ``node`` was split while the put was
+        in flight. A node evicted meanwhile is ignored."""
+        if not self.contains(node):
+            return
+        if component is Component.MAMBA:
+            want = {node.end_page} if pages is None else set(pages)
+            for n in node.path():
+                if n.end_page in want:
+                    n.stored[Component.MAMBA] = True
+            return
+        if pages is not None:
+            targets = self._positions(node, set(pages))
+        elif component is Component.SWA:
+            targets = self.window_pages(node)
+        else:
+            targets = [(node, off) for off in range(node.num_pages)]
+        for owner, off in targets:
+            owner.pages(component).stored[off] = True
+        for owner in {id(o): o for o, _ in targets}.values():
+            owner.stored[component] = bool(owner.pages(component).stored.all())
+
+    def _positions(self, node: TreeNode, pages: set[int]) -> list[tuple[TreeNode, int]]:
+        return [(n, p - n.start_page) for n in node.path()
+                for p in range(n.start_page, n.end_page) if p in pages]
+
+    # ---- walking -----------------------------------------------------------------
+    def _tokens(self, tokens: Sequence[int] | np.ndarray, *, aligned: bool) -> np.ndarray:
+        toks = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if aligned and len(toks) % self.page_size:
+            raise ValueError(
+                f"{len(toks)} tokens is not a whole number of pages (page_size "
+                f"{self.page_size}): the tree stores page-aligned keys only"
+            )
+        return toks[: len(toks) - len(toks) % self.page_size]
+
+    def _page_key(self, toks: np.ndarray, page: int) -> tuple[int, ...]:
+        ps = self.page_size
+        return tuple(toks[page * ps : (page + 1) * ps].tolist())
+
+    def _common_pages(self, node: TreeNode, toks: np.ndarray, p: int) -> int:
+        rest = toks[p * self.page_size :]
+        n = min(len(node.key), len(rest))
+        eq = node.key[:n] == rest[:n]
+        first = n if bool(eq.all()) else int(np.argmin(eq))
+        return first // self.page_size
+
+    def _walk(self, toks: np.ndarray) -> list[tuple[TreeNode, int]]:
+        """``(node, matched pages)`` along the path matching ``toks``."""
+        path: list[tuple[TreeNode, int]] = []
+        node, p, n = self.root, 0, len(toks) // self.page_size
+        while p < n:
+            child = node.children.get(self._page_key(toks, p))
+            if child is None:
+                break
+            m = self._common_pages(child, toks, p)
+            path.append((child, m))
+            if m < child.num_pages:
+                break
+            node, p = child, p + m
+        return path
+
+    def _gather(self, path: Sequence[tuple[TreeNode, int]], c: Component) -> torch.Tensor:
+        parts = [n.pages(c).indices[:m] for n, m in path]
+        return torch.cat([torch.zeros(0, dtype=torch.int64), *parts])
 
     # ---- internals -------------------------------------------------------------
     def _new_node(self, parent: TreeNode | None, key: np.ndarray, start: int,
@@ -359,3 +530,16 @@ class UnifiedRadixTree(TreePaths):
         for (node, off), idx in moved:
             comp.set_index(node.data[component], off, idx)
             owners[idx] = (node, off)
+
+
+def _subtree_post_order(node: TreeNode) -> list[TreeNode]:
+    out: list[TreeNode] = []
+    stack = [(node, False)]
+    while stack:
+        cur, expanded = stack.pop()
+        if expanded:
+            out.append(cur)
+            continue
+        stack.append((cur, True))
+        stack.extend((ch, False) for ch in cur.children.values())
+    return out

@@ -12,6 +12,27 @@ hybrid allocator picks one manager per spec):
   pages stay).
 * MAMBA: one checkpoint slot at the node's end; eviction drops checkpoints
   (the KV stays). A split head never has one: recurrent state cannot be split.
+
+Also here, so that this file reads on its own: the nodes and what each
+component keeps per node (``PageData`` for FULL and SWA, ``SlotData`` for
+MAMBA), the insert's validated inputs and its result builder, and
+:class:`TreeView`, what a component (and the integrity checker) reads from
+its tree. Imports run one way: this file <- ``tree_integrity.py`` <- ``tree.py``.
+
+A node covers a page-aligned run of tokens ``[start_page, end_page)`` of every
+prompt that passes through it. What the device holds for those pages is kept
+per component in ``node.data``:
+
+* FULL and SWA: :class:`PageData` - one device page index per page, a
+  ``valid`` mask (FULL pages are always valid while the node exists; a SWA
+  page that was evicted is a *tombstone*: ``valid`` False, its index
+  meaningless) and a ``stored`` mask (the page is known to be in the external
+  store).
+* MAMBA: :class:`SlotData` - the state slot of the checkpoint taken at the
+  node's *end* (recurrent state is only valid at exactly one boundary), or
+  ``None``.
+
+Nodes carry no per-kind logic; that lives in the component classes below.
 """
 
 from __future__ import annotations
@@ -19,23 +40,172 @@ from __future__ import annotations
 import heapq
 import weakref
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, NamedTuple
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol
 
+import numpy as np
 import torch
 
-from layerlift.pools.spec import Component
-from layerlift.pools.tree_node import ComponentData, PageData, SlotData, TreeNode
-
-if TYPE_CHECKING:
-    from layerlift.pools.tree import UnifiedRadixTree
-    from layerlift.pools.tree_result import InsertBuilder
+from layerlift.pools.base import KVPool
+from layerlift.pools.spec import Component, ModelSpec
 
 __all__ = [
-    "TREE_COMPONENT_TYPES", "FullComponent", "InsertInputs", "MambaComponent",
-    "SwaComponent", "TreeComponent",
+    "TREE_COMPONENT_TYPES", "ComponentData", "FullComponent", "InsertBuilder", "InsertInputs",
+    "InsertResult", "MambaComponent", "PageData", "SlotData", "SwaComponent", "TreeComponent",
+    "TreeIntegrityError", "TreeNode", "TreeView",
 ]
 
 
+# ---- nodes and what each component keeps per node -------------------------
+class TreeIntegrityError(AssertionError):
+    """``UnifiedRadixTree.check_integrity`` found an inconsistency (a bug)."""
+
+
+@dataclass(slots=True)
+class PageData:
+    """Device pages of one page-indexed component (FULL or SWA) of one node.
+
+    All three tensors have one entry per page of the node; ``indices`` is
+    int64, ``valid`` and ``stored`` are bool. Entries of ``indices`` where
+    ``valid`` is False carry no meaning.
+    """
+
+    indices: torch.Tensor
+    valid: torch.Tensor
+    stored: torch.Tensor
+
+    @classmethod
+    def empty(cls, n: int) -> PageData:
+        """``n`` pages, none present, none stored."""
+        return cls(torch.zeros(n, dtype=torch.int64), torch.zeros(n, dtype=torch.bool),
+                   torch.zeros(n, dtype=torch.bool))
+
+    @classmethod
+    def make(cls, indices: torch.Tensor, valid: torch.Tensor) -> PageData:
+        """Fresh data (nothing stored yet); copies its inputs."""
+        idx = indices.to(torch.int64).clone()
+        val = valid.to(torch.bool).clone()
+        idx[~val] = 0
+        return cls(idx, val, torch.zeros(len(idx), dtype=torch.bool))
+
+    def split(self, k: int) -> tuple[PageData, PageData]:
+        """The first ``k`` pages and the rest (copies)."""
+        head = PageData(self.indices[:k].clone(), self.valid[:k].clone(), self.stored[:k].clone())
+        tail = PageData(self.indices[k:].clone(), self.valid[k:].clone(), self.stored[k:].clone())
+        return head, tail
+
+    def present(self) -> list[tuple[int, int]]:
+        """``(offset, device index)`` of every valid page."""
+        offs = torch.nonzero(self.valid).flatten().tolist()
+        return [(o, int(self.indices[o])) for o in offs]
+
+
+@dataclass(slots=True)
+class SlotData:
+    """The MAMBA checkpoint at a node's end: a state slot, or ``None``."""
+
+    slot: int | None = None
+
+    def present(self) -> list[tuple[int, int]]:
+        """``[(0, slot)]`` when the checkpoint exists, else ``[]``."""
+        return [] if self.slot is None else [(0, self.slot)]
+
+
+ComponentData = PageData | SlotData
+
+
+class TreeNode:
+    """One node of the unified radix tree.
+
+    ``children`` are keyed by the tokens of their first page. ``hashes`` holds
+    one chained page hash per page (chained from the parent's last hash).
+    ``lock_ref`` counts locks on this node *or any descendant*: a node with
+    ``lock_ref > 0`` is never evicted. ``last_access`` is a per-component
+    logical clock (not wall time). ``stored`` is the offload bookkeeping per
+    component (see ``UnifiedRadixTree.mark_stored``). ``pending`` is opaque
+    to the tree: the engine hangs an in-flight load's readiness there.
+    """
+
+    __slots__ = (
+        "children", "data", "hashes", "key", "last_access", "lock_ref", "node_id",
+        "parent", "pending", "start_page", "stored",
+    )
+
+    def __init__(
+        self,
+        parent: TreeNode | None,
+        key: np.ndarray,
+        start_page: int,
+        hashes: list[bytes],
+        data: dict[Component, ComponentData],
+        node_id: int,
+    ) -> None:
+        self.parent = parent
+        self.children: dict[tuple[int, ...], TreeNode] = {}
+        self.key = key
+        self.start_page = start_page
+        self.hashes = hashes
+        self.data = data
+        self.node_id = node_id
+        self.lock_ref = 0
+        self.last_access: dict[Component, int] = dict.fromkeys(Component, 0)
+        self.stored: dict[Component, bool] = dict.fromkeys(Component, False)
+        self.pending: object | None = None
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.hashes)
+
+    @property
+    def end_page(self) -> int:
+        return self.start_page + self.num_pages
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
+
+    @property
+    def is_leaf(self) -> bool:
+        return not self.children
+
+    @property
+    def last_hash(self) -> bytes | None:
+        """Hash of the node's last page (``None`` for the root)."""
+        return self.hashes[-1] if self.hashes else None
+
+    def pages(self, component: Component) -> PageData:
+        """FULL or SWA page data; raises ``ValueError`` for MAMBA."""
+        data = self.data[component]
+        if not isinstance(data, PageData):
+            raise ValueError(f"{component.value} is not a page-indexed component")
+        return data
+
+    @property
+    def checkpoint(self) -> int | None:
+        """The MAMBA state slot at this node's end, or ``None``."""
+        data = self.data[Component.MAMBA]
+        assert isinstance(data, SlotData)
+        return data.slot
+
+    def path(self) -> list[TreeNode]:
+        """Nodes from the root's first child down to this node (root excluded)."""
+        out: list[TreeNode] = []
+        node: TreeNode | None = self
+        while node is not None and node.parent is not None:
+            out.append(node)
+            node = node.parent
+        out.reverse()
+        return out
+
+    def __repr__(self) -> str:
+        return (
+            f"TreeNode(id={self.node_id}, pages=[{self.start_page}, {self.end_page}), "
+            f"ckpt={self.checkpoint}, lock={self.lock_ref})"
+        )
+
+
+# ---- one insert's inputs and result ----------------------------------------
 class InsertInputs(NamedTuple):
     """What the caller of ``insert`` offers, validated (``n_pages`` entries)."""
 
@@ -46,15 +216,100 @@ class InsertInputs(NamedTuple):
     checkpoints: dict[int, int]
 
 
+class InsertResult(NamedTuple):
+    """What an ``insert`` took from the caller.
+
+    ``adopted[c]`` (FULL, SWA): merged page ranges ``[start, end)`` (absolute
+    prompt positions) whose caller indices the tree now owns.
+    ``adopted_checkpoints``: boundaries b whose caller slot the tree took.
+    ``duplicates[c]`` (every component): caller indices the tree did *not*
+    take because it already had that page/checkpoint: the caller must free
+    them and must not load into them. ``node`` ends at the prompt's last page;
+    ``new_checkpoint_nodes`` gained a checkpoint in this insert; ``nodes``
+    covers ``[start_page, n)`` in order (for offload bookkeeping).
+    ``canonical[c]`` (FULL, SWA): the tree's indices for pages ``[0, n)``
+    after the insert (SWA entries the tree does not hold are unspecified).
+    """
+
+    adopted: dict[Component, list[tuple[int, int]]]
+    adopted_checkpoints: list[int]
+    duplicates: dict[Component, torch.Tensor]
+    node: TreeNode
+    new_checkpoint_nodes: list[TreeNode]
+    nodes: list[TreeNode]
+    canonical: dict[Component, torch.Tensor]
+
+
+class InsertBuilder:
+    """Accumulates an :class:`InsertResult` during one insert walk."""
+
+    def __init__(self) -> None:
+        self.adopted: dict[Component, list[tuple[int, int]]] = {
+            Component.FULL: [], Component.SWA: [],
+        }
+        self.adopted_checkpoints: list[int] = []
+        self.duplicates: dict[Component, list[int]] = {c: [] for c in Component}
+        self.new_checkpoint_nodes: list[TreeNode] = []
+        self.nodes: list[TreeNode] = []
+
+    def adopt(self, component: Component, page: int) -> None:
+        """Record page ``page`` as taken; consecutive pages merge into one range."""
+        ranges = self.adopted[component]
+        if ranges and ranges[-1][1] == page:
+            ranges[-1] = (ranges[-1][0], page + 1)
+        else:
+            ranges.append((page, page + 1))
+
+    def adopt_checkpoint(self, node: TreeNode) -> None:
+        self.adopted_checkpoints.append(node.end_page)
+        self.new_checkpoint_nodes.append(node)
+
+    def duplicate(self, component: Component, index: int) -> None:
+        self.duplicates[component].append(index)
+
+    def build(self, node: TreeNode, canonical: dict[Component, torch.Tensor]) -> InsertResult:
+        dups = {c: torch.tensor(v, dtype=torch.int64) for c, v in self.duplicates.items()}
+        return InsertResult(
+            adopted={c: list(r) for c, r in self.adopted.items()},
+            adopted_checkpoints=list(self.adopted_checkpoints),
+            duplicates=dups,
+            node=node,
+            new_checkpoint_nodes=list(self.new_checkpoint_nodes),
+            nodes=list(self.nodes),
+            canonical=canonical,
+        )
+
+
+class TreeView(Protocol):
+    """What a component and the integrity checker read from their tree
+    (:class:`~layerlift.pools.tree.UnifiedRadixTree` implements it)."""
+
+    spec: ModelSpec
+    pool: KVPool
+    page_size: int
+    root: TreeNode
+    max_branch_checkpoints: int
+    components: dict[Component, TreeComponent]
+    owners: dict[Component, dict[int, tuple[TreeNode, int]]]
+
+    def __len__(self) -> int: ...
+    def iter_nodes(self) -> Iterator[TreeNode]: ...
+    def contains(self, node: TreeNode) -> bool: ...
+    def is_branch_checkpoint(self, node: TreeNode) -> bool: ...
+    def window_pages(self, node: TreeNode) -> list[tuple[TreeNode, int]]: ...
+    def remove_leaf(self, node: TreeNode, sinks: Mapping[Component, list[int]] | None = None
+                    ) -> dict[Component, int]: ...
+
+
 class TreeComponent(ABC):
     """Per-kind behaviour; ``tree`` gives access to the pool and owner maps."""
 
     component: Component
 
-    def __init__(self, tree: UnifiedRadixTree) -> None:
+    def __init__(self, tree: TreeView) -> None:
         # A proxy, not a reference: the tree owns its components, and a cycle
         # would keep the tree and its pool's buffer alive until the next GC.
-        self.tree: UnifiedRadixTree = weakref.proxy(tree)
+        self.tree: TreeView = weakref.proxy(tree)
 
     @abstractmethod
     def blank(self, n_pages: int) -> ComponentData:

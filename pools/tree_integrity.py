@@ -9,18 +9,20 @@ structural invariant and raises :class:`TreeIntegrityError` (an
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from layerlift.pools.hashing import ROOT_HASH, page_hashes
 from layerlift.pools.spec import Component
-from layerlift.pools.tree_components import InsertInputs
-from layerlift.pools.tree_node import PageData, SlotData, TreeIntegrityError, TreeNode
-
-if TYPE_CHECKING:
-    from layerlift.pools.tree import UnifiedRadixTree
+from layerlift.pools.tree_components import (
+    InsertInputs,
+    PageData,
+    SlotData,
+    TreeIntegrityError,
+    TreeNode,
+    TreeView,
+)
 
 __all__ = ["check_offered", "check_tree", "validate_insert"]
 
@@ -33,7 +35,7 @@ def _vector(name: str, t: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Ten
 
 
 def validate_insert(
-    tree: UnifiedRadixTree, n: int, full: torch.Tensor, swa: torch.Tensor,
+    tree: TreeView, n: int, full: torch.Tensor, swa: torch.Tensor,
     swa_valid: torch.Tensor, checkpoints: Mapping[int, int], start_page: int,
 ) -> InsertInputs:
     """Check shapes, ranges and checkpoint positions; ``ValueError`` otherwise."""
@@ -75,7 +77,7 @@ def validate_insert(
 
 
 def check_offered(
-    tree: UnifiedRadixTree, path: list[tuple[TreeNode, int]], inputs: InsertInputs
+    tree: TreeView, path: list[tuple[TreeNode, int]], inputs: InsertInputs
 ) -> None:
     """``ValueError`` if an offered index is owned by the tree at another position."""
     here: dict[int, tuple[TreeNode, int]] = {}
@@ -104,7 +106,7 @@ def _fail(msg: str) -> None:
     raise TreeIntegrityError(msg)
 
 
-def _check_node(tree: UnifiedRadixTree, node: TreeNode) -> None:
+def _check_node(tree: TreeView, node: TreeNode) -> None:
     ps, parent = tree.page_size, node.parent
     if parent is None or not tree.contains(parent):
         _fail(f"{node} has a parent that is not in the tree")
@@ -131,7 +133,7 @@ def _check_node(tree: UnifiedRadixTree, node: TreeNode) -> None:
             _fail(f"{node} has a {c.value} stored flag that disagrees with its page marks")
 
 
-def check_tree(tree: UnifiedRadixTree) -> None:
+def check_tree(tree: TreeView) -> None:
     """Verify links, keys, hashes, locks, ownership, reverse maps and pool use."""
     root = tree.root
     if root.parent is not None or root.num_pages or root.lock_ref < 0:
@@ -167,7 +169,7 @@ def check_tree(tree: UnifiedRadixTree) -> None:
         _check_allocated(tree, c, list(seen[c]))
 
 
-def _check_allocated(tree: UnifiedRadixTree, c: Component, indices: list[int]) -> None:
+def _check_allocated(tree: TreeView, c: Component, indices: list[int]) -> None:
     """Every owned index must be allocated (and not freed-deferred) in the
     pool. ``KVPool`` has no public per-page query, so this reads the
     allocator of pools built on ``MultiEndedAllocator`` (``pool.core``) and

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from layerlift.pools import MultiEndedAllocator, PoolError, SubPoolSpec
-from layerlift.pools.capacity import _ladder_closed_form, available_pages_search
+from layerlift.pools.ladder import _ladder_closed_form, available_pages_search
 
 SPECS = [
     SubPoolSpec("down", 128, "down"),  # input order is irrelevant

@@ -15,8 +15,9 @@ from layerlift.pools import (
     PoolAccountingError,
     UnifiedKVPool,
 )
-from layerlift.pools.capacity import _CapacityField, available_pages, joint_fits
+from layerlift.pools.capacity import _CapacityField
 from layerlift.pools.end_allocator import SubAllocator
+from layerlift.pools.ladder import available_pages, joint_fits
 
 F, S, M = Component.FULL, Component.SWA, Component.MAMBA
 SPEC = ModelSpec.preset("tiny")

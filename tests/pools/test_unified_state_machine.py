@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from layerlift.pools import Component, ModelSpec, PoolError, UnifiedKVPool
-from layerlift.pools.capacity import available_pages, available_pages_search
+from layerlift.pools.ladder import available_pages, available_pages_search
 
 SPEC = ModelSpec.preset("tiny")
 COMPONENTS = st.sampled_from(list(Component))
