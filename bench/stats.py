@@ -1,6 +1,6 @@
 """The numbers of one benchmark point: raw samples in, the performance model out.
 
-DESIGN.md section 5: with per-layer load times ``a_l`` and compute times ``c_l``
+docs/design.md §5: with per-layer load times ``a_l`` and compute times ``c_l``
 (the barrier run's profile, where the two never overlap), the barrier takes
 ``Σa + Σc``, per-layer overlap at best ``F_L`` with ``F_l = max(A_l, F_{l-1}) + c_l``,
 and never less than ``max(Σa + c_last, a_0 + Σc)`` (the bound). The fixed overhead
@@ -61,7 +61,7 @@ def recurrence(a: Sequence[float], c: Sequence[float]) -> float:
 
 
 def lower_bound(a: Sequence[float], c: Sequence[float]) -> float:
-    """``max(Σa + c_last, a_0 + Σc)``: no overlap finishes sooner (DESIGN.md section 5)."""
+    """``max(Σa + c_last, a_0 + Σc)``: no overlap finishes sooner (docs/design.md §5)."""
     if len(a) != len(c) or not len(a):
         raise ValueError(f"need one load and one compute time per layer, got {len(a)} and {len(c)}")
     return max(float(sum(a)) + float(c[-1]), float(a[0]) + float(sum(c)))

@@ -1,5 +1,5 @@
 """`layerlift bench ttft`: time to first token of recompute, barrier restore and
-overlap restore on the same prompts (DESIGN.md section 5).
+overlap restore on the same prompts (docs/design.md §5).
 
 Per link mode and model preset the harness opens ONE store shared by four engines:
 

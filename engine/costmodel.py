@@ -21,7 +21,7 @@ first decisions are sensible):
   (a host's forward that reported no timings) teaches nothing: zero seconds
   is "not measured", never "free".
 
-Estimates follow DESIGN.md section 5 for one request with per-layer load
+Estimates follow docs/design.md §5 for one request with per-layer load
 ``a`` and compute ``c`` over ``L`` layers. ``H`` (``ahead_s``) is compute
 already queued on the device ahead of this batch (cross-batch prefetch: the
 load runs while the batch ahead computes); a plan is priced by what it adds

@@ -1,7 +1,7 @@
 """Link emulation for the benchmark: a modeled NIC of B GB/s that costs no CPU.
 
 On a 2-core machine a real loopback transfer competes with the forward for the cores, so
-overlap gains are hidden (DESIGN.md section 5). `EmulatedLink.wrap(fetch, nbytes)` runs the
+overlap gains are hidden (docs/design.md §5). `EmulatedLink.wrap(fetch, nbytes)` runs the
 real copy, then *sleeps* until the modeled arrival time. Transfers share one wire: each
 occupies it for `nbytes / bandwidth` starting when the previous one left it (a "busy
 until" timestamp under a lock), and arrives `latency` after leaving it.

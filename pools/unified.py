@@ -9,7 +9,7 @@ translates :class:`Component` <-> sub-pool names and numpy <-> torch.
 Why FULL at the bottom and SWA at the top with MAMBA floating: FULL and SWA
 pages are long-lived in different proportions as the workload shifts, so the
 two ENDs trade bytes through the float; MAMBA slots are few and large, and
-are the only pages the pool ever moves (see DESIGN.md section 2.6 for why
+are the only pages the pool ever moves (see docs/design.md §2, item 6, for why
 pinned in-flight loads make those moves safe).
 """
 

@@ -8,7 +8,7 @@ distribution as computing the whole prompt.
 The forward runs *layer by layer for the whole batch* and calls
 ``before_layer(l)`` right before layer ``l`` touches any cached data of that
 layer: that is where the engine waits for layer ``l``'s restored KV or state
-(the overlap of restore and compute, DESIGN.md section 2).
+(the overlap of restore and compute, docs/design.md §2).
 
 Layer ``l``: ``h += mixer(norm(h))``; ``h += mlp(norm(h))`` with the mixer
 chosen by ``spec.kinds[l]``; then a final norm and the LM head.

@@ -1,5 +1,5 @@
 """The cost model fed known timings: its decisions flip exactly where the
-arithmetic of DESIGN.md section 5 says, it learns nothing from an untimed
+arithmetic of docs/design.md §5 says, it learns nothing from an untimed
 forward, prices a prefetched load by what it adds to the critical path, and
 explores when recompute has won for long."""
 
