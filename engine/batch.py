@@ -38,17 +38,20 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
+import logging
+import threading
 import time
-from collections.abc import Coroutine, Hashable, Sequence
+from collections.abc import Callable, Coroutine, Hashable, Sequence
 from typing import Any, TypeVar
 
-import anyio
 import torch
 
 from layerlift.engine.compute import ComputeAlloc, alloc_compute, compute_bytes, free_compute
 from layerlift.engine.context import EngineContext, EngineError, release_plan
 from layerlift.engine.forward import (
     ForwardRun,
+    ForwardStopped,
     build_results,
     build_runs,
     forward_requests,
@@ -60,6 +63,7 @@ from layerlift.engine.model.api import ForwardRequest
 from layerlift.engine.plan import LookupPlan
 from layerlift.engine.restore import RestoreLoad
 from layerlift.engine.results import PrefillResult, Timings
+from layerlift.engine.threads import run_owned, wait_through
 from layerlift.linker.transaction import RestoreTransaction, TransactionState
 from layerlift.overlap.base import LayerLoadError, LayerWaitTimeout, ReadinessView
 from layerlift.overlap.readiness import LayerReadiness
@@ -69,6 +73,7 @@ from layerlift.pools.spec import Component
 __all__ = ["Batch", "BatchState", "RerunRequired"]
 
 T = TypeVar("T")
+log = logging.getLogger("layerlift.engine")
 MAX_FORWARD_ATTEMPTS = 3
 
 
@@ -138,6 +143,11 @@ class Batch:
         self._ext_deps: list[ReadinessView] = []
         self._readiness = LayerReadiness(ctx.pool.spec.num_layers,
                                          default_timeout=ctx.cfg.layer_wait_timeout_s)
+        self._forward_idle = asyncio.Event()  # no forward thread of this batch runs
+        self._forward_idle.set()
+        self._forward_stop: threading.Event | None = None
+        self._abort_reason: BaseException | None = None
+        ctx.live.add(self)
 
     # ---- PREPARE ------------------------------------------------------------------
     @classmethod
@@ -291,16 +301,40 @@ class Batch:
     async def _run(self) -> list[PrefillResult]:
         ctx = self.ctx
         for _attempt in range(MAX_FORWARD_ATTEMPTS):
-            runs = build_runs(self.plans, self.rl, self.computes)
+            runs, deps, stop = build_runs(self.plans, self.rl, self.computes), self._deps(), \
+                threading.Event()
+            self._forward_stop = stop
+            self._forward_idle.clear()
             try:
-                out, timings = await anyio.to_thread.run_sync(
-                    run_forward, ctx.model, ctx.pool, runs, self._deps(), self.started)
-            except (LayerLoadError, LayerWaitTimeout) as err:
+                # The forward owns its pages until it returns: a cancellation
+                # stops it at the next layer and is raised once it returned.
+                out, timings = await run_owned(
+                    functools.partial(run_forward, ctx.model, ctx.pool, runs, deps,
+                                      self.started, stop),
+                    on_cancel=functools.partial(self._stop_forward, stop))
+            except (LayerLoadError, LayerWaitTimeout, ForwardStopped) as err:
+                if self.closed or isinstance(err, ForwardStopped):
+                    # aborted while the forward ran: the exit owns the rest
+                    raise self._aborted_error() from err
                 await self._after_failed_pass(err)
                 continue
+            finally:
+                self._forward_idle.set()
+            if self.closed:
+                raise self._aborted_error()
             if await self._after_good_pass():
                 return await self._finish(runs, out.next_token_logprobs, timings)
         raise EngineError("the forward kept failing while restores were recomputed")
+
+    def _aborted_error(self) -> EngineError:
+        why = f": {self._abort_reason!r}" if self._abort_reason is not None else ""
+        return EngineError(f"the batch was aborted during its forward{why}")
+
+    def _stop_forward(self, stop: threading.Event) -> None:
+        """The batch was cancelled while its forward runs: stop it at the next
+        layer and fail the waits it may block in (its own load's)."""
+        stop.set()
+        self._stop_load("batch cancelled during its forward")
 
     async def _after_failed_pass(self, err: LayerLoadError | LayerWaitTimeout) -> None:
         """A layer's wait failed: end the load, unpublish and recompute the
@@ -446,9 +480,9 @@ class Batch:
         self.flight.stop(reason)
         self._readiness.cancel(reason)
 
-    async def _end_load(self, *, abort: bool = False) -> frozenset[Hashable]:
+    async def _end_load(self) -> frozenset[Hashable]:
         """End the load once (see :meth:`InFlightLoad.end`)."""
-        return await self.flight.end(abort=abort)
+        return await self.flight.end()
 
     # ---- ABORTED / exit -------------------------------------------------------------
     def abort(self, error: BaseException | None = None) -> None:
@@ -457,49 +491,87 @@ class Batch:
         free). Restores published at COMMIT leave the tree unless their load
         had already ended and landed. Idempotent; no-op after the exit."""
         if self._exit_task is None:
+            self._abort_reason = error or RuntimeError("aborted")
             self._exit_task = asyncio.get_running_loop().create_task(
-                self._exit(error or RuntimeError("aborted")))
+                self._exit(self._abort_reason))
 
     async def close(self, error: BaseException | None) -> None:
-        """Run the exit (once) and wait for it; shielded from cancellation."""
+        """Run the exit (once) and wait until it finished. A cancellation of
+        the caller does not stop the exit and is raised once it finished."""
         if self._exit_task is None:
             self._exit_task = asyncio.get_running_loop().create_task(self._exit(error))
-        await asyncio.shield(self._exit_task)
+        await wait_through(self._exit_task)
 
     async def aclose(self) -> None:
-        """Wait for the exit that ``abort`` started (no-op if none)."""
+        """Wait for the exit that ``abort`` started (no-op if none); a
+        cancellation is raised once the exit finished."""
         if self._exit_task is not None:
-            await asyncio.shield(self._exit_task)
+            await wait_through(self._exit_task)
 
     @property
     def closed(self) -> bool:
         return self._exit_task is not None
 
     async def _exit(self, error: BaseException | None) -> None:
-        """The one exit every outcome goes through (see the module docstring)."""
+        """The one exit every outcome goes through (see the module docstring).
+
+        Nothing is released while a thread of this batch may still touch it:
+        first the forward returns (stopped at its next layer on an abort),
+        then the load ends (no fetch runs, the session is closed). Each later
+        step runs whatever an earlier one raised; their errors are attached
+        to ``error`` as notes (and logged), or raised as one ``EngineError``
+        after a clean run, never instead of the error that ended the batch."""
         ctx = self.ctx
+        problems: list[BaseException] = []
+
+        def step(what: str, fn: Callable[[], object]) -> None:
+            try:
+                fn()
+            except Exception as exc:
+                exc.add_note(f"while the batch's exit was {what}")
+                problems.append(exc)
+
         try:
             if error is not None:
                 self._stop_load(f"batch aborted: {error!r}")
-            await self._end_load(abort=error is not None)
-            for comp in self.computes.values():
-                free_compute(ctx.pool, comp)
+                if self._forward_stop is not None:
+                    self._forward_stop.set()
+            await self._forward_idle.wait()  # the forward's pages are its own until it returns
+            try:
+                await self._end_load()
+            except Exception as exc:
+                problems.append(exc)
+            for rid, comp in list(self.computes.items()):
+                step(f"freeing request {rid}'s compute pages",
+                     lambda comp=comp: free_compute(ctx.pool, comp))  # type: ignore[misc]
             self.computes.clear()
-            self._unpin()
-            for txn in self.txns.values():
+            step("dropping pins", self._unpin)
+            for rid, txn in list(self.txns.items()):
                 if txn.state is TransactionState.FINISHED and txn.result is not None:
-                    ctx.tree.unlock(txn.result.node)
+                    node = txn.result.node
+                    step(f"unlocking request {rid}'s node",
+                         lambda node=node: ctx.tree.unlock(node))  # type: ignore[misc]
             self.txns.clear()
             for plan in self.plans:
-                release_plan(ctx, plan)
-            ctx.pool.flush_deferred()
-            self._readiness.cancel("the batch has ended")  # settles what is not done
+                step(f"releasing plan {plan.request_id}",
+                     lambda plan=plan: release_plan(ctx, plan))  # type: ignore[misc]
+            step("flushing deferred frees", ctx.pool.flush_deferred)
+            step("settling the readiness",
+                 lambda: self._readiness.cancel("the batch has ended"))
         finally:
             self.state = BatchState.DONE if error is None else BatchState.ABORTED
+            ctx.live.discard(self)
             self.flight.release_lock()
             if self._holds_device:
                 self._holds_device = False
                 ctx.device.release()
+        if problems:
+            for exc in problems:
+                log.error("batch exit: %r", exc, exc_info=exc)
+            if error is None:
+                raise EngineError(f"the batch's cleanup failed: {problems[0]!r}") from problems[0]
+            for exc in problems:
+                error.add_note(f"and during the cleanup: {exc!r}")
 
     # ---- helpers --------------------------------------------------------------------
     @property

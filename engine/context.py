@@ -62,6 +62,9 @@ class EngineContext:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     device: asyncio.Lock = field(default_factory=asyncio.Lock)
     next_id: int = 0
+    live: set[Any] = field(default_factory=set)
+    """Batches not yet exited (``engine/batch.py``): ``Engine.close`` aborts
+    and waits for them before it closes the lane and the store."""
 
     @property
     def vocab_size(self) -> int:

@@ -13,10 +13,9 @@ import asyncio
 import contextlib
 from collections.abc import Callable, Hashable
 
-import anyio
-
 from layerlift.engine.context import EngineContext
 from layerlift.engine.restore import RestoreLoad, with_dependents
+from layerlift.engine.threads import run_owned, wait_through
 from layerlift.linker.store_base import StoreError
 from layerlift.linker.transaction import RestoreTransaction, TransactionState
 from layerlift.overlap.scheduler import LayerTiming, LoadTask
@@ -60,8 +59,9 @@ class InFlightLoad:
         assert rl is not None
         keys = rl.load.keys
         try:
-            await anyio.to_thread.run_sync(
-                lambda: self.session.enter_context(store.open_session(keys)))
+            # Owned: a cancelled start still waits for the open to return, so
+            # a session that opens after all is in ``session`` and is closed.
+            await run_owned(lambda: self.session.enter_context(store.open_session(keys)))
         except StoreError as exc:
             return exc
         self.task = self.ctx.restore.scheduler.start(rl.jobs, rl.readiness)
@@ -87,27 +87,39 @@ class InFlightLoad:
         if self.task is not None:
             self.task.cancel(reason)
 
-    async def end(self, *, abort: bool = False) -> frozenset[Hashable]:
+    async def end(self) -> frozenset[Hashable]:
         """Once: wait until no fetch runs, close the session, then finish the
-        restores that landed and unpublish the rest (with the requests that
-        read their pages; with ``abort`` every one). Returns the requests
-        unpublished; later calls return the same set. Shielded: a cancelled
-        caller does not stop it half-way."""
+        restores that landed in full and unpublish the rest (with the
+        requests that read their pages; a transaction never COMMITted is
+        aborted). An aborted batch stops its load first, so what had not
+        landed by then fails here; what had landed stays published (its
+        bytes are whole). Returns the requests unpublished; later calls
+        return the same set. Shielded: a cancelled caller does not stop it
+        half-way."""
         if self._end is None:
-            self._end = asyncio.ensure_future(self._end_now(abort))
-        return await asyncio.shield(self._end)
+            self._end = asyncio.ensure_future(self._end_now())
+        return await wait_through(self._end)
 
-    async def _end_now(self, abort: bool) -> frozenset[Hashable]:
+    async def _end_now(self) -> frozenset[Hashable]:
         rl = self.rl
-        if self.task is not None:
-            await self.task.wait_quiescent()
-        await anyio.to_thread.run_sync(self.session.close)
-        if rl is None:
-            self.release_lock()
-            return frozenset()
-        rl.load.close_staging()
+        try:
+            if self.task is not None:
+                await self.task.wait_quiescent()
+            await run_owned(self.session.close)
+        finally:
+            if rl is not None:
+                rl.load.close_staging()
+        if rl is None:  # PREPARE did not finish: nothing was issued or published
+            failed = frozenset(self.txns)
+            try:
+                self._unpublish(failed, landed=frozenset())
+            finally:
+                self.release_lock()
+            return failed
         broken = with_dependents(rl.readiness.failed_requests(), rl.deps) & set(self.txns)
-        failed = frozenset(self.txns) if abort else broken
+        never = {rid for rid, t in self.txns.items() if t.state is not TransactionState.COMMITTED
+                 and t.state is not TransactionState.FINISHED}
+        failed = broken | frozenset(never)
         for rid, txn in self.txns.items():
             if rid not in failed and txn.state is TransactionState.COMMITTED:
                 txn.finish()

@@ -19,11 +19,11 @@ import logging
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
-import anyio
 import torch
 
 from layerlift.engine.loads import BatchLoad
 from layerlift.engine.plan import LookupPlan
+from layerlift.engine.threads import run_owned
 from layerlift.linker.components import ComponentLinker
 from layerlift.linker.contract import LinkerTransferPhase, LinkRequest
 from layerlift.linker.restorable import choose_boundary, restorable_boundaries
@@ -112,7 +112,7 @@ class RestoreStage:
                 p.restorable, p.boundary = frozenset({p.device_pages}), p.device_pages
             return
         try:
-            answers = await anyio.to_thread.run_sync(self.store.exists, keys)
+            answers = await run_owned(lambda: self.store.exists(keys))
         except StoreError as exc:
             self._store_failed(plans, exc)
             return

@@ -1,12 +1,16 @@
 """Fault injection over the public API, in every call order, on the in-process
-store and on a real Mooncake master (DESIGN.md §7).
+store and on a real Mooncake master, in the pool sanitizer's checking mode
+(``layerlift.testing.sanitizer``: nothing released under a running thread).
 
 An exhaustive table: every call order a user can drive (``prefill``;
 ``lookup → load → commit → forward``; ``lookup → load → abort`` before and
 after COMMIT; ``lookup → release_plan``) crossed with every fault point
 (``exists``, entering the read session, each layer's read, the forward
 raising, offload ``put``, and cancellation at each await: the lookup, the
-session, a layer in flight, the forward, the session's close). Every case
+session, a layer in flight, the forward at its first, a middle and its last
+layer, the session's close — each as an anyio-style cancel, as a plain
+``task.cancel()`` and as an ``asyncio.timeout`` while the thread is held
+there). Every case
 checks that results are exact (or a clear exception was raised), that the
 engine is quiescent afterwards (lock free, no pins, no locked or pending
 nodes, accounting and integrity), and that a clean prefill then restores
@@ -42,6 +46,7 @@ from layerlift.testing import (
     kl_divergence,
     offload_and_drop,
 )
+from layerlift.testing.sanitizer import PoolSanitizer
 
 KL_TOL = 1e-6
 WAIT_S = 30.0
@@ -55,10 +60,16 @@ class Fault:
     kind: str  # none | exists | session | layer | forward | put | cancel
     layer: int | None = None
     at: str | None = None  # cancel point
+    # How a cancellation arrives: "anyio" (cancel, then the gate opens at
+    # once), "held" (plain ``task.cancel()`` while the thread stays held at
+    # the gate for HOLD_S: the call must not return meanwhile), "timeout"
+    # (an ``asyncio.timeout`` expiring while the thread is held).
+    how: str | None = None
 
     @property
     def name(self) -> str:
-        return "-".join(str(x) for x in (self.kind, self.at, self.layer) if x is not None)
+        return "-".join(str(x) for x in (self.kind, self.at, self.layer, self.how)
+                        if x is not None)
 
 
 FAULTS = [
@@ -69,12 +80,14 @@ FAULTS = [
     Fault("forward", layer=0),
     Fault("forward", layer=LAYERS - 1),
     Fault("put"),
-    Fault("cancel", at="exists"),
-    Fault("cancel", at="session_enter"),
-    Fault("cancel", at="layer", layer=3),
-    Fault("cancel", at="forward", layer=2),
-    Fault("cancel", at="session_exit"),
+    *[Fault("cancel", at=at, layer=layer, how=how)
+      for how in ("anyio", "held", "timeout")
+      for at, layer in (("exists", None), ("session_enter", None), ("layer", 3),
+                        ("forward", 0), ("forward", 2), ("forward", LAYERS - 1),
+                        ("session_exit", None))
+      if how != "anyio" or layer not in (0, LAYERS - 1)],
 ]
+HOLD_S = 0.25  # how long a held thread keeps a broken engine's cancelled call returning early
 _REACHES = {
     "exists": set(ORDERS),
     "session_enter": set(ORDERS) - {"release_plan"},
@@ -188,6 +201,13 @@ async def run_order(engine: Engine, order: str, prompts: list[np.ndarray],
     return None
 
 
+async def timed(coro: Any, box: dict[str, Any]) -> Any:
+    """``coro`` under an ``asyncio.timeout`` the test can make expire."""
+    async with asyncio.timeout(None) as cm:
+        box["timeout"] = cm
+        return await coro
+
+
 def arm(fault: Fault, store: FaultyStore, model: FaultyModel,
         gate: threading.Event) -> threading.Event | None:
     """Set the fault up; for a cancellation return the event its gate sets
@@ -228,7 +248,8 @@ def check_outcome(order: str, fault: Fault, out: list[PrefillResult] | None,
     """What each (order, fault) must produce: exact results that say where
     their tokens came from, or a clear exception."""
     if fault.kind == "cancel":
-        assert isinstance(error, asyncio.CancelledError), f"expected cancellation, got {error!r}"
+        expected = TimeoutError if fault.how == "timeout" else asyncio.CancelledError
+        assert isinstance(error, expected), f"expected {expected.__name__}, got {error!r}"
         return
     if order not in RESULT_ORDERS:
         assert error is None, f"{order} raised {error!r}"
@@ -253,21 +274,29 @@ def check_outcome(order: str, fault: Fault, out: list[PrefillResult] | None,
 async def run_case(order: str, fault: Fault, inner: Store, model: HybridModel,
                    prompts: list[np.ndarray], cold: list[PrefillResult]) -> None:
     store, faulty_model = FaultyStore(inner, model.spec), FaultyModel(model)
+    san = PoolSanitizer()  # every case runs in the sanitizer's checking mode
     cfg = EngineConfig(store="memory", namespace=f"f-{uuid.uuid4().hex[:10]}",
                        pool_bytes=16 << 20, layer_wait_timeout_s=WAIT_S)
-    async with Engine(faulty_model, cfg, store=store) as engine:
+    async with Engine(san.model(faulty_model), cfg, store=san.store(store)) as engine:
+        san.attach(engine.pool)
         assert_exact(await engine.prefill(prompts), cold)  # computes, then offloads
         await offload_and_drop(engine)
         puts_failed = engine.offloader.report.failed
 
         gate, box = threading.Event(), {}
         waiting = arm(fault, store, faulty_model, gate)
-        task = asyncio.create_task(run_order(engine, order, prompts, box))
+        task = asyncio.create_task(timed(run_order(engine, order, prompts, box), box))
         try:
             if waiting is not None:
                 reached = await anyio.to_thread.run_sync(waiting.wait, WAIT_S)
                 assert reached, f"{order} never reached {fault.name}"
-                task.cancel()
+                if fault.how == "timeout":
+                    box["timeout"].reschedule(asyncio.get_running_loop().time())
+                else:
+                    task.cancel()
+                if fault.how in ("held", "timeout"):
+                    done, _ = await asyncio.wait({task}, timeout=HOLD_S)
+                    assert not done, f"{order} returned while its thread was held at {fault.at}"
         finally:
             gate.set()
         out: list[PrefillResult] | None = None
@@ -303,6 +332,7 @@ async def run_case(order: str, fault: Fault, inner: Store, model: HybridModel,
         assert_exact(restored, cold)
         await engine.wait_offloads()
         assert_quiescent(engine)
+    san.check()
 
 
 # ---- the table -------------------------------------------------------------------------

@@ -1,0 +1,192 @@
+"""Plain asyncio cancellation while a worker thread is mid-flight.
+
+``task.cancel()`` and ``asyncio.wait_for``/``asyncio.timeout`` (what a host
+server's request cancellation and a ``TaskGroup`` failure do) used to make
+the engine release pool memory while the forward or a put thread still used
+it: later prompts were computed into pages the cancelled forward went on
+writing (KL up to 0.94 on device hits), and a cancelled ``wait_offloads``
+let a put store another prompt's bytes under the first prompt's keys. Each
+test holds the thread at a gate, cancels, checks that the cancelled call has
+*not* returned while the thread is held (a bounded window: a correct engine
+never returns there, however long the window), opens the gate, and then
+checks exactness and the :class:`PoolSanitizer`'s record.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+from layerlift import Engine, EngineConfig, HybridModel, ModelSpec
+from layerlift.engine.results import PrefillResult
+from layerlift.linker.memory_store import MemoryStore
+from layerlift.testing import FaultyModel, FaultyStore, assert_quiescent, kl_divergence
+from layerlift.testing.sanitizer import PoolSanitizer, SanitizerViolation
+
+KL_TOL = 1e-6
+HOLD_S = 0.5  # how long a broken engine gets to return early (a correct one never does)
+WAIT_S = 30.0
+
+
+@pytest.fixture(scope="module")
+def model() -> HybridModel:
+    return HybridModel(ModelSpec.preset("tiny"), seed=0)
+
+
+def prompts(model: HybridModel, seed: int, lengths: list[int]) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, model.vocab_size, n, dtype=np.int64) for n in lengths]
+
+
+async def cold(model: HybridModel, batch: list[np.ndarray]) -> list[PrefillResult]:
+    cfg = EngineConfig(store="memory", offload=False, pool_bytes=64 << 20)
+    async with Engine(model, cfg) as engine:
+        return [(await engine.prefill([p]))[0] for p in batch]
+
+
+def assert_exact(got: list[PrefillResult], ref: list[PrefillResult]) -> None:
+    kls = [kl_divergence(r.next_token_logprobs, g.next_token_logprobs)
+           for g, r in zip(got, ref, strict=True)]
+    assert max(kls) <= KL_TOL, f"results differ from cold runs: KL = {kls}"
+
+
+async def cancel_while_held(task: asyncio.Task[Any], cancel: Any, gate: threading.Event) -> None:
+    """Cancel ``task`` (``cancel()``), check it does not finish while the
+    thread is held, then open the gate."""
+    try:
+        cancel()
+        done, _ = await asyncio.wait({task}, timeout=HOLD_S)
+        assert not done, "the cancelled call returned while its worker thread still ran"
+    finally:
+        gate.set()
+
+
+@pytest.mark.parametrize("how", ["task.cancel", "timeout"])
+@pytest.mark.parametrize("layer", [0, 4, 7])
+async def test_cancelled_forward_releases_its_pages_only_after_it_returned(
+        model: HybridModel, how: str, layer: int) -> None:
+    """Finding 1: a new 3000-token prompt (8 MiB pool) cancelled while its
+    forward runs; six later prompts are computed into the pool and hit on
+    the device: all exact."""
+    big = prompts(model, 1, [3000])[0]
+    later = prompts(model, 2, [700, 900, 500, 800, 600, 1000])
+    ref = await cold(model, later)
+    san, faulty = PoolSanitizer(), FaultyModel(model)
+    cfg = EngineConfig(store="memory", offload=False, pool_bytes=8 << 20)
+    async with Engine(san.model(faulty), cfg) as engine:
+        san.attach(engine.pool)
+        gate = threading.Event()
+        faulty.gate_at(layer, gate)
+        box: dict[str, Any] = {}
+
+        async def timed() -> list[PrefillResult]:
+            async with asyncio.timeout(None) as cm:
+                box["cm"] = cm
+                return await engine.prefill([big])
+
+        task = asyncio.create_task(engine.prefill([big]) if how == "task.cancel" else timed())
+        assert await anyio.to_thread.run_sync(faulty.reached.wait, WAIT_S)
+        loop = asyncio.get_running_loop()
+        await cancel_while_held(
+            task, task.cancel if how == "task.cancel"
+            else (lambda: box["cm"].reschedule(loop.time())), gate)
+        expected = asyncio.CancelledError if how == "task.cancel" else TimeoutError
+        with pytest.raises(expected):
+            await task
+        faulty.clear()
+        assert_quiescent(engine)
+        computed = [(await engine.prefill([p]))[0] for p in later]
+        assert_exact(computed, ref)
+        hits = [(await engine.prefill([p]))[0] for p in later]
+        assert all(h.device_hit_tokens > 0 for h in hits)
+        assert_exact(hits, ref)
+        assert_quiescent(engine)
+    assert san.checked > 0
+    san.check()
+
+
+async def test_cancelled_wait_offloads_does_not_cut_a_put_short(model: HybridModel) -> None:
+    """Finding 2: ``wait_offloads()`` cancelled while the put runs; the
+    pages it reads are reused by another prompt before it ends. The store
+    must hold A's bytes under A's keys: a later restore of A is exact."""
+    a, b = prompts(model, 3, [640, 640])
+    ref_a, ref_b = await cold(model, [a, b])
+    san = PoolSanitizer()
+    store = FaultyStore(MemoryStore(), model.spec)
+    cfg = EngineConfig(store="memory", pool_bytes=4 << 20)
+    async with Engine(san.model(model), cfg, store=san.store(store)) as engine:
+        san.attach(engine.pool)
+        gate = threading.Event()
+        put = store.gate("put", gate)
+        (got_a,) = await engine.prefill([a])
+        assert_exact([got_a], [ref_a])
+        assert await anyio.to_thread.run_sync(put.started.wait, WAIT_S)
+        waiter = asyncio.create_task(engine.wait_offloads())
+        await asyncio.sleep(0)  # the waiter starts waiting
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        assert engine.offloader.pending, "cancelling the wait stopped the offload"
+        engine.drop_device_cache()
+        (got_b,) = await engine.prefill([b])  # fills the pool; A's pages are still pinned
+        assert_exact([got_b], [ref_b])
+        gate.set()
+        store.clear()
+        report = await engine.wait_offloads()
+        assert report.ok, report
+        engine.drop_device_cache()
+        (again,) = await engine.prefill([a])
+        assert again.restored_tokens > 0
+        assert_exact([again], [ref_a])
+        await engine.wait_offloads()
+        assert_quiescent(engine)
+    san.check()
+
+
+async def test_engine_close_waits_for_a_running_forward(model: HybridModel) -> None:
+    """``Engine.close`` with a prefill still in its forward: the batch is
+    aborted, its forward stopped at the next layer, and nothing is closed
+    under it."""
+    san, faulty = PoolSanitizer(), FaultyModel(model)
+    gate = threading.Event()
+    faulty.gate_at(3, gate)
+    engine = Engine(san.model(faulty), EngineConfig(store="memory", pool_bytes=16 << 20))
+    await engine.start()
+    san.attach(engine.pool)
+    task = asyncio.create_task(engine.prefill(prompts(model, 4, [900])))
+    assert await anyio.to_thread.run_sync(faulty.reached.wait, WAIT_S)
+    closing = asyncio.create_task(engine.close())
+    done, _ = await asyncio.wait({closing}, timeout=HOLD_S)
+    assert not done, "close returned while a forward still ran"
+    gate.set()
+    await asyncio.wait_for(closing, WAIT_S)
+    with pytest.raises(Exception, match="closing|aborted"):
+        await task
+    san.check()
+
+
+def test_the_sanitizer_catches_a_release_under_a_thread(model: HybridModel) -> None:
+    """The sanitizer itself: a span over a page that is freed before the
+    span ends is a violation, and the freed bytes are poisoned."""
+    from layerlift.pools import UnifiedKVPool
+    from layerlift.pools.spec import Component
+
+    pool = UnifiedKVPool(model.spec, 4 << 20)
+    san = PoolSanitizer()
+    san.attach(pool)
+    pages = pool.alloc(Component.FULL, 2)
+    assert pages is not None
+    ptr, size = pool.page_ptr(Component.FULL, int(pages[0])), pool.page_bytes(Component.FULL)
+    with san.span("a test read", san.ranges([ptr], [size])):
+        pass
+    san.check()
+    with san.span("a test read", san.ranges([ptr], [size])):
+        pool.free(Component.FULL, pages[:1])
+    with pytest.raises(SanitizerViolation, match="a test read"):
+        san.check()
+    assert bool((pool.page_view(Component.FULL, int(pages[0])) == 0xFF).all())
