@@ -48,12 +48,12 @@ class DaemonPool:
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
             future, fn = item
-            if not future.set_running_or_notify_cancel():
-                continue
             try:
-                future.set_result(fn())
-            except BaseException as exc:  # handed to the waiting caller
-                future.set_exception(exc)
+                if future.set_running_or_notify_cancel():  # False: cancelled while queued
+                    try:
+                        future.set_result(fn())
+                    except BaseException as exc:  # handed to the waiting caller
+                        future.set_exception(exc)
             finally:
                 with self._idle:
                     self._pending -= 1

@@ -1,16 +1,20 @@
-"""Store key schema: ``namespace/fingerprint/component/rank/pagehash``.
+"""Store key schema: ``namespace/fingerprint.format/component/rank/pagehash``.
 
 - ``namespace``: separates deployments or tenants sharing one store (no "/").
 - ``fingerprint``: the model-layout fingerprint (model, layer layout, dtype,
   page size, ...). A different layout or dtype must never match a key, so it is
   part of every key.
+- ``format``: the byte layout of the objects (`integrity.OBJECT_FORMAT`:
+  layer-major page plus a per-layer checksum footer). A LayerLift that lays
+  objects out differently uses another format, so it never reads old objects
+  as valid.
 - ``component``: the pool the object belongs to ("full", "swa", "mamba", ...).
 - ``rank``: tensor-parallel rank whose shard the object holds (>= 0).
 - ``pagehash``: the chained page hash in lowercase hex (from
   `layerlift.pools.hashing.page_hashes`), so a key names its whole prefix. A
   MAMBA checkpoint uses the hash of the last page before its boundary.
 
-Example: ``prod/llama3-8b-bf16-ps64/full/0/9f86d081884c7d65...``.
+Example: ``prod/llama3-8b-bf16-ps64.l2/full/0/9f86d081884c7d65...``.
 This module only formats keys; hashing lives in `pools/hashing.py`.
 """
 
@@ -19,6 +23,8 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
+
+from layerlift.linker.integrity import OBJECT_FORMAT
 
 _SEGMENT = re.compile(r"^[A-Za-z0-9._:+=@-]+$")
 
@@ -33,22 +39,25 @@ def _check_segment(what: str, value: str) -> None:
 
 @dataclass(frozen=True, slots=True)
 class KeySchema:
-    """Formats store keys for one (namespace, model fingerprint, rank). Immutable."""
+    """Formats store keys for one (namespace, model fingerprint, rank, object
+    format). Immutable."""
 
     namespace: str
     fingerprint: str
     rank: int
+    object_format: str = OBJECT_FORMAT
 
     def __post_init__(self) -> None:
         _check_segment("namespace", self.namespace)
         _check_segment("fingerprint", self.fingerprint)
+        _check_segment("object format", self.object_format)
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
             raise ValueError(f"The key rank must be an integer >= 0, got {self.rank!r}.")
 
     @property
     def prefix(self) -> str:
-        """``namespace/fingerprint/`` — every key of this schema starts with it."""
-        return f"{self.namespace}/{self.fingerprint}/"
+        """``namespace/fingerprint.format/`` — every key of this schema starts with it."""
+        return f"{self.namespace}/{self.fingerprint}.{self.object_format}/"
 
     def key(self, component: str, page_hash: bytes) -> str:
         """The key of one page object (or checkpoint) of `component`.

@@ -14,20 +14,25 @@ import contextlib
 import ctypes
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import NamedTuple, TypeVar
 
+from layerlift.linker.daemon_pool import DaemonPool
 from layerlift.linker.store_base import (
     Store,
     StoreError,
+    StoreFull,
     StoreIOError,
     StoreKeyMissing,
-    StoreTimeout,
     StoreUnavailable,
     TensorLike,
     buffer_span,
+    call_bounded,
     check_batch,
+    check_ranges,
 )
+
+_T = TypeVar("_T")
 
 
 def _address(data: bytes) -> int:
@@ -48,7 +53,16 @@ class MemoryStore(Store):
     """Thread-safe in-memory `Store` with fault and latency injection.
 
     - `latency_s`: sleep per call, in the calling thread, outside the lock. If
-      it reaches `timeout_s`, the call sleeps `timeout_s` and raises StoreTimeout.
+      it reaches `timeout_s`, the call runs on a background worker instead:
+      the caller gets StoreTimeout after `timeout_s` while the call goes on
+      and takes effect (reads and writes the caller's memory) after
+      `latency_s`, exactly like a Mooncake call on a slow master.
+    - `stall()` / `resume()`: a stopped master. Calls made while stalled run
+      on a background worker and take effect only after `resume()`; their
+      callers get StoreTimeout (carrying the running call) after `timeout_s`.
+      `held` is set once a call waits for `resume()`.
+    - `capacity_bytes`: a full store. A put whose new objects do not fit
+      stores those that do, in order, and raises StoreFull for the rest.
     - `fail_call(n, exc)`: the n-th call from now (1 = the next) raises `exc`
       (default StoreUnavailable). Every method except `close` counts.
     - `fail_keys(keys, exc)`: put/get/get_ranges touching those keys raise `exc`
@@ -58,11 +72,19 @@ class MemoryStore(Store):
     - `calls`, `bytes_read`, `bytes_written`: what happened so far.
     """
 
-    def __init__(self, *, timeout_s: float = 10.0, latency_s: float = 0.0) -> None:
+    def __init__(self, *, timeout_s: float = 10.0, latency_s: float = 0.0,
+                 capacity_bytes: int | None = None) -> None:
         if timeout_s <= 0 or latency_s < 0:
             raise ValueError("timeout_s must be positive and latency_s must be >= 0.")
+        if capacity_bytes is not None and capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes must be >= 0 (or None), got {capacity_bytes}.")
         self.timeout_s = timeout_s
         self.latency_s = latency_s
+        self.capacity_bytes = capacity_bytes
+        self.held = threading.Event()
+        self._running = threading.Event()
+        self._running.set()
+        self._workers: DaemonPool | None = None
         self.calls: list[StoreCall] = []
         self.bytes_read = 0
         self.bytes_written = 0
@@ -100,6 +122,15 @@ class MemoryStore(Store):
         with self._lock:
             self._objects.pop(key, None)
 
+    def stall(self) -> None:
+        """Stop the "master": calls from now on take effect only after `resume()`."""
+        self.held.clear()
+        self._running.clear()
+
+    def resume(self) -> None:
+        """Let stalled calls take effect (in the background, in their order)."""
+        self._running.set()
+
     def clear_faults(self) -> None:
         """Forget every injected fault (latency stays)."""
         with self._lock:
@@ -109,21 +140,42 @@ class MemoryStore(Store):
 
     # -- plumbing --------------------------------------------------------------------------
 
-    def _enter(self, method: str, keys: Sequence[str] = ()) -> None:
-        """Log the call, apply latency and call faults; raise StoreError after close."""
+    def _call(self, method: str, keys: Sequence[str], body: Callable[[], _T]) -> _T:
+        """Log the call, then run `body` with latency and call faults applied:
+        inline, or (slow or stalled) on a background worker that the caller
+        waits for at most `timeout_s`. Raises StoreError after close."""
         with self._lock:
             if self._closed:
                 raise StoreError(f"Cannot call {method}: this MemoryStore is closed.")
             self._ncalls += 1
             self.calls.append(StoreCall(method, tuple(keys)))
             injected = self._fail_at.pop(self._ncalls, None)
-        if self.latency_s >= self.timeout_s:
-            time.sleep(self.timeout_s)
-            raise StoreTimeout(f"MemoryStore {method} did not finish within {self.timeout_s:g} s.")
-        if self.latency_s:
-            time.sleep(self.latency_s)
-        if injected is not None:
-            raise injected
+            stalled = not self._running.is_set()
+            slow = self.latency_s >= self.timeout_s
+            if (stalled or slow) and self._workers is None:
+                self._workers = DaemonPool(4, "memory-store")
+            workers = self._workers
+
+        def run() -> _T:
+            if stalled:
+                self.held.set()
+                self._running.wait()
+            if self.latency_s:
+                time.sleep(self.latency_s)
+            if injected is not None:
+                raise injected
+            with self._lock:
+                if self._closed:
+                    raise StoreError(f"MemoryStore {method}: the store was closed meanwhile.")
+            return body()
+
+        if workers is None or not (stalled or slow):
+            return run()
+        return call_bounded(
+            workers.submit, run, self.timeout_s,
+            f"MemoryStore {method} did not finish within {self.timeout_s:g} s "
+            "(the call may still run).",
+        )
 
     def _check_keys(self, keys: Iterable[str], reading: bool) -> None:
         """Raise injected key faults (caller holds the lock)."""
@@ -147,58 +199,97 @@ class MemoryStore(Store):
 
     def register(self, buffer: TensorLike | int, nbytes: int | None = None) -> int:
         ptr, size = buffer_span(buffer, nbytes)
-        self._enter("register")
-        with self._lock:
-            for base, length in self._registered.items():
-                if base < ptr + size and ptr < base + length:
-                    raise StoreError(
-                        f"Memory at {ptr:#x} (+{size} bytes) overlaps memory already registered "
-                        f"at {base:#x}; Mooncake refuses this too (error -600)."
-                    )
-            self._registered[ptr] = size
-        return ptr
+
+        def body() -> int:
+            with self._lock:
+                for base, length in self._registered.items():
+                    if base < ptr + size and ptr < base + length:
+                        raise StoreError(
+                            f"Memory at {ptr:#x} (+{size} bytes) overlaps memory already "
+                            f"registered at {base:#x}; Mooncake refuses this too (error -600)."
+                        )
+                self._registered[ptr] = size
+            return ptr
+
+        return self._call("register", (), body)
 
     def unregister(self, ptr: int) -> None:
-        self._enter("unregister")
-        with self._lock:
-            if self._registered.pop(ptr, None) is None:
-                raise StoreError(f"Memory at {ptr:#x} is not registered with this store.")
+        def body() -> None:
+            with self._lock:
+                if self._registered.pop(ptr, None) is None:
+                    raise StoreError(f"Memory at {ptr:#x} is not registered with this store.")
+
+        self._call("unregister", (), body)
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
-        self._enter("exists", keys)
-        with self._lock:
-            return [k in self._objects for k in keys]
+        def body() -> list[bool]:
+            with self._lock:
+                return [k in self._objects for k in keys]
+
+        return self._call("exists", keys, body)
 
     def put(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> None:
         check_batch(keys, ptrs, sizes)
-        self._enter("put", keys)
-        with self._lock:
-            self._check_keys(keys, reading=False)
-            for ptr, size in zip(ptrs, sizes, strict=True):
-                self._check_span(ptr, size)
-            for key, ptr, size in zip(keys, ptrs, sizes, strict=True):
-                if key not in self._objects:
-                    self._objects[key] = ctypes.string_at(ptr, size)
-                    self.bytes_written += size
+        self.put_parts(keys, [[p] for p in ptrs], [[n] for n in sizes], method="put")
+
+    def put_parts(
+        self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]],
+        *, method: str = "put_parts",
+    ) -> None:
+        check_batch(keys, ptrs, sizes)
+        for p, n in zip(ptrs, sizes, strict=True):
+            check_batch(p, n)
+
+        def body() -> None:
+            with self._lock:
+                self._check_keys(keys, reading=False)
+                for row, lens in zip(ptrs, sizes, strict=True):
+                    for ptr, size in zip(row, lens, strict=True):
+                        self._check_span(ptr, size)
+                full: list[str] = []
+                for key, row, lens in zip(keys, ptrs, sizes, strict=True):
+                    if key in self._objects:
+                        continue
+                    if self.capacity_bytes is not None and \
+                            self.used_bytes + sum(lens) > self.capacity_bytes:
+                        full.append(key)
+                        continue
+                    self._objects[key] = b"".join(
+                        ctypes.string_at(p, n) for p, n in zip(row, lens, strict=True))
+                    self.bytes_written += sum(lens)
+            if full:
+                raise StoreFull(
+                    f"MemoryStore put: no space for {len(full)} object(s) "
+                    f"(capacity {self.capacity_bytes} bytes), e.g. {full[0]}.")
+
+        self._call(method, keys, body)
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of every object held."""
+        return sum(len(v) for v in self._objects.values())
 
     def get(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[bool]:
         check_batch(keys, ptrs, sizes)
-        self._enter("get", keys)
-        with self._lock:
-            present = [k for k in keys if k in self._objects]
-            self._check_keys(present, reading=True)
-            for key, ptr, size in zip(keys, ptrs, sizes, strict=True):
-                self._check_span(ptr, size)
-                data = self._objects.get(key)
-                if data is not None and len(data) != size:
-                    raise StoreIOError(
-                        f"Object {key} is {len(data)} bytes but {size} were requested."
-                    )
-            for key, ptr, size in zip(keys, ptrs, sizes, strict=True):
-                if key in self._objects:
-                    ctypes.memmove(ptr, self._objects[key], size)
-                    self.bytes_read += size
-            return [k in self._objects for k in keys]
+
+        def body() -> list[bool]:
+            with self._lock:
+                present = [k for k in keys if k in self._objects]
+                self._check_keys(present, reading=True)
+                for key, ptr, size in zip(keys, ptrs, sizes, strict=True):
+                    self._check_span(ptr, size)
+                    data = self._objects.get(key)
+                    if data is not None and len(data) != size:
+                        raise StoreIOError(
+                            f"Object {key} is {len(data)} bytes but {size} were requested."
+                        )
+                for key, ptr, size in zip(keys, ptrs, sizes, strict=True):
+                    if key in self._objects:
+                        ctypes.memmove(ptr, self._objects[key], size)
+                        self.bytes_read += size
+                return [k in self._objects for k in keys]
+
+        return self._call("get", keys, body)
 
     def get_ranges(
         self,
@@ -207,12 +298,16 @@ class MemoryStore(Store):
         sizes: Sequence[Sequence[int]],
         src_offsets: Sequence[Sequence[int]],
     ) -> None:
-        check_batch(keys, dst_ptrs, sizes, src_offsets)
-        for key, p, s, o in zip(keys, dst_ptrs, sizes, src_offsets, strict=True):
-            check_batch(p, s, o)
-            if not p:
-                raise ValueError(f"get_ranges: no slices given for {key}.")
-        self._enter("get_ranges", keys)
+        check_ranges(keys, dst_ptrs, sizes, src_offsets)
+        self._call("get_ranges", keys, lambda: self._ranged(keys, dst_ptrs, sizes, src_offsets))
+
+    def _ranged(
+        self,
+        keys: Sequence[str],
+        dst_ptrs: Sequence[Sequence[int]],
+        sizes: Sequence[Sequence[int]],
+        src_offsets: Sequence[Sequence[int]],
+    ) -> None:
         with self._lock:
             missing = [k for k in keys if k not in self._objects]
             if missing:
@@ -222,7 +317,7 @@ class MemoryStore(Store):
                 total = len(self._objects[key])
                 for ptr, size, off in zip(ptrs, lens, offs, strict=True):
                     self._check_span(ptr, size)
-                    if off < 0 or size < 0 or off + size > total:
+                    if off + size > total:
                         raise StoreIOError(
                             f"Slice [{off}, {off + size}) lies outside object {key} of {total} bytes."
                         )
@@ -234,21 +329,42 @@ class MemoryStore(Store):
 
     @contextlib.contextmanager
     def _session(self, keys: tuple[str, ...]) -> Iterator[None]:
-        self._enter("open_session", keys)
-        with self._lock:
-            missing = [k for k in keys if k not in self._objects]
+        def body() -> list[str]:
+            with self._lock:
+                return [k for k in keys if k not in self._objects]
+
+        missing = self._call("open_session", keys, body)
         if missing:
             raise StoreKeyMissing(missing)
         yield
 
     def remove(self, keys: Sequence[str]) -> None:
-        self._enter("remove", keys)
+        def body() -> None:
+            with self._lock:
+                for key in keys:
+                    self._objects.pop(key, None)
+
+        self._call("remove", keys, body)
+
+    def replace_object(self, key: str, data: bytes) -> None:
+        """Overwrite an object's bytes behind the caller's back (a corrupted or
+        foreign object, for integrity tests). Raises KeyError if it is absent."""
         with self._lock:
-            for key in keys:
-                self._objects.pop(key, None)
+            if key not in self._objects:
+                raise KeyError(key)
+            self._objects[key] = bytes(data)
+
+    def object_bytes(self, key: str) -> bytes:
+        """The stored bytes of one object (tests). Raises KeyError if absent."""
+        with self._lock:
+            return self._objects[key]
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
             self._registered.clear()
             self._objects.clear()
+            workers, self._workers = self._workers, None
+        self._running.set()  # stalled calls end (they see the store closed)
+        if workers is not None:
+            workers.stop()

@@ -7,10 +7,10 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from layerlift.linker.store_base import StoreError, StoreIOError, StoreUnavailable
+from layerlift.linker.store_base import StoreError, StoreFull, StoreIOError, StoreUnavailable
 
 __all__ = [
-    "ERROR_NAMES", "EXISTS", "LEASED", "MISSING", "UNAVAILABLE_CODES", "MooncakeConfig",
+    "ERROR_NAMES", "EXISTS", "LEASED", "MIN_SEGMENT_BYTES", "MISSING", "NO_SPACE", "UNAVAILABLE_CODES", "MooncakeConfig",
     "code_error",
 ]
 
@@ -20,6 +20,9 @@ _METADATA_URL = re.compile(
 )
 _DEVICE = re.compile(r"^[A-Za-z0-9_.:-]+$")
 _PROTOCOLS = ("tcp", "rdma")
+# The smallest segment a client can contribute: Mooncake 0.3.13's setup logs
+# "Total size must be at least 16777216" and fails below it (1-15 MiB tried).
+MIN_SEGMENT_BYTES = 16 << 20
 
 
 def _port_ok(port: str) -> bool:
@@ -48,6 +51,12 @@ class MooncakeConfig:
       default 20, ~4.5 s each), so against a dead master the bound only takes
       effect after those ~90 s; lower that variable to fail sooner.
     - `workers`: threads that run the blocking Mooncake calls.
+    - `capacity_bytes`: the cluster's total segment bytes, when known (an
+      embedded master: this client's segment); None: unknown.
+
+    A client that contributes a segment (`global_segment_size > 0`) must
+    contribute at least `MIN_SEGMENT_BYTES` (16 MiB): Mooncake 0.3.13 fails
+    `setup` for smaller segments with an error that blames the master.
 
     Raises ValueError with a readable sentence for any bad field.
     """
@@ -62,6 +71,7 @@ class MooncakeConfig:
     timeout_s: float = 10.0
     setup_timeout_s: float = 30.0
     workers: int = 4
+    capacity_bytes: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "rdma_devices", tuple(self.rdma_devices))
@@ -98,6 +108,17 @@ class MooncakeConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be a number of bytes >= 0, got {value!r}.")
+        if 0 < self.global_segment_size < MIN_SEGMENT_BYTES:
+            raise ValueError(
+                f"global_segment_size (segment_bytes) must be 0 (a client that contributes no "
+                f"memory) or at least {MIN_SEGMENT_BYTES >> 20} MiB, got "
+                f"{self.global_segment_size} bytes: Mooncake cannot mount a smaller segment."
+            )
+        if self.capacity_bytes is not None and (
+                isinstance(self.capacity_bytes, bool) or not isinstance(self.capacity_bytes, int)
+                or self.capacity_bytes < 0):
+            raise ValueError(f"capacity_bytes must be None or bytes >= 0, got "
+                             f"{self.capacity_bytes!r}.")
         for name in ("timeout_s", "setup_timeout_s"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or not value > 0:
@@ -125,7 +146,7 @@ ERROR_NAMES = {
     -901: "RPC_TIMEOUT",
 }
 UNAVAILABLE_CODES = frozenset({-900, -901})
-MISSING, EXISTS, LEASED = -704, -705, -706
+MISSING, EXISTS, LEASED, NO_SPACE = -704, -705, -706, -200
 
 
 def code_error(what: str, code: int, keys: Sequence[str] = ()) -> StoreError:
@@ -136,4 +157,6 @@ def code_error(what: str, code: int, keys: Sequence[str] = ()) -> StoreError:
     )
     if code in UNAVAILABLE_CODES:
         return StoreUnavailable(message + " Check that mooncake_master is running and reachable.")
+    if code == NO_SPACE:
+        return StoreFull(message)
     return StoreIOError(message)

@@ -4,7 +4,8 @@
 `Store` protocol. Every blocking Mooncake call runs in a small pool of daemon
 threads owned by the store and is awaited with the configured timeout, because
 the client itself can hang when the master is gone (a hung call then raises
-`StoreTimeout`; its thread is left to finish and never blocks interpreter exit).
+`StoreTimeout`, which carries the still-running call's future; its thread is
+left to finish and never blocks interpreter exit).
 
 Mooncake logs through glog to stderr. This module never touches `os.environ`;
 set `MC_LOG_LEVEL=ERROR` before the first client starts to quiet it (Mooncake
@@ -20,7 +21,7 @@ import threading
 import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from layerlift.linker.daemon_pool import DaemonPool
@@ -42,7 +43,9 @@ from layerlift.linker.store_base import (
     StoreUnavailable,
     TensorLike,
     buffer_span,
+    call_bounded,
     check_batch,
+    check_ranges,
 )
 
 __all__ = ["MooncakeConfig", "MooncakeStore"]  # MooncakeConfig re-exported
@@ -102,6 +105,7 @@ class MooncakeStore(Store):
             ) from exc
         self.config = config
         self.timeout_s = config.timeout_s
+        self.capacity_bytes = config.capacity_bytes
         self._lock = threading.Lock()
         self._closed = False
         self._registered: dict[int, int] = {}
@@ -142,18 +146,18 @@ class MooncakeStore(Store):
             )
 
     def _call(self, what: str, fn: Callable[[], _T], timeout_s: float | None = None) -> _T:
-        """Run `fn` on a worker thread; wait at most `timeout_s` (default: the store's)."""
+        """Run `fn` on a worker thread; wait at most `timeout_s` (default: the
+        store's). On a timeout the StoreTimeout carries the running call's
+        future (a queued one is cancelled): see `StoreTimeout.wait_finished`."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         with self._lock:
             if self._closed:
                 raise StoreError(f"Cannot call {what}: this MooncakeStore is closed.")
-        try:
-            return self._pool.submit(fn).result(timeout_s)
-        except FutureTimeout:
-            raise StoreTimeout(
-                f"Mooncake {what} did not finish within {timeout_s:g} s; the master at "
-                f"{self.config.master_address} may be gone or overloaded."
-            ) from None
+        return call_bounded(
+            self._pool.submit, fn, timeout_s,
+            f"Mooncake {what} did not finish within {timeout_s:g} s; the master at "
+            f"{self.config.master_address} may be gone or overloaded (the call may still run).",
+        )
 
     def register(self, buffer: TensorLike | int, nbytes: int | None = None) -> int:
         ptr, size = buffer_span(buffer, nbytes)
@@ -194,6 +198,22 @@ class MooncakeStore(Store):
         if bad:
             raise code_error("put", bad[0][1], [k for k, _ in bad])
 
+    def put_parts(
+        self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
+    ) -> None:
+        check_batch(keys, ptrs, sizes)
+        for p, s in zip(ptrs, sizes, strict=True):
+            check_batch(p, s)
+        if not keys:
+            return
+        args = (list(keys), [list(p) for p in ptrs], [list(s) for s in sizes])
+        codes: list[int] = self._call(
+            "put", lambda: self._client.batch_put_from_multi_buffers(*args)
+        )
+        bad = [(k, c) for k, c in zip(keys, codes, strict=True) if c not in (0, EXISTS)]
+        if bad:
+            raise code_error("put", bad[0][1], [k for k, _ in bad])
+
     def get(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[bool]:
         check_batch(keys, ptrs, sizes)
         if not keys:
@@ -225,11 +245,7 @@ class MooncakeStore(Store):
         sizes: Sequence[Sequence[int]],
         src_offsets: Sequence[Sequence[int]],
     ) -> None:
-        check_batch(keys, dst_ptrs, sizes, src_offsets)
-        for key, p, s, o in zip(keys, dst_ptrs, sizes, src_offsets, strict=True):
-            check_batch(p, s, o)
-            if not p:
-                raise ValueError(f"get_ranges: no slices given for {key}.")
+        check_ranges(keys, dst_ptrs, sizes, src_offsets)
         if not keys:
             return
         with self._session_lock:
@@ -292,9 +308,14 @@ class MooncakeStore(Store):
         """Start Mooncake get sessions (caller holds `_session_lock`); all or nothing."""
         if not keys:
             return
-        codes: list[int] = self._call(
-            "session start", lambda: self._client.batch_get_session_start(keys)
-        )
+        try:
+            codes: list[int] = self._call(
+                "session start", lambda: self._client.batch_get_session_start(keys)
+            )
+        except StoreTimeout as exc:
+            if exc.future is not None:  # it may still succeed: end what it started then
+                exc.future.add_done_callback(self._orphan_session_ender(keys))
+            raise
         failed = [(k, c) for k, c in zip(keys, codes, strict=True) if c != 0]
         if not failed:
             return
@@ -303,6 +324,22 @@ class MooncakeStore(Store):
         if missing:
             raise StoreKeyMissing(missing)
         raise code_error("session start", failed[0][1], [k for k, _ in failed])
+
+    def _orphan_session_ender(self, keys: list[str]) -> Callable[[Future[Any]], None]:
+        """Done callback of a timed-out session start: end the sessions it
+        started after all (nobody holds them). Runs on the worker thread that
+        made the call, so it calls the client directly, without a bound."""
+        client = self._client
+
+        def end(future: Future[Any]) -> None:
+            if future.cancelled() or future.exception() is not None:
+                return
+            started = [k for k, c in zip(keys, future.result(), strict=True) if c == 0]
+            if started and client.batch_get_session_end(started) != 0:
+                _log.warning("Could not end %d Mooncake get sessions of a timed-out start.",
+                             len(started))
+
+        return end
 
     def _end_sessions(self, keys: list[str]) -> None:
         """End sessions, best effort: a failure is logged, never raised (runs in `finally`)."""

@@ -12,6 +12,11 @@ Contract shared by every backend (the conformance suite in
   threads, never on the event loop. Every call is bounded in time by the
   store's `timeout_s`; a call that does not finish in time raises
   `StoreTimeout`.
+- A timed-out call may still be running (the backend's worker goes on; a
+  stalled master resumes): it still reads or writes the caller's memory.
+  `StoreTimeout.wait_finished()` blocks until it really ended; a caller that
+  lent memory to the call keeps that memory until then (report the failure
+  first, then wait). A call still queued when its timeout hit is cancelled.
 - Methods are thread-safe: several worker threads may call one store at once.
 - A missing key is a *return value* where the method returns per-key results
   (`exists`, `get`); it is an exception (`StoreKeyMissing`) where the caller
@@ -24,9 +29,13 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, wait
+from concurrent.futures import TimeoutError as FutureTimeout
 from types import TracebackType
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
+
+_T = TypeVar("_T")
 
 
 class StoreError(Exception):
@@ -38,7 +47,30 @@ class StoreUnavailable(StoreError):
 
 
 class StoreTimeout(StoreUnavailable):
-    """A store call did not finish within the store's `timeout_s`."""
+    """A store call did not finish within the store's `timeout_s`.
+
+    The call may still run: `future` is its concurrent future (None when
+    nothing runs on: the call was cancelled before it started, or the backend
+    runs calls inline). `wait_finished()` blocks until the call ended and
+    returns its outcome, so memory lent to it is released only then.
+    """
+
+    def __init__(self, message: str, future: Future[Any] | None = None) -> None:
+        super().__init__(message)
+        self.future = future
+
+    def wait_finished(self, timeout_s: float | None = None) -> bool:
+        """Block until the timed-out call ended (at most `timeout_s`; None:
+        without bound). Returns True if it ended and succeeded (a put then
+        landed after all), False if it failed, was cancelled or still runs."""
+        future = self.future
+        if future is None:
+            return False
+        wait([future], timeout=timeout_s)
+        if not future.done() or future.cancelled():
+            return False
+        return future.exception() is None
+
 
 
 class StoreKeyMissing(StoreError):
@@ -54,6 +86,15 @@ class StoreKeyMissing(StoreError):
 
 class StoreIOError(StoreError):
     """A transfer failed: short read, size mismatch or a bad return code."""
+
+
+class StoreIntegrityError(StoreIOError):
+    """Bytes read from the store do not match the checksum stored with them
+    (a corrupted, truncated or foreign object): the read counts as failed."""
+
+
+class StoreFull(StoreIOError):
+    """The store has no space for an object (Mooncake: NO_AVAILABLE_HANDLE)."""
 
 
 class TensorLike(Protocol):
@@ -99,10 +140,51 @@ def check_batch(keys: Sequence[object], *columns: Sequence[object]) -> None:
             )
 
 
+def check_ranges(
+    keys: Sequence[str],
+    dst_ptrs: Sequence[Sequence[int]],
+    sizes: Sequence[Sequence[int]],
+    src_offsets: Sequence[Sequence[int]],
+) -> None:
+    """The argument checks of `Store.get_ranges`, shared by every backend:
+    one row per key, one entry per slice in each row, at least one slice
+    per key, no negative size or offset. Raises ValueError."""
+    check_batch(keys, dst_ptrs, sizes, src_offsets)
+    for key, p, s, o in zip(keys, dst_ptrs, sizes, src_offsets, strict=True):
+        check_batch(p, s, o)
+        if not p:
+            raise ValueError(f"get_ranges: no slices given for {key}.")
+        if any(n < 0 for n in s) or any(n < 0 for n in o):
+            raise ValueError(f"get_ranges: a slice of {key} has a negative size or offset.")
+
+
+def call_bounded(
+    submit: Callable[[Callable[[], _T]], Future[_T]],
+    fn: Callable[[], _T],
+    timeout_s: float,
+    message: str,
+) -> _T:
+    """Run `fn` through `submit` and wait at most `timeout_s` for it.
+
+    On a timeout, a call still queued is cancelled (StoreTimeout without a
+    future); a running one keeps running and its future travels with the
+    StoreTimeout (see `StoreTimeout.wait_finished`).
+    """
+    future = submit(fn)
+    try:
+        return future.result(timeout_s)
+    except FutureTimeout:
+        running = None if future.cancel() else future
+        raise StoreTimeout(message, running) from None
+
+
 class Store(ABC):
     """A blocking, thread-safe, time-bounded KV object store (see module docstring)."""
 
     timeout_s: float
+    # Bytes the store can hold in all, when known (None: unknown). A writer
+    # never sends a batch larger than this: it would only evict everything.
+    capacity_bytes: int | None = None
 
     @abstractmethod
     def register(self, buffer: TensorLike | int, nbytes: int | None = None) -> int:
@@ -129,6 +211,18 @@ class Store(ABC):
         A key that already exists is left as it is and counts as success.
         Raises StoreIOError (out of space, bad return code), StoreUnavailable.
         """
+
+    def put_parts(
+        self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
+    ) -> None:
+        """Like `put`, but object `keys[i]` is the concatenation of the buffers
+        `ptrs[i][j]` of `sizes[i][j]` bytes (a page plus its checksum footer,
+        both zero-copy). The default handles one buffer per object only and
+        raises StoreError otherwise; backends override it."""
+        check_batch(keys, ptrs, sizes)
+        if any(len(p) != 1 for p in ptrs):
+            raise StoreError(f"{type(self).__name__} cannot put an object from several buffers.")
+        self.put(keys, [p[0] for p in ptrs], [s[0] for s in sizes])
 
     @abstractmethod
     def get(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[bool]:

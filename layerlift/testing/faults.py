@@ -4,18 +4,24 @@
 (a real Mooncake client included) and injects delays or failures into chosen
 calls: a per-layer ranged read is recognised by its source offset, so a test
 can fail "layer 5" of a restore without knowing the keys. ``skip_reads``
-is a negative control: the reads of one component return without writing.
+is a negative control: the reads of one component return without writing
+the page bytes (their checksum footer entries are written as the checksum
+of the bytes left in place, so the integrity check cannot catch the control:
+a store that lies consistently).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import threading
+import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
+from layerlift.linker.integrity import CHECK_BYTES, component_slices
 from layerlift.linker.store_base import Store, StoreIOError, StoreUnavailable, TensorLike
-from layerlift.pools.spec import ModelSpec
+from layerlift.pools.spec import Component, ModelSpec
 
 __all__ = ["FaultyStore", "LayerFault"]
 
@@ -49,6 +55,7 @@ class FaultyStore(Store):
     def __init__(self, inner: Store, spec: ModelSpec) -> None:
         self.inner, self.spec = inner, spec
         self.timeout_s = inner.timeout_s
+        self.capacity_bytes = inner.capacity_bytes
         self._lock = threading.Lock()
         self._layer_faults: dict[int, LayerFault] = {}
         self.fail_exists: BaseException | None = None
@@ -132,6 +139,14 @@ class FaultyStore(Store):
             raise self.fail_put
         self.inner.put(keys, ptrs, sizes)
 
+    def put_parts(self, keys: Sequence[str], ptrs: Sequence[Sequence[int]],
+                  sizes: Sequence[Sequence[int]]) -> None:
+        self._check_up()
+        self._pass("put")
+        if self.fail_put is not None:
+            raise self.fail_put
+        self.inner.put_parts(keys, ptrs, sizes)
+
     def get(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[bool]:
         """A whole-object read covers every layer of its objects: a fault set
         on any of those layers applies (the lowest layer's first)."""
@@ -162,18 +177,68 @@ class FaultyStore(Store):
 
     def get_ranges(self, keys: Sequence[str], dst_ptrs: Sequence[Sequence[int]],
                    sizes: Sequence[Sequence[int]], src_offsets: Sequence[Sequence[int]]) -> None:
+        """A per-layer read (slice ``l`` plus its footer entry) gets that
+        layer's faults; a whole read (every object from offset 0 with its
+        page size) gets the faults of ``get``."""
         self._check_up()
-        layer = self._layer_of(keys, src_offsets, sizes)
-        fault = self._take_fault(layer)
-        if fault is not None:
-            fault.started.set()
-            if fault.gate is not None and not fault.gate.wait(self.timeout_s):
-                raise StoreIOError(f"injected gate of layer {layer} never opened")
-            if fault.error is not None:
-                raise fault.error
-        if keys and keys[0].split("/")[-3] in self.skipped:
+        if self._whole_read(keys, sizes, src_offsets):
+            self._whole_faults(keys)
+        else:
+            layer = self._layer_of(keys, src_offsets, sizes)
+            fault = self._take_fault(layer)
+            if fault is not None:
+                fault.started.set()
+                if fault.gate is not None and not fault.gate.wait(self.timeout_s):
+                    raise StoreIOError(f"injected gate of layer {layer} never opened")
+                if fault.error is not None:
+                    raise fault.error
+        skip = [i for i, k in enumerate(keys) if k.split("/")[-3] in self.skipped]
+        if not skip:
+            self.inner.get_ranges(keys, dst_ptrs, sizes, src_offsets)
             return
-        self.inner.get_ranges(keys, dst_ptrs, sizes, src_offsets)
+        keep = [i for i in range(len(keys)) if i not in set(skip)]
+        if keep:
+            self.inner.get_ranges([keys[i] for i in keep], [dst_ptrs[i] for i in keep],
+                                  [sizes[i] for i in keep], [src_offsets[i] for i in keep])
+        for i in skip:
+            self._forge_footers(keys[i], dst_ptrs[i], sizes[i])
+
+    def _forge_footers(self, key: str, dst_ptrs: Sequence[int], sizes: Sequence[int]) -> None:
+        """Negative control: the reads of ``key`` were skipped; write, as the
+        footer entries read beside them, the CRC-32 of the bytes left in
+        place. Slices come as (layer slice, its entry) or (whole page, footer)."""
+        if len(dst_ptrs) < 2:
+            return
+        component = Component(key.split("/")[-3])
+        page, foot = dst_ptrs[0], dst_ptrs[1]
+        if sizes[1] == CHECK_BYTES:
+            _write_crc(foot, page, sizes[0])
+            return
+        for j, (offset, size) in enumerate(component_slices(self.spec, component)):
+            _write_crc(foot + j * CHECK_BYTES, page + offset, size)
+
+    def _whole_read(self, keys: Sequence[str], sizes: Sequence[Sequence[int]],
+                    src_offsets: Sequence[Sequence[int]]) -> bool:
+        if not keys or not src_offsets[0] or src_offsets[0][0] != 0:
+            return False
+        component = Component(keys[0].split("/")[-3])
+        return bool(sizes[0][0] == self.spec.page_bytes(component))
+
+    def _whole_faults(self, keys: Sequence[str]) -> None:
+        comps = {k.split("/")[-3] for k in keys}
+        for layer in range(self.spec.num_layers):
+            if self.spec.layer_slice(layer)[0].value not in comps:
+                continue
+            fault = self._take_fault(layer)
+            if fault is not None:
+                with self._lock:
+                    self.ranged_calls.append(layer)
+                fault.started.set()
+                if fault.gate is not None and not fault.gate.wait(self.timeout_s):
+                    raise StoreIOError(f"injected gate of layer {layer} never opened")
+                if fault.error is not None:
+                    raise fault.error
+                return
 
     def open_session(self, keys: Sequence[str]) -> contextlib.AbstractContextManager[None]:
         return self._session(tuple(keys))
@@ -225,3 +290,9 @@ class FaultyStore(Store):
                 if fault.times <= 0:
                     del self._layer_faults[layer]
             return fault
+
+
+
+def _write_crc(at: int, ptr: int, size: int) -> None:
+    crc = zlib.crc32(ctypes.string_at(ptr, size))
+    ctypes.memmove(at, crc.to_bytes(CHECK_BYTES, "little"), CHECK_BYTES)

@@ -1,9 +1,10 @@
-"""Key schema: namespace/fingerprint/component/rank/pagehash."""
+"""Key schema: namespace/fingerprint.format/component/rank/pagehash."""
 
 from __future__ import annotations
 
 import pytest
 
+from layerlift.linker.integrity import OBJECT_FORMAT
 from layerlift.linker.keys import KeySchema
 
 H1 = bytes.fromhex("00ff10ab")
@@ -12,20 +13,21 @@ H2 = bytes.fromhex("deadbeef")
 
 def test_key_format() -> None:
     schema = KeySchema("prod", "llama-bf16-ps64", rank=1)
-    assert schema.key("full", H1) == "prod/llama-bf16-ps64/full/1/00ff10ab"
+    assert schema.key("full", H1) == f"prod/llama-bf16-ps64.{OBJECT_FORMAT}/full/1/00ff10ab"
     assert schema.keys("mamba", [H1, H2]) == [
-        "prod/llama-bf16-ps64/mamba/1/00ff10ab",
-        "prod/llama-bf16-ps64/mamba/1/deadbeef",
+        f"prod/llama-bf16-ps64.{OBJECT_FORMAT}/mamba/1/00ff10ab",
+        f"prod/llama-bf16-ps64.{OBJECT_FORMAT}/mamba/1/deadbeef",
     ]
     assert schema.key("swa", H1).startswith(schema.prefix)
 
 
 def test_every_field_separates_keys() -> None:
     base = KeySchema("ns", "fp1", 0)
-    variants = [KeySchema("ns2", "fp1", 0), KeySchema("ns", "fp2", 0), KeySchema("ns", "fp1", 1)]
+    variants = [KeySchema("ns2", "fp1", 0), KeySchema("ns", "fp2", 0), KeySchema("ns", "fp1", 1),
+                KeySchema("ns", "fp1", 0, object_format="l1")]
     keys = {base.key("full", H1), base.key("swa", H1), base.key("full", H2)}
     keys |= {v.key("full", H1) for v in variants}
-    assert len(keys) == 6
+    assert len(keys) == 7
 
 
 @pytest.mark.parametrize(
