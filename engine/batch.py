@@ -164,6 +164,11 @@ class Batch:
             while rest:
                 if not await batch._admit(rest[0]):
                     if not batch.plans:
+                        # Alone it fits (checked by the caller) unless another
+                        # batch or an offload holds the room: wait for them.
+                        if await ctx.wait_for_room(batch, f"prompt {rest[0].request_id} "
+                                                   "does not fit in the device pool now"):
+                            continue
                         raise batch._too_big(rest[0])
                     break
                 rest.pop(0)
@@ -466,8 +471,8 @@ class Batch:
             plan.drop_restore(reason)
             self.recomputed.add(rid)
             comp = alloc_compute(ctx.pool, ctx.tree, plan)
-            if comp is None and ctx.offloader.pending:
-                await ctx.offloader.wait()
+            while comp is None and await ctx.wait_for_room(
+                    self, f"request {rid} must be recomputed ({reason})"):
                 comp = alloc_compute(ctx.pool, ctx.tree, plan)
             if comp is None:
                 raise EngineError(
@@ -561,6 +566,7 @@ class Batch:
         finally:
             self.state = BatchState.DONE if error is None else BatchState.ABORTED
             ctx.live.discard(self)
+            ctx.room_freed()
             self.flight.release_lock()
             if self._holds_device:
                 self._holds_device = False

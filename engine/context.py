@@ -65,6 +65,39 @@ class EngineContext:
     live: set[Any] = field(default_factory=set)
     """Batches not yet exited (``engine/batch.py``): ``Engine.close`` aborts
     and waits for them before it closes the lane and the store."""
+    room: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set (and replaced by a fresh event) each time a batch exits: what a
+    batch waits on when another batch holds the room it needs."""
+
+    def room_freed(self) -> None:
+        """A batch exited (its pages went to the tree or the free lists)."""
+        self.room.set()
+        self.room = asyncio.Event()
+
+    async def wait_for_room(self, me: Any, need: str) -> bool:
+        """Wait until another batch in flight exits or the pending offloads
+        end (they hold pages); False at once if neither holds anything.
+        ``EngineError`` naming what holds the room after
+        ``layer_wait_timeout_s``. ``me``: the waiting batch."""
+        others = [b for b in self.live if b is not me]
+        if not others and not self.offloader.pending:
+            return False
+        room = self.room
+        waits = [asyncio.ensure_future(room.wait())]
+        if self.offloader.pending:
+            waits.append(asyncio.ensure_future(self.offloader.wait()))
+        try:
+            done, _ = await asyncio.wait(waits, timeout=self.cfg.layer_wait_timeout_s,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+        if not done:
+            raise EngineError(
+                f"{need}, and the room stayed held for {self.cfg.layer_wait_timeout_s} s by "
+                f"{len(others)} other batch(es) in flight and "
+                f"{'pending' if self.offloader.pending else 'no'} offloads")
+        return True
 
     @property
     def vocab_size(self) -> int:

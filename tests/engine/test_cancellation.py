@@ -190,3 +190,119 @@ def test_the_sanitizer_catches_a_release_under_a_thread(model: HybridModel) -> N
     with pytest.raises(SanitizerViolation, match="a test read"):
         san.check()
     assert bool((pool.page_view(Component.FULL, int(pages[0])) == 0xFF).all())
+
+
+async def test_prepare_cancelled_while_waiting_for_offloads_leaks_nothing(
+        model: HybridModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Finding 5: PREPARE of a two-plan batch stored the first plan's
+    restore transaction, then waited for the offloads to free room for the
+    second and was cancelled there: the PREPAREd slots stayed allocated and
+    pinned for good. Now the exit aborts every transaction never committed."""
+    import layerlift.engine.batch as batch_mod
+
+    a, b, c = prompts(model, 5, [600, 600, 600])
+    store = FaultyStore(MemoryStore(), model.spec)
+    async with Engine(model, EngineConfig(store="memory", pool_bytes=16 << 20),
+                      store=store) as engine:
+        await engine.prefill([a, b])
+        await engine.wait_offloads()
+        engine.drop_device_cache()
+        gate = threading.Event()
+        put = store.gate("put", gate)
+        await engine.prefill([c])  # its put holds at the gate: an offload is pending
+        assert await anyio.to_thread.run_sync(put.started.wait, WAIT_S)
+        real_alloc, calls = batch_mod.alloc_compute, {"n": 0}
+
+        def second_does_not_fit(*args: Any) -> Any:
+            calls["n"] += 1
+            return None if calls["n"] == 2 else real_alloc(*args)
+
+        waiting = asyncio.Event()
+        real_wait = engine.offloader.wait
+
+        async def signalling_wait() -> Any:
+            waiting.set()
+            return await real_wait()
+
+        monkeypatch.setattr(batch_mod, "alloc_compute", second_does_not_fit)
+        monkeypatch.setattr(engine.offloader, "wait", signalling_wait)
+        try:
+            task = asyncio.create_task(engine.prefill([a, b]))
+            await asyncio.wait_for(waiting.wait(), WAIT_S)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        finally:
+            gate.set()
+        monkeypatch.undo()
+        store.clear()
+        await engine.wait_offloads()
+        assert_quiescent(engine)
+        ref = await cold(model, [a, b])
+        got = await engine.prefill([a, b])
+        assert all(r.restored_tokens > 0 for r in got)
+        assert_exact(got, ref)
+        await engine.wait_offloads()
+        assert_quiescent(engine)
+
+
+async def test_abort_after_the_load_landed_keeps_the_restore(model: HybridModel) -> None:
+    """Finding 4: an abort after COMMIT used to unpublish every restore,
+    even ones that had landed in full. A restore that landed stays
+    published (its bytes are whole): the next prefill hits it on the device."""
+    (a,) = prompts(model, 6, [700])
+    async with Engine(model, EngineConfig(store="memory", pool_bytes=16 << 20)) as engine:
+        (ref,) = await engine.prefill([a])
+        await engine.wait_offloads()
+        engine.drop_device_cache()
+        plan = await engine.lookup(a)
+        assert plan.restores
+        handle = await engine.load([plan])
+        readiness = handle.commit()
+        for layer in range(readiness.num_layers):
+            await readiness.ready(layer, timeout=WAIT_S)
+        handle.abort()
+        await handle.aclose()
+        assert_quiescent(engine)
+        (again,) = await engine.prefill([a])
+        assert again.device_hit_tokens >= plan.restore_tokens > 0
+        assert again.restored_tokens == 0
+        assert_exact([again], [ref])
+        await engine.wait_offloads()
+        assert_quiescent(engine)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+async def test_concurrent_prefills_in_a_tight_pool_wait_for_room(model: HybridModel,
+                                                                 seed: int) -> None:
+    """Finding 8: concurrent prefills (the next batch PREPAREs while the
+    previous one computes) in a pool that holds about one prompt: a prompt
+    that fits alone used to be refused ("cannot fit ... even alone") because
+    the batch in flight held the room. Every prompt is served, exactly."""
+    from layerlift.engine.compute import compute_bytes
+    from layerlift.engine.context import match_plan, release_plan
+
+    rng = np.random.default_rng(seed)
+    shared = rng.integers(0, model.vocab_size, 512, dtype=np.int64)
+    batch = [np.concatenate([shared, rng.integers(0, model.vocab_size, int(n), dtype=np.int64)])
+             if i % 2 else rng.integers(0, model.vocab_size, int(n) + 512, dtype=np.int64)
+             for i, n in enumerate(rng.integers(300, 1400, 8))]
+    ref = await cold(model, batch)
+    async with Engine(model, EngineConfig(store="memory", pool_bytes=64 << 20)) as probe:
+        ctx = probe._ctx
+        needs = []
+        for p in batch:
+            plan = match_plan(ctx, p)
+            needs.append(compute_bytes(probe.pool, plan, boundary=0))
+            release_plan(ctx, plan)
+    pool_bytes = int(max(needs) * 1.3)
+    async with Engine(model, EngineConfig(store="memory", pool_bytes=pool_bytes)) as engine:
+        first = await asyncio.gather(*(engine.prefill([p]) for p in batch))
+        assert_exact([r for (r,) in first], ref)
+        await engine.wait_offloads()
+        engine.drop_device_cache()
+        again = await asyncio.gather(*(engine.prefill([p]) for p in batch))
+        assert_exact([r for (r,) in again], ref)
+        assert sum(r.restored_tokens for (r,) in again) > 0
+        await engine.wait_offloads()
+        assert_quiescent(engine)
