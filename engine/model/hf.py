@@ -135,6 +135,12 @@ class TransformersModel:
                    page_size=page_size, track_interval=track_interval, weights_digest=digest)
 
     @property
+    def decoder_layers(self) -> nn.ModuleList:
+        """The decoder layers LayerLift hooks (``layout.groups[i]`` are layer
+        ``i``'s cache layers)."""
+        return self._layers
+
+    @property
     def device(self) -> torch.device:
         return next(self.hf.parameters()).device
 
@@ -336,10 +342,17 @@ def _record_updates(cache_layer: Any, model: TransformersModel, group: tuple[int
 
 
 def _decoder_layers(hf_model: nn.Module, n: int) -> nn.ModuleList:
-    """The decoder's ``layers`` list, one module per cache layer object."""
+    """The decoder's ``layers`` list, one module per cache layer object:
+    ``get_decoder().layers``, else the one ``*.layers`` module list of ``n``
+    modules (some models' ``get_decoder`` returns another module)."""
     model: Any = hf_model
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, nn.ModuleList) or len(layers) < n:
+        found = [m for name, m in hf_model.named_modules()
+                 if name.rsplit(".", 1)[-1] == "layers" and isinstance(m, nn.ModuleList)
+                 and len(m) == n]
+        layers = found[0] if len(found) == 1 else None
     if not isinstance(layers, nn.ModuleList) or len(layers) < n:
         raise UnsupportedModelError(
             architecture(hf_model), f"{type(hf_model).__name__} has no decoder `layers` list "

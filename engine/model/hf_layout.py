@@ -36,6 +36,7 @@ from layerlift.pools.spec import KVShape, MambaSpec, ModelDims, ModelSpec, State
 
 __all__ = [
     "INEXACT",
+    "TESTED_ARCHITECTURES",
     "HFLayout",
     "UnsupportedModelError",
     "architecture",
@@ -58,10 +59,30 @@ INEXACT: dict[str, tuple[str, str]] = {
                      "cache"),
     "recurrent_gemma": ("it keeps its recurrent state on the modules, not in a cache",
                         "its state moved into transformers' standard cache layers"),
+    "moshi": ("its text model masks attention fully causally while its cache keeps only a "
+              "sliding window, so a continuation from its cache sees fewer tokens than a cold "
+              "prefill (max |delta logprob| 0.16 measured on a tiny config)",
+              "one attention mask for cold and cached forwards (a sliding-window mask)"),
 }
 """Architectures whose continuation from a cache is known not to equal a cold
 prefill on the torch path (measured with transformers 5.24): ``arch: (why,
 what support would take)``."""
+
+TESTED_ARCHITECTURES: tuple[str, ...] = (
+    "afmoe", "beam", "cohere2", "cohere2_moe", "cwm", "doge", "dots1", "exaone4", "exaone_moe",
+    "flint", "gemma2", "gemma3_text", "gemma3n_text", "gemma4_text", "gpt_oss", "granite_swa",
+    "granitemoe_swa", "inkling2_loop_text", "inkling2_text", "inkling_text", "kimi_linear",
+    "kolibri1", "lara_mini", "lfm2", "lfm3", "llama4_text", "mamba2", "mimo_v2_flash",
+    "ministral", "ministral3", "mistral", "mixtral", "modernbert-decoder", "nemotron_h", "olmo3",
+    "olmo_hybrid", "phi3", "phimoe", "qwen2", "qwen2_moe", "qwen3", "qwen3_5_moe_text",
+    "qwen3_5_text", "qwen3_moe", "qwen3_next", "smollm3", "starcoder2", "vaultgemma", "zamba2",
+    "zaya",
+)
+"""Every hybrid (recurrent + attention), recurrent-only and sliding-window
+architecture of transformers 5.24 that ``TransformersModel`` accepts, each
+restored exactly against transformers' own cold forward on a tiny seeded
+config by ``tests/engine/model/test_model_hf_archs.py`` (the one list: the
+README prints it from here)."""
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -196,6 +217,7 @@ def _probe(hf_model: nn.Module, cache: Any) -> set[int]:
 
             layer.update = update
     device = next(hf_model.parameters()).device
+    n = len(cache.layers)
     try:
         hf_model(input_ids=torch.zeros(1, 2, dtype=torch.int64, device=device), cache=cache,
                  use_cache=True)
@@ -205,6 +227,12 @@ def _probe(hf_model: nn.Module, cache: Any) -> set[int]:
             f"({type(e).__name__}: {e})",
             "an adapter for the model's own cache class (or the model moved onto "
             "transformers' standard cache layers)") from e
+    if len(cache.layers) != n:
+        raise UnsupportedModelError(
+            arch, f"its forward adds cache layers as it runs ({n} before, {len(cache.layers)} "
+            "after: layers looped over their own copies of the cache), which fixed pages per "
+            "decoder layer cannot hold", "one page layout per loop of the looped layers",
+            layer=f"{n}..{len(cache.layers) - 1}")
     for layer in cache.layers:
         layer.__dict__.pop("update", None)
     return written

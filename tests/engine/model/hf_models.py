@@ -11,7 +11,7 @@ from torch import nn
 from layerlift.engine.model.hf import TransformersModel
 from layerlift.pools.spec import Component
 
-__all__ = ["CONFIGS", "build", "cold_logprobs"]
+__all__ = ["CONFIGS", "build", "cold_logprobs", "tiny_kwargs"]
 
 _COMMON: dict[str, Any] = dict(vocab_size=128, hidden_size=64, num_hidden_layers=4,
                                num_attention_heads=4, num_key_value_heads=2)
@@ -52,10 +52,64 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
+# Every other tested architecture: these sizes, for the fields its config has
+# (transformers' defaults otherwise), a layer pattern cut from its default one
+# when that mixes kinds (the four consecutive layers with the most kinds; else
+# the config derives it), sliding window 32.
+_TINY: dict[str, Any] = dict(
+    _COMMON, head_dim=16, intermediate_size=64, moe_intermediate_size=32,
+    shared_expert_intermediate_size=32, num_experts=4, num_local_experts=4, n_routed_experts=4,
+    num_experts_per_tok=2, n_shared_experts=1, sliding_window=32, pad_token_id=0,
+    bos_token_id=1, eos_token_id=2, linear_key_head_dim=16, linear_value_head_dim=16,
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_conv_kernel_dim=4,
+    mamba_num_heads=4, mamba_head_dim=16, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16,
+    mamba_d_conv=4, mamba_expand=1, ssm_state_size=16, state_size=16, n_groups=2,
+    mamba_n_groups=2, expand=1, chunk_size=16, conv_kernel=4, kv_lora_rank=32, q_lora_rank=16,
+    qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, first_k_dense_replace=1,
+    n_group=1, topk_group=1, global_head_dim=16, num_global_key_value_heads=2,
+    hidden_size_per_layer_input=16, vocab_size_per_layer_input=128, laurel_rank=8,
+    altup_num_inputs=2, intermediate_size_mlp=64, num_kv_shared_layers=0,
+    use_sliding_window=True, max_window_layers=2, attention_chunk_size=32,
+)
+_OVERRIDES: dict[str, dict[str, Any]] = {
+    "zaya": dict(num_experts_per_tok=1),
+    "gemma3n_text": dict(activation_sparsity_pattern=[0.0] * 4),
+    "mamba2": dict(num_heads=4, head_dim=16),
+    # the config's own 4-layer pattern: cut from the default one, its layers'
+    # conv states differ in width (a refusal, see test_model_hf_refusals.py)
+    **{arch: dict(layer_types=None)
+       for arch in ("inkling_text", "inkling2_text", "inkling2_loop_text")},
+    # full layers twice as wide as sliding ones: K/V widths differ per layer
+    "gemma4_text": dict(global_head_dim=32, layer_types=["sliding_attention",
+                                                         "full_attention"] * 2),
+}
+
+
+def tiny_kwargs(arch: str) -> dict[str, Any]:
+    """The tiny config of ``arch`` (``CONFIGS`` or the generic sizes above)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if arch in CONFIGS:
+        return CONFIGS[arch]
+    default = CONFIG_MAPPING[arch]()
+    assert default.get_text_config(decoder=True) is default, f"{arch} nests its text config"
+    def settable(name: str) -> bool:
+        return hasattr(default, name) and not isinstance(getattr(type(default), name, None),
+                                                         property)
+
+    kw = {k: v for k, v in _TINY.items() if settable(k)}
+    for name in ("layer_types", "layers_block_type"):
+        pattern = getattr(default, name, None)
+        if settable(name) and isinstance(pattern, list) and len(set(pattern)) > 1:
+            windows = [pattern[i:i + 4] for i in range(len(pattern) - 3)]
+            kw[name] = max(windows, key=lambda w: len(set(w)))  # first with most kinds
+    return {**kw, **_OVERRIDES.get(arch, {})}
+
+
 def hf_model(arch: str, seed: int = 0) -> nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = AutoConfig.for_model(arch, **CONFIGS[arch])
+    cfg = AutoConfig.for_model(arch, **tiny_kwargs(arch))
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
 
@@ -66,8 +120,7 @@ def rerandomise_recurrent(model: TransformersModel, seed: int = 1) -> None:
     its logits; redraw every weight of the recurrent decoder layers' mixers
     (slow decay, strong in/out projections) so the state matters."""
     g = torch.Generator().manual_seed(seed)
-    layers = model.hf.get_decoder().layers  # type: ignore[operator]
-    for group, layer in zip(model.layout.groups, layers, strict=False):
+    for group, layer in zip(model.layout.groups, model.decoder_layers, strict=False):
         if not any(model.spec.kinds[g_] is Component.MAMBA for g_ in group):
             continue
         for name, p in layer.named_parameters():
