@@ -19,6 +19,22 @@ The device pool is ``--pool-fraction`` of the replay's working set (its
 distinct tokens' FULL+SWA pages plus one checkpoint per interval), so
 eviction, and the store, decide what is served from cache. A sample of
 requests is checked against cold runs (a fresh engine with no cache).
+
+**Fleet** (``--instances N --router R``, ``bench/fleet.py``): N instances,
+each its own engine (pool, tree, NIC) and server, on one shared store; the
+router (``bench/routers.py``) picks the instance of each arrival. Each
+instance's pool is ``--pool-fraction`` of the working set.
+
+**Simulated model** (``--model simulated``): the engine, server, tree,
+pools, store and link are the real ones; the model is
+:class:`~layerlift.engine.model.simulated.SimulatedModel`, whose layers
+take a compute model's time (rows say ``simulated``). ``--arch reference``
+is the reference model's own layout with the ``cpu-measured`` profile
+(``--calibration``, fitted by ``bench/calibrate.py`` when missing): the
+fidelity check against real mode. ``--arch NAME`` is a published
+architecture at token scale ``512 / --block-tokens`` (one trace block, one
+page) on ``--device`` (``--gpus`` per instance) with ``--network``'s NIC
+per GPU, scaled as ``engine/model/architectures.py`` describes.
 """
 
 from __future__ import annotations
@@ -39,17 +55,24 @@ import numpy as np
 import torch
 
 from layerlift.bench import trace as tr
+from layerlift.bench.fleet import NETWORKS, run_fleet
+from layerlift.bench.routers import ROUTERS, make_router
 from layerlift.engine.api import Engine
 from layerlift.engine.config import EngineConfig
+from layerlift.engine.costmodel import CostPriors
 from layerlift.engine.model import HybridModel
-from layerlift.engine.serve import ServeConfig, Served, Server
+from layerlift.engine.model.architectures import ARCHITECTURES, simulated_spec
+from layerlift.engine.model.base import Model
+from layerlift.engine.model.compute_model import DEVICES, ComputeModel, RooflineCompute, SeqWork
+from layerlift.engine.model.simulated import SimulatedModel
+from layerlift.engine.serve import ServeConfig, Served
 from layerlift.linker.memory_store import MemoryStore
 from layerlift.linker.store_base import Store
 from layerlift.overlap.link import parse_link
 from layerlift.pools.spec import Component, ModelSpec
 from layerlift.testing.kl import KL_EXACT, kl_divergence
 
-__all__ = ["POLICIES", "main", "run_replay"]
+__all__ = ["POLICIES", "Setting", "build_setting", "main", "run_replay"]
 
 POLICIES = ("device-only", "barrier", "overlap", "overlap+prefetch", "overlap+auto")
 DEFAULT_LINK = "emulated:0.1,10"
@@ -130,15 +153,88 @@ class _Stores:
             self.master = None
 
 
-async def _arrive(server: Server, req: tr.ScaledRequest, t0: float) -> Served:
-    loop = asyncio.get_running_loop()
-    await asyncio.sleep(max(0.0, t0 + req.arrival_s - loop.time()))
-    return await server.submit(req.tokens)
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """The model a replay runs and what it says about it: ``mode`` real or
+    simulated, the compute profile, the token scale, the link the
+    store-backed policies use, and the priors the restore-aware router
+    prices with."""
+
+    model: Model
+    mode: str
+    profile: str
+    token_scale: int
+    links: list[str]
+    priors: CostPriors
+    info: dict[str, Any]
 
 
-async def _replay_one(run: Run, reqs: Sequence[tr.ScaledRequest], model: HybridModel,
+def _priors(compute: ComputeModel | None, model: Model, link: str | None,
+            typical_tokens: int) -> CostPriors:
+    """Cost-model priors of a setting: the link's rate and latency, and the
+    compute model's seconds per token for one prompt of ``typical_tokens``."""
+    parsed = parse_link(link) if link else None
+    bw = parsed.gbps * 1e9 if parsed else 1e9
+    lat = parsed.latency_us * 1e-6 if parsed else 50e-6
+    if compute is None:
+        return CostPriors(bw, lat)
+    k = getattr(model, "token_scale", 1)
+    n = max(1, typical_tokens)
+    per_tok = sum(compute.layer_seconds(model.spec.kinds, [SeqWork(0, n * k)])) / n
+    return CostPriors(bw, lat, per_tok)
+
+
+def build_setting(args: argparse.Namespace) -> Setting:
+    """Real (the reference model of ``--preset``) or simulated (``--arch``)."""
+    if args.model == "real":
+        model: Model = HybridModel(ModelSpec.preset(args.preset), seed=0)
+        info: dict[str, Any] = {"arch": f"reference:{args.preset}",
+                                "profile": "real (this CPU)"}
+        return Setting(model, "real", "real", 1, list(args.links),
+                       _priors(None, model, args.links[0], 0), info)
+    if args.arch == "reference":
+        from layerlift.bench import calibrate
+
+        path = Path(args.calibration)
+        compute: ComputeModel = calibrate.load(path)
+        spec = ModelSpec.preset(args.preset)
+        model = SimulatedModel(spec, compute, token_scale=1, vocab_size=spec.dims.vocab_size,
+                               name=f"reference-{args.preset}")
+        info = {"arch": f"reference:{args.preset}", "profile": compute.name,
+                "calibration": str(path)}
+        return Setting(model, "simulated", compute.name, 1, list(args.links),
+                       _priors(compute, model, args.links[0], 256), info)
+    arch = ARCHITECTURES[args.arch]
+    if tr.TRACE_BLOCK_TOKENS % args.block_tokens:
+        raise SystemExit(f"error: --block-tokens must divide {tr.TRACE_BLOCK_TOKENS} "
+                         "for a simulated architecture")
+    k = tr.TRACE_BLOCK_TOKENS // args.block_tokens
+    page = args.block_tokens
+    if arch.window:  # the sliding window in pages of simulated tokens
+        page = math.gcd(page, max(1, arch.window // k))
+    spec = simulated_spec(arch.name, token_scale=k, page_size=page,
+                          track_interval=args.track_blocks * args.block_tokens)
+    gpus = args.gpus or arch.default_gpus
+    if args.device not in DEVICES:
+        raise SystemExit(f"error: --device {args.device} is not a GPU profile "
+                         f"({', '.join(DEVICES)}); cpu-measured needs --arch reference")
+    device = DEVICES[args.device].with_gpus(gpus)
+    compute = RooflineCompute(arch, device)
+    model = SimulatedModel(spec, compute, token_scale=k, vocab_size=32000, name=arch.name)
+    net = NETWORKS[args.network]
+    link = net.link(nics=gpus, token_scale=k)
+    info = {"arch": arch.name, "arch_source": arch.source, "profile": compute.name,
+            "device_source": device.source, "util": device.util, "mem_util": device.mem_util,
+            "gpus": gpus, "network": net.name, "network_gbps_per_nic": net.gbps,
+            "network_source": net.source, "page_tokens": page, "swa_window": spec.swa_window,
+            "track_interval": spec.track_interval}
+    return Setting(model, "simulated", compute.name, k, [link],
+                   _priors(compute, model, link, 14000 // k), info)
+
+
+async def _replay_one(run: Run, reqs: Sequence[tr.ScaledRequest], setting: Setting,
                       args: argparse.Namespace, pool_bytes: int,
-                      stores: _Stores) -> tuple[dict[str, Any], list[Served], bool]:
+                      stores: _Stores) -> tuple[dict[str, Any], list[Served], dict[str, Any]]:
     if run.policy == "device-only":
         store: Store = MemoryStore(timeout_s=60.0)
         link, kind, offload = None, "memory", False
@@ -146,24 +242,23 @@ async def _replay_one(run: Run, reqs: Sequence[tr.ScaledRequest], model: HybridM
         store, link, kind = stores.open(run.link)
         offload = True
     policy = "barrier" if run.policy == "barrier" else "overlap"
+    namespace = f"replay-{uuid.uuid4().hex[:10]}"
     cfg = EngineConfig(store=kind, policy=policy, pool_bytes=pool_bytes, offload=offload,
-                       link=link, namespace=f"replay-{uuid.uuid4().hex[:10]}",
-                       branch_checkpoints=run.branch,
+                       link=link, namespace=namespace, branch_checkpoints=run.branch,
                        restore="auto" if run.policy == "overlap+auto" else "always")
     serve_cfg = ServeConfig(max_batch_tokens=args.batch_tokens,
                             prefetch=run.policy == "overlap+prefetch")
-    async with Engine(model, cfg, store=store) as engine, Server(engine, serve_cfg) as server:
-        t0 = asyncio.get_running_loop().time()
-        served = await asyncio.gather(*(_arrive(server, r, t0) for r in reqs))
-        prefetch = server.prefetch_active
-    return _summary(served), served, prefetch
+    router = make_router(args.router, setting.priors)
+    served, fleet = await run_fleet(setting.model, [cfg] * args.instances, store, serve_cfg,
+                                    router, reqs)
+    return _summary(served, args.slo_ms / 1e3), served, fleet
 
 
 def _pct(xs: Sequence[float], q: float) -> float:
     return float(np.percentile(np.asarray(xs, dtype=np.float64), q)) if xs else 0.0
 
 
-def _summary(served: Sequence[Served]) -> dict[str, Any]:
+def _summary(served: Sequence[Served], slo_s: float) -> dict[str, Any]:
     ttft = [s.ttft_s for s in served]
     tokens = {
         "device_hit": sum(s.result.device_hit_tokens for s in served),
@@ -175,13 +270,14 @@ def _summary(served: Sequence[Served]) -> dict[str, Any]:
     return {
         "ttft_p50_s": _pct(ttft, 50), "ttft_p90_s": _pct(ttft, 90), "ttft_p99_s": _pct(ttft, 99),
         "queue_p90_s": _pct([s.queue_s for s in served], 90),
+        "within_slo_fraction": sum(t <= slo_s for t in ttft) / len(ttft),
         "served_from_cache_fraction": (tokens["device_hit"] + tokens["restored"]) / total,
         "tokens": tokens,
         "prompt_tokens_per_s": total / wall if wall > 0 else 0.0,
     }
 
 
-async def _cold(model: HybridModel, prompts: Sequence[np.ndarray]) -> list[torch.Tensor]:
+async def _cold(model: Model, prompts: Sequence[np.ndarray]) -> list[torch.Tensor]:
     """Next-token log-probs of each prompt on a fresh engine with no cache."""
     spec = model.spec
     need = max(request_bytes(spec, len(p)) for p in prompts)
@@ -196,15 +292,15 @@ async def _cold(model: HybridModel, prompts: Sequence[np.ndarray]) -> list[torch
     return out
 
 
-def _sample(args: argparse.Namespace) -> tuple[list[tr.ScaledRequest], dict[str, Any]]:
+def _sample(args: argparse.Namespace, vocab_size: int
+            ) -> tuple[list[tr.ScaledRequest], dict[str, Any]]:
     path = Path(args.trace) if args.trace else tr.default_trace_path(REPO)
     trace = tr.load_trace(path)
     if args.sample == "families":
         picked = tr.sample_families(trace, args.requests, args.seed)
     else:
         picked = tr.sample_window(trace, args.requests, args.start_request)
-    spec = ModelSpec.preset(args.preset)
-    reqs = tr.scale(picked, block_tokens=args.block_tokens, vocab_size=spec.vocab_size,
+    reqs = tr.scale(picked, block_tokens=args.block_tokens, vocab_size=vocab_size,
                     time_scale=args.time_scale, seed=args.seed)
     span = max(r.timestamp_ms for r in picked) - min(r.timestamp_ms for r in picked)
     scaling = {
@@ -222,11 +318,32 @@ def _sample(args: argparse.Namespace) -> tuple[list[tr.ScaledRequest], dict[str,
     return reqs, scaling
 
 
+def _details(run: Run, served: Sequence[Served], fleet: dict[str, Any],
+             wall_s: float) -> dict[str, Any]:
+    out = {
+        "policy": run.policy, "link": "none" if run.policy == "device-only" else run.link,
+        "branch_checkpoints": run.branch, "wall_s": wall_s,
+        "batches": len({(i, s.batch_id) for s, i in zip(served, fleet["instance_of"],
+                                                        strict=True)}),
+        "recomputed_after_failure": sum(s.result.recomputed_after_failure for s in served),
+        "fallbacks": sum(s.result.fallback_reason is not None for s in served),
+        "sent_to_compute": sum(s.result.fallback_reason is not None
+                               and s.result.fallback_reason.startswith("recompute")
+                               for s in served),
+        "requests_per_instance": fleet["requests_per_instance"],
+        "loop_lag": fleet["loop_lag"],
+    }
+    if run.policy == "overlap+prefetch":
+        out["prefetch_supported"] = fleet["prefetch_active"]
+    return out
+
+
 async def run_replay(args: argparse.Namespace) -> dict[str, Any]:
     """Run every policy of ``args`` (parsed by :func:`build_parser`)."""
-    reqs, scaling = _sample(args)
-    spec = ModelSpec.preset(args.preset)
-    model = HybridModel(spec, seed=0)
+    setting = build_setting(args)
+    model, spec = setting.model, setting.model.spec
+    args.links = setting.links
+    reqs, scaling = _sample(args, model.vocab_size)
     ws = working_set_bytes(spec, reqs)
     floor = 2 * max(request_bytes(spec, max(len(r.tokens) for r in reqs)),
                     request_bytes(spec, args.batch_tokens))
@@ -243,22 +360,11 @@ async def run_replay(args: argparse.Namespace) -> dict[str, Any]:
     try:
         for run in _runs(args):
             t0 = time.perf_counter()
-            summary, served, prefetch = await _replay_one(run, reqs, model, args, pool, stores)
+            summary, served, fleet = await _replay_one(run, reqs, setting, args, pool, stores)
             policies[run.name] = summary
             ttfts[run.name] = [s.ttft_s for s in served]
             kept[run.name] = [served[i].result.next_token_logprobs for i in kl_idx]
-            details[run.name] = {
-                "policy": run.policy, "link": "none" if run.policy == "device-only" else run.link,
-                "branch_checkpoints": run.branch, "wall_s": time.perf_counter() - t0,
-                "batches": len({s.batch_id for s in served}),
-                "recomputed_after_failure": sum(s.result.recomputed_after_failure for s in served),
-                "fallbacks": sum(s.result.fallback_reason is not None for s in served),
-                "sent_to_compute": sum(s.result.fallback_reason is not None
-                                       and s.result.fallback_reason.startswith("recompute")
-                                       for s in served),
-            }
-            if run.policy == "overlap+prefetch":
-                details[run.name]["prefetch_supported"] = prefetch
+            details[run.name] = _details(run, served, fleet, time.perf_counter() - t0)
             if args.progress:
                 print(f"  {run.name}: p90 {summary['ttft_p90_s'] * 1e3:.0f} ms, cache "
                       f"{summary['served_from_cache_fraction']:.3f} "
@@ -274,6 +380,10 @@ async def run_replay(args: argparse.Namespace) -> dict[str, Any]:
         "ideal_hit_fraction": tr.ideal_hit_fraction(reqs),
         "max_kl": max((d["max_kl"] for d in details.values()), default=0.0),
         "scaling": scaling,
+        "fleet": {"instances": args.instances, "router": args.router, "slo_ms": args.slo_ms},
+        "setting": {"mode": setting.mode, "profile": setting.profile,
+                    "token_scale": setting.token_scale, "links": setting.links,
+                    "simulated": setting.mode == "simulated", **setting.info},
         "details": details,
         "kl_samples": len(kl_idx),
         "ttft_s": ttfts,
@@ -283,16 +393,17 @@ async def run_replay(args: argparse.Namespace) -> dict[str, Any]:
 def format_markdown(out: dict[str, Any]) -> str:
     ideal = out["ideal_hit_fraction"]
     lines = [
-        "| policy | TTFT p50 ms | p90 ms | p99 ms | queue p90 ms | device hit | restored | "
-        "computed | from cache | / ideal | prompt tok/s | max KL |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| policy | TTFT p50 ms | p90 ms | p99 ms | queue p90 ms | within SLO | device hit | "
+        "restored | computed | from cache | / ideal | prompt tok/s | max KL |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, p in out["policies"].items():
         t = p["tokens"]
         frac = p["served_from_cache_fraction"]
         lines.append(
             f"| {name} | {p['ttft_p50_s'] * 1e3:.1f} | {p['ttft_p90_s'] * 1e3:.1f} | "
-            f"{p['ttft_p99_s'] * 1e3:.1f} | {p['queue_p90_s'] * 1e3:.1f} | {t['device_hit']} | "
+            f"{p['ttft_p99_s'] * 1e3:.1f} | {p['queue_p90_s'] * 1e3:.1f} | "
+            f"{_f(p.get('within_slo_fraction'))} | {t['device_hit']} | "
             f"{t['restored']} | {t['computed']} | {frac:.3f} | {frac / ideal:.2f} | "
             f"{p['prompt_tokens_per_s']:.0f} | {out['details'][name]['max_kl']:.1e} |")
     s = out["scaling"]
@@ -304,11 +415,22 @@ def format_markdown(out: dict[str, Any]) -> str:
         f"{s['preset']}, pool {s['pool_bytes'] / 2**20:.1f} MiB = "
         f"{s['effective_pool_fraction']:.2f} of the working set; ideal hit fraction "
         f"{ideal:.3f}; KL over {out['kl_samples']} sampled requests per policy.")
+    st, fl = out.get("setting"), out.get("fleet")
+    if st is not None and fl is not None:
+        sim = " (simulated)" if st["simulated"] else ""
+        lines.append(
+            f"Setting: {st['mode']}{sim}, {st['arch']}, profile {st['profile']}, token scale "
+            f"{st['token_scale']}, link {', '.join(st['links'])}; {fl['instances']} instance(s), "
+            f"router {fl['router']}; SLO: TTFT <= {fl['slo_ms']:g} ms.")
     for name, d in out["details"].items():
         if "prefetch_supported" in d and not d["prefetch_supported"]:
             lines.append(f"`{name}`: the engine has no cross-batch prefetch yet; "
                          "this row ran as plain overlap (prefetch_supported: false).")
     return "\n".join(lines) + "\n"
+
+
+def _f(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
 
 
 def write_plot(out: dict[str, Any], path: str) -> None:
@@ -358,7 +480,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="layerlift bench replay",
         description="Replay the Mooncake conversation trace through the serving loop, per "
-                    "cache policy: TTFT, queueing, tokens by source against the ideal.",
+                    "cache policy, on one instance or a routed fleet, with the reference "
+                    "model or the simulated one: TTFT, queueing, tokens by source.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--trace", default=None,
                     help="trace jsonl (default: ../shared/traces/conversation_trace.jsonl "
@@ -383,6 +506,26 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the server's max_batch_tokens")
     ap.add_argument("--kl-samples", type=int, default=8, help="requests checked against cold runs")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    ap.add_argument("--instances", type=int, default=1,
+                    help="serving instances on one shared store (a fleet)")
+    ap.add_argument("--router", choices=ROUTERS, default="round-robin",
+                    help="which instance serves each arrival")
+    ap.add_argument("--slo-ms", type=float, default=1000.0,
+                    help="TTFT SLO: the fraction of requests within it is reported")
+    ap.add_argument("--model", choices=["real", "simulated"], default="real",
+                    help="the reference model on this CPU, or the simulated model")
+    ap.add_argument("--arch", choices=["reference", *ARCHITECTURES], default="reference",
+                    help="simulated: the reference layout (cpu-measured) or a published one")
+    ap.add_argument("--device", default="h100", help=f"simulated GPU: {', '.join(DEVICES)}")
+    ap.add_argument("--gpus", type=int, default=0,
+                    help="GPUs (and NICs) per instance; 0: the architecture's default")
+    ap.add_argument("--network", choices=list(NETWORKS), default="rdma",
+                    help="simulated: each GPU's NIC to the store")
+    ap.add_argument("--track-blocks", type=int, default=4,
+                    help="simulated architecture: trace blocks per checkpoint interval")
+    ap.add_argument("--calibration", default=str(REPO / "bench" / "results" / "fleet" /
+                                                   "cpu_profile.json"),
+                    help="the cpu-measured profile (measured here when missing)")
     ap.add_argument("--json", default=None, help="write the results as JSON here")
     ap.add_argument("--markdown", default=None, help="write a Markdown table here")
     ap.add_argument("--plot", default=None, help="write the TTFT CDF (PNG) here")
@@ -391,14 +534,29 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def calibrate(preset: str, path: str | Path) -> None:
+    """Measure and save the ``cpu-measured`` profile of ``preset`` (``bench/calibrate.py``)."""
+    from layerlift.bench import calibrate as cal
+
+    samples = asyncio.run(cal.measure(preset))
+    cal.save(cal.fit_profile(preset, samples), path,
+             {"preset": preset, "threads": torch.get_num_threads(), "samples": len(samples)})
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.requests < 1 or args.block_tokens < 1 or args.time_scale <= 0:
         raise SystemExit("error: --requests and --block-tokens must be >= 1, --time-scale > 0")
     if args.pool_fraction <= 0:
         raise SystemExit("error: --pool-fraction must be positive")
+    if args.instances < 1 or args.gpus < 0 or args.track_blocks < 1 or args.slo_ms <= 0:
+        raise SystemExit("error: --instances and --track-blocks must be >= 1, --gpus >= 0, "
+                         "--slo-ms > 0")
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
+    if args.model == "simulated" and args.arch == "reference" and \
+            not Path(args.calibration).exists():
+        calibrate(args.preset, args.calibration)
     out = asyncio.run(run_replay(args))
     cmd = "layerlift bench replay " + " ".join(sys.argv[1:] if argv is None else argv)
     out["meta"] = {"command": cmd.strip(), "wall_s": time.perf_counter() - t0,

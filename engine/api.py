@@ -25,7 +25,8 @@ from layerlift.engine.batch import Batch, too_big
 from layerlift.engine.compute import compute_bytes
 from layerlift.engine.config import EngineConfig
 from layerlift.engine.context import EngineContext, EngineError, match_plan, release_plan
-from layerlift.engine.costmodel import CostModel
+from layerlift.engine.costmodel import CostModel, CostPriors
+from layerlift.engine.estimate import PrefillEstimate, estimate_prefill
 from layerlift.engine.handle import LoadHandle
 from layerlift.engine.model.base import Model
 from layerlift.engine.offload import Offloader, OffloadReport
@@ -282,6 +283,22 @@ class Engine:
             raise err
         await batch.issue(device_timeout=self.cfg.layer_wait_timeout_s)
         return LoadHandle(batch)
+
+    async def estimate_prefill(self, tokens: Sequence[int] | np.ndarray, *,
+                               priors: CostPriors | None = None) -> PrefillEstimate:
+        """Routing hints for ``tokens``: device-hit, store-restorable and
+        computed tokens and the estimated TTFT parts
+        (:class:`~layerlift.engine.estimate.PrefillEstimate`), without
+        locking, pinning, loading or touching the LRU order. Prices with the
+        engine's learned cost model (``restore="auto"``), else a fresh one at
+        ``priors`` (default :class:`CostPriors`). Asks the store which keys
+        exist (one call); a store failure gives ``store_available=False``.
+        Raises ``ValueError`` for a malformed prompt."""
+        ctx = self._context()
+        cost = ctx.cost or CostModel(self.model.spec.num_layers, priors)
+        return await estimate_prefill(self.tree, self.linkers, self.store, tokens, cost,
+                                      overlap=self.cfg.policy != "barrier",
+                                      auto=ctx.cost is not None)
 
     def release_plan(self, plan: LookupPlan) -> None:
         """Drop a plan that will not be loaded (unlocks its device hit)."""
