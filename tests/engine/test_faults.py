@@ -155,6 +155,9 @@ class _Unclosed(Store):
     def put(self, keys: Any, ptrs: Any, sizes: Any) -> None:
         self.inner.put(keys, ptrs, sizes)
 
+    def put_parts(self, keys: Any, ptrs: Any, sizes: Any) -> None:
+        self.inner.put_parts(keys, ptrs, sizes)
+
     def get(self, keys: Any, ptrs: Any, sizes: Any) -> list[bool]:
         return self.inner.get(keys, ptrs, sizes)
 
