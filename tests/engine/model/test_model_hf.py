@@ -22,6 +22,7 @@ from reference import ArrayPool, page_table
 from layerlift import Engine, EngineConfig
 from layerlift.engine.model import ForwardRequest
 from layerlift.engine.model.hf import TransformersModel
+from layerlift.linker.memory_store import MemoryStore
 from layerlift.linker.mooncake_store import MooncakeStore
 from layerlift.pools.spec import Component
 from layerlift.testing import FaultyStore, SkipLayerWaits, offload_and_drop
@@ -78,9 +79,11 @@ async def test_restore_equals_transformers_cold_prefill(
         engine.tree.check_integrity()
 
 
-# One per state kind: DeltaNet, Mamba-2 and short-conv state; sliding KV.
+# One per state kind: DeltaNet, Mamba-2, short-conv and KDA state; sliding KV;
+# MLA's compressed latent (keys and values of different widths).
 CONTROLS = [("lara_mini", "mamba"), ("nemotron_h", "mamba"), ("lfm2", "mamba"),
-            ("lara_mini", "swa"), ("gpt_oss", "swa")]
+            ("kimi_linear", "mamba"), ("lara_mini", "swa"), ("gpt_oss", "swa"),
+            ("kimi_linear", "full")]
 
 
 @pytest.mark.mooncake
@@ -127,7 +130,7 @@ async def test_skipping_the_layer_waits_breaks_exactness(
 
 
 @pytest.mark.mooncake
-@pytest.mark.parametrize("arch", ["lara_mini", "nemotron_h"])
+@pytest.mark.parametrize("arch", ["lara_mini", "nemotron_h", "kimi_linear"])
 async def test_layer_fault_mid_restore_recomputes_exactly(
         arch: str, mc_client: MooncakeStore, namespace: str) -> None:
     model = build(arch)
@@ -155,6 +158,46 @@ def test_from_pretrained_loads_a_saved_tiny_model(tmp_path: Path) -> None:
     out = model.forward_batch([ForwardRequest(torch.tensor(tokens), 0, pages, pages, 0)],
                               ArrayPool(model.spec, max_pages=8, max_slots=4))
     assert float((out.next_token_logprobs[0] - cold_logprobs(model, tokens)).abs().max()) <= TOL
+
+
+def test_kimi_linear_pages_hold_the_mla_latent() -> None:
+    """MLA keys and values differ in width: Kimi Linear's cache holds the
+    compressed latent (kv_lora_rank as keys, the rope key as values), and
+    the pages are exactly as wide as what the cache layer holds."""
+    from layerlift.pools.spec import KVShape
+
+    model = build("kimi_linear")
+    full = model.spec.layers_of(Component.FULL)
+    assert model.spec.layers == "MFMF" and len(full) == 2
+    assert all(model.spec.kv_shape(g) == KVShape(1, 32, 1, 8) for g in full)
+    assert model.spec.layer_bytes(Component.FULL) == 16 * (32 + 8) * 4
+
+
+async def test_same_directory_name_different_checkpoints_never_share_keys(
+        tmp_path: Path) -> None:
+    """Finding 6 of issue 16: two checkpoints saved as ``model/`` (different
+    weights) get different identities, so one's KV is never restored into
+    the other; the same bytes in another ``model/`` directory share it."""
+    paths = [tmp_path / d / "model" for d in ("a", "b", "c")]
+    for path, seed in zip(paths, (7, 8, 7), strict=True):
+        hf_model("gpt_oss", seed=seed).save_pretrained(path)
+    a, b, c = (TransformersModel.from_pretrained(p) for p in paths)
+    assert a.identity != b.identity and a.identity == c.identity
+    assert a.identity.startswith("hf-model-") and a.identity.endswith("-float32")
+    batch = prompts([150], seed=9)
+    inner = MemoryStore()
+    cfg = EngineConfig(store="memory", namespace="same-name", pool_bytes=16 << 20)
+    async with Engine(a, cfg, store=inner) as engine:  # type: ignore[arg-type]
+        await engine.prefill(batch)
+        await offload_and_drop(engine)
+    async with Engine(b, cfg, store=inner) as engine:  # type: ignore[arg-type]
+        out = await engine.prefill(batch)
+        assert out[0].restored_tokens == 0, "b restored a's KV"
+        assert max_delta(b, batch, out) <= TOL
+    async with Engine(c, cfg, store=inner) as engine:  # type: ignore[arg-type]
+        out = await engine.prefill(batch)
+        assert out[0].restored_tokens == 128  # the same bytes: a's pages are c's
+        assert max_delta(c, batch, out) <= TOL
 
 
 def test_chunks_at_capture_positions_equal_one_pass(model: TransformersModel) -> None:
