@@ -220,14 +220,42 @@ KINDS: dict[str, tuple[str, Callable[[Record], list[str]], Callable[[Record, str
 }
 
 
+def _generic(r: Record) -> list[str]:
+    """A benchmark without a table of its own yet: its scalar figures."""
+    rows: list[list[str]] = []
+
+    def walk(prefix: str, x: object) -> None:
+        if isinstance(x, dict):
+            for k, v in x.items():
+                if k not in ("benchmark", "meta"):
+                    walk(f"{prefix}.{k}" if prefix else str(k), v)
+        elif isinstance(x, bool | int | float | str) and len(rows) < 60:
+            rows.append([prefix, f"{x:.4g}" if isinstance(x, float) else str(x)])
+
+    walk("", r)
+    return _table(["figure", "value"], rows)
+
+
+def _section(record: Record) -> tuple[str, Callable[[Record], list[str]]]:
+    kind = kind_of(record)
+    if kind in KINDS:
+        return KINDS[kind][0], KINDS[kind][1]
+    return f"`layerlift bench {kind}`", _generic
+
+
 def render(record: Record) -> str:
-    """The Markdown table (and computed summary lines) for one record."""
-    return "\n".join(KINDS[kind_of(record)][1](record))
+    """The Markdown table (and computed summary lines) for one record; a
+    benchmark without a renderer in ``KINDS`` gets its scalar figures."""
+    return "\n".join(_section(record)[1](record))
 
 
 def plot(record: Record, path: str) -> None:
-    """Draw ``record``'s plot into ``path`` (PNG; needs matplotlib)."""
-    KINDS[kind_of(record)][2](record, path)
+    """Draw ``record``'s plot into ``path`` (PNG; needs matplotlib). Raises
+    ``ValueError`` for a benchmark that has no plot in ``KINDS``."""
+    kind = kind_of(record)
+    if kind not in KINDS:
+        raise ValueError(f"no plot for benchmark {kind!r}: add one to KINDS in bench/results.py")
+    KINDS[kind][2](record, path)
 
 
 def headline(record: Record, link_prefix: str = "emulated") -> str:
@@ -244,21 +272,26 @@ def build_page(results: Path) -> str:
     order of ``KINDS``, each kind's main run first, then by file name."""
     records = [(p, json.loads(p.read_text())) for p in sorted(results.glob("*.json"))]
     order = list(KINDS)
+
+    def rank(kind: str) -> int:
+        return order.index(kind) if kind in order else len(order)
+
     # Within a kind, the main run first (``ttft_quick``: what ``make bench`` writes).
-    records.sort(key=lambda pr: (order.index(kind_of(pr[1])),
+    records.sort(key=lambda pr: (rank(kind_of(pr[1])), kind_of(pr[1]),
                                  pr[0].stem not in ("ttft_quick", kind_of(pr[1])), pr[0].name))
     out = ["# Results", "",
            "Generated from `bench/results/*.json` by `layerlift bench report`: do not edit; "
            "rerun a benchmark with `--json`, then the report. What the columns mean and "
-           "how to read them: [design.md](design.md#performance-model).", ""]
+           "how to read them: [design.md §5](design.md#5-performance-model) and "
+           "[the benchmarks guide](guide/benchmarks.md).", ""]
     for path, rec in records:
-        kind = kind_of(rec)
+        title, table = _section(rec)
         cmd = rec.get("meta", {}).get("command", "(command not recorded)")
-        out += [f"## {KINDS[kind][0]}: `{path.name}`", "", f"`{cmd}`", ""]
+        out += [f"## {title}: `{path.name}`", "", f"`{cmd}`", ""]
         png = path.with_suffix(".png")
         if png.exists():
             out += [f"![{path.stem}](../bench/results/{png.name})", ""]
-        out += [*KINDS[kind][1](rec), ""]
+        out += [*table(rec), ""]
     return "\n".join(out)
 
 
