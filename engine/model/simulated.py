@@ -113,7 +113,7 @@ class SimulatedModel:
             if before_layer is not None:
                 before_layer(layer)
             t1 = self._clock()
-            start = t1 if t1 - t0 > _WAITED_S else max(end, t0)
+            start = t1 if t1 - t0 > _WAITED_S else end
             if kind is Component.MAMBA:
                 finals[:, layer] = _mamba_layer(pool, layer, requests, chains)
             else:

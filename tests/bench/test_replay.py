@@ -104,7 +104,7 @@ def test_tiny_replay_end_to_end(tmp_path: Path) -> None:
     got = json.loads(out.read_text())
     assert {"policies", "ideal_hit_fraction", "max_kl", "scaling"} <= set(got)
     assert list(got["policies"]) == ["device-only", "overlap", "overlap+prefetch", "overlap+auto"]
-    keys = {"ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "queue_p90_s",
+    keys = {"ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "queue_p90_s", "within_slo_fraction",
             "served_from_cache_fraction", "tokens", "prompt_tokens_per_s"}
     total = None
     for p in got["policies"].values():
@@ -122,10 +122,35 @@ def test_tiny_replay_end_to_end(tmp_path: Path) -> None:
     assert got["scaling"]["block_tokens"] == 32 and got["scaling"]["requests"] >= 8
 
 
+def test_simulated_fleet_replay(tmp_path: Path) -> None:
+    """Four simulated Qwen3-Next instances on one store behind the 25 Gbit
+    profile, routed by round-robin: a turn lands where its prefix is not on
+    the device, so some tokens are restored from the store; results exact."""
+    out = tmp_path / "fleet.json"
+    code = main(["--trace", str(SMALL), "--requests", "10", "--seed", "3", "--block-tokens", "16",
+                 "--time-scale", "1000", "--model", "simulated", "--arch", "qwen3-next-80b-a3b",
+                 "--device", "h100", "--network", "tcp25", "--instances", "4",
+                 "--router", "round-robin", "--policies", "overlap", "--batch-tokens", "512",
+                 "--kl-samples", "3", "--slo-ms", "2000", "--json", str(out), "--quiet"])
+    assert code == 0
+    got = json.loads(out.read_text())
+    st = got["setting"]
+    assert st["simulated"] and st["token_scale"] == 32 and st["gpus"] == 4
+    assert st["links"] == ["emulated:0.35,50"]  # 2.8 GB/s * 4 NICs / 32
+    assert got["fleet"] == {"instances": 4, "router": "round-robin", "slo_ms": 2000.0}
+    d = got["details"]["overlap"]
+    assert sum(d["requests_per_instance"]) == got["scaling"]["requests"]
+    assert all(n > 0 for n in d["requests_per_instance"])
+    assert got["policies"]["overlap"]["tokens"]["restored"] > 0
+    assert got["max_kl"] <= 1e-9
+    assert d["loop_lag"]["arrival_p99_s"] >= 0 and d["loop_lag"]["probe_p99_s"] >= 0
+
+
 def test_cli_dispatches_replay(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         cli_main(["bench", "replay", "--help"])
     assert exc.value.code == 0
-    assert "--pool-fraction" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "--pool-fraction" in text and "--instances" in text and "--router" in text
     assert set(POLICIES) == {"device-only", "barrier", "overlap", "overlap+prefetch",
                              "overlap+auto"}
