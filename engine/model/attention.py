@@ -5,7 +5,8 @@ head_dim]`` per layer, in ``spec.kv_dtype``). A forward first writes the new
 tokens' (RoPE-rotated) K/V into their pages, then reads the request's keys back
 *through the page table*, so the new tokens see exactly the bytes a later
 continuation will see (this keeps a split prompt bitwise-consistent with a
-whole one even for 16-bit KV).
+whole one even for 16-bit KV). Attention computes in the dtype of its
+weights (float32, or float64 in the reference model's deterministic mode).
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ class KVIndex:
     tiles: list[list[Tile]]
 
 
-def _tiles(span: Span, key_start: int, window: int, device: torch.device) -> list[Tile]:
+def _tiles(span: Span, key_start: int, window: int, device: torch.device,
+           dtype: torch.dtype) -> list[Tile]:
     """Attention tiles of one request (positions are absolute until the end)."""
     if not window and span.prefix_len == 0:
         return [Tile(0, span.n_new, 0, span.n_new, None)]
@@ -75,7 +77,7 @@ def _tiles(span: Span, key_start: int, window: int, device: torch.device) -> lis
         allowed = k_pos <= q_pos
         if window:
             allowed &= k_pos > q_pos - window
-        mask = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
+        mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
         tiles.append(
             Tile(
                 q_lo - span.prefix_len,
@@ -94,8 +96,10 @@ def build_kv_index(
     tables: Sequence[torch.Tensor],
     window: int,
     device: torch.device,
+    dtype: torch.dtype = torch.float32,
 ) -> KVIndex:
-    """The :class:`KVIndex` of a batch; ``window`` = 0 means full attention."""
+    """The :class:`KVIndex` of a batch; ``window`` = 0 means full attention;
+    tile masks in ``dtype`` (the attention's compute dtype)."""
     ps = spec.page_size
     writes, reads, starts, tiles = [], [], [], []
     for span, table in zip(spans, tables, strict=True):
@@ -107,7 +111,7 @@ def build_kv_index(
             first_page = max(0, span.prefix_len - window + 1) // ps
         reads.append(table[first_page : -(-span.total // ps)].to(device))
         starts.append(first_page * ps)
-        tiles.append(_tiles(span, first_page * ps, window, device))
+        tiles.append(_tiles(span, first_page * ps, window, device, dtype))
     all_pos = torch.cat([torch.arange(s.prefix_len, s.total) for s in spans])
     return KVIndex(torch.cat(writes).to(device), (all_pos % ps).to(device), reads, starts, tiles)
 
@@ -150,7 +154,8 @@ class PagedAttention(nn.Module):
         out = torch.empty_like(q)
         for i, span in enumerate(spans):
             n_keys = span.total - index.key_start[i]
-            keys, vals = (self._gather(c, index.read_pages[i], n_keys) for c in (k_cache, v_cache))
+            keys, vals = (self._gather(c, index.read_pages[i], n_keys, q.dtype)
+                          for c in (k_cache, v_cache))
             for tile in index.tiles[i]:
                 rows = slice(span.start + tile.q0, span.start + tile.q1)
                 out[:, rows] = self._attend(
@@ -158,14 +163,15 @@ class PagedAttention(nn.Module):
                 )
         return torch.matmul(out.transpose(0, 1).reshape(t, -1), self.wo.T)
 
-    def _gather(self, cache: torch.Tensor, pages: torch.Tensor, n_keys: int) -> torch.Tensor:
-        """One request's keys (or values) as float32 ``[num_heads, n_keys, head_dim]``:
+    def _gather(self, cache: torch.Tensor, pages: torch.Tensor, n_keys: int,
+                dtype: torch.dtype) -> torch.Tensor:
+        """One request's keys (or values) as ``dtype`` ``[num_heads, n_keys, head_dim]``:
         one ``index_select`` of its pages, flatten, and repeat each KV head for
         the ``num_heads // num_kv_heads`` query heads it serves."""
         spec = self.spec
         flat = cache.index_select(0, pages).reshape(-1, spec.num_kv_heads, spec.head_dim)
         group = spec.dims.num_heads // spec.num_kv_heads
-        return flat[:n_keys].float().repeat_interleave(group, dim=1).transpose(0, 1)
+        return flat[:n_keys].to(dtype).repeat_interleave(group, dim=1).transpose(0, 1)
 
     @staticmethod
     def _attend(

@@ -12,6 +12,20 @@ layer: that is where the engine waits for layer ``l``'s restored KV or state
 
 Layer ``l``: ``h += mixer(norm(h))``; ``h += mlp(norm(h))`` with the mixer
 chosen by ``spec.kinds[l]``; then a final norm and the LM head.
+
+Deterministic mode (``HybridModel(..., deterministic=True)``): the forward
+computes in float64 (weights, activations, attention, the scan) and meets the
+cached bytes only where they are stored: KV in ``spec.kv_dtype``, conv inputs
+and the Mamba state in float32, the state rounded at every page boundary
+(where a restore may continue). How the prompt is split (restored prefix or
+cold, which batch, which attention tiles and scan chunks) then moves the
+result only by float64 rounding: a restored prefill equals a cold run of the
+whole prompt within KL 1e-9 by construction, not by the luck of float32
+reductions. The cost: float64 arithmetic (about 2-3x the float32 forward on
+a CPU, far more on GPUs with few float64 units) and twice the weight memory;
+the cache layout, store keys' layout fingerprint and byte sizes are
+unchanged, but the identity differs (``-f64``), since float64 computes other
+KV bytes than float32.
 """
 
 from __future__ import annotations
@@ -52,7 +66,8 @@ _MLP_OUT = 0.5
 class Block(nn.Module):
     """One layer: pre-norm mixer + residual, pre-norm gated MLP + residual."""
 
-    def __init__(self, spec: ModelSpec, kind: Component, g: torch.Generator) -> None:
+    def __init__(self, spec: ModelSpec, kind: Component, g: torch.Generator,
+                 deterministic: bool = False) -> None:
         super().__init__()
         self.kind = kind
         depth = spec.num_layers**-0.5
@@ -60,7 +75,8 @@ class Block(nn.Module):
         self.mixer_norm = RMSNorm(dims.hidden_size, dims.rms_eps)
         self.mixer: PagedAttention | MambaMixer
         if kind is Component.MAMBA:
-            self.mixer = MambaMixer(spec, g, out_std=_MIXER_OUT * depth)
+            self.mixer = MambaMixer(spec, g, out_std=_MIXER_OUT * depth,
+                                    align_state=spec.page_size if deterministic else None)
         else:
             self.mixer = PagedAttention(spec, g, out_std=_MIXER_OUT * depth)
         self.mlp_norm = RMSNorm(dims.hidden_size, dims.rms_eps)
@@ -70,14 +86,18 @@ class Block(nn.Module):
 class HybridModel(nn.Module):
     """The reference hybrid model of ``spec``; weights are a pure function of
     ``spec.dims`` and ``seed`` (drawn on the CPU with a private
-    ``torch.Generator``, then moved to ``device``). Computes in float32; KV is
-    stored in ``spec.kv_dtype``, Mamba-2 state (conv, ssm) in float32.
+    ``torch.Generator``, then moved to ``device``). Computes in float32, or
+    in float64 with ``deterministic=True`` (see the module docstring: a
+    restore then equals a cold run within KL 1e-9 whatever the split, at the
+    price of float64 arithmetic); KV is stored in ``spec.kv_dtype``, Mamba-2
+    state (conv, ssm) in float32. Log-probabilities come back in float32.
 
     Implements the model protocol (:class:`~layerlift.engine.model.base.Model`).
     Raises ``ValueError`` when ``spec``'s state layout is not the Mamba-2
     state of its dims, or the query heads do not group over the KV heads."""
 
-    def __init__(self, spec: ModelSpec, seed: int, device: str | torch.device = "cpu") -> None:
+    def __init__(self, spec: ModelSpec, seed: int, device: str | torch.device = "cpu", *,
+                 deterministic: bool = False) -> None:
         super().__init__()
         dims = spec.dims
         if spec.layers_of(Component.MAMBA) and spec.mamba != dims.mamba_state():
@@ -92,16 +112,19 @@ class HybridModel(nn.Module):
             )
         self.spec = spec
         self.seed = seed
+        self.deterministic = deterministic
+        self.compute_dtype = torch.float64 if deterministic else torch.float32
         digest = hashlib.blake2b(repr(dims).encode(), digest_size=4).hexdigest()
-        self.identity = f"hybrid-{digest}-seed{seed}"
+        # float64 computes other KV bytes than float32: never share store keys.
+        self.identity = f"hybrid-{digest}-seed{seed}" + ("-f64" if deterministic else "")
         self.vocab_size = dims.vocab_size
         g = torch.Generator().manual_seed(seed)
         d = dims.hidden_size
         self.embed = normal_param(g, dims.vocab_size, d, std=_EMBED_STD)
-        self.blocks = nn.ModuleList(Block(spec, kind, g) for kind in spec.kinds)
+        self.blocks = nn.ModuleList(Block(spec, kind, g, deterministic) for kind in spec.kinds)
         self.final_norm = RMSNorm(d, dims.rms_eps)
         self.lm_head = normal_param(g, dims.vocab_size, d, std=_LOGIT_STD * d**-0.5)
-        self.to(device)
+        self.to(device=device, dtype=self.compute_dtype)
 
     @property
     def device(self) -> torch.device:
@@ -132,9 +155,10 @@ class HybridModel(nn.Module):
         spans = _spans(requests)
         tokens = torch.cat([r.tokens for r in requests]).to(dev)
         positions = torch.cat([torch.arange(s.prefix_len, s.total) for s in spans]).to(dev)
-        full = build_kv_index(self.spec, spans, [r.full_pages for r in requests], 0, dev)
+        dtype = self.compute_dtype
+        full = build_kv_index(self.spec, spans, [r.full_pages for r in requests], 0, dev, dtype)
         swa = build_kv_index(
-            self.spec, spans, [r.swa_pages for r in requests], self.spec.swa_window, dev
+            self.spec, spans, [r.swa_pages for r in requests], self.spec.swa_window, dev, dtype
         )
         h = self.embed[tokens]
         for layer, block in enumerate(self.blocks):
@@ -180,10 +204,10 @@ class HybridModel(nn.Module):
             if not r.want_token_logprobs:
                 per_token.append(None)
                 continue
-            rows = torch.log_softmax(h[s.start : s.stop] @ self.lm_head.T, dim=-1)
+            rows = torch.log_softmax(h[s.start : s.stop] @ self.lm_head.T, dim=-1).float()
             nxt[i] = rows[-1]  # one source of truth, bitwise equal to the last row
             per_token.append(rows)
-        return ForwardOutput(nxt, per_token)
+        return ForwardOutput(nxt.float(), per_token)
 
 
 def _spans(requests: Sequence[ForwardRequest]) -> list[Span]:

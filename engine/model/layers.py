@@ -91,20 +91,22 @@ class GatedMLP(nn.Module):
         return h @ self.down.T
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cos``/``sin`` tables ``[len(positions), head_dim // 2]`` for absolute positions."""
+def rope_cos_sin(positions: torch.Tensor, head_dim: int,
+                 dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos``/``sin`` tables ``[len(positions), head_dim // 2]`` in ``dtype``
+    for absolute positions."""
     half = head_dim // 2
     inv_freq = ROPE_THETA ** (-torch.arange(half, dtype=torch.float64) / half)
     # float64 angles: positions of several thousand times a frequency near one
     # lose digits in float32, and the paged and dense paths must agree.
     angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
-    return angles.cos().to(torch.float32), angles.sin().to(torch.float32)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` ``[T, heads, head_dim]`` by its absolute ``positions`` ``[T]``
-    (rotate-half convention)."""
-    cos, sin = rope_cos_sin(positions.to(x.device), x.shape[-1])
+    (rotate-half convention), in ``x``'s dtype."""
+    cos, sin = rope_cos_sin(positions.to(x.device), x.shape[-1], x.dtype)
     cos, sin = cos[:, None, :].to(x.device), sin[:, None, :].to(x.device)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -6,6 +6,13 @@ pre-convolution inputs, oldest first; zeros at sequence start) and ``ssm``
 from the slot's state, writes the state after its last token back into the
 slot and, on request, the state at intermediate boundaries into other slots
 (checkpoints).
+
+The mixer computes in its weights' dtype. Whatever it reads back later (the
+conv inputs kept in ``conv``, the ``ssm`` state) is rounded to the slot's
+dtype before it is used, so a continuation from a slot computes what the
+uninterrupted run did. With ``align_state`` (the reference model's
+deterministic mode) the ``ssm`` state is also rounded at every multiple of
+that many tokens (every page boundary), where a restore may continue.
 """
 
 from __future__ import annotations
@@ -61,10 +68,12 @@ class MambaMixer(nn.Module):
     with ``A = -exp(A_log)``, ``dt = softplus(dt + dt_bias)`` and skip ``D``;
     ``y * silu(z)``; ``out_proj``."""
 
-    def __init__(self, spec: ModelSpec, g: torch.Generator, out_std: float) -> None:
+    def __init__(self, spec: ModelSpec, g: torch.Generator, out_std: float,
+                 align_state: int | None = None) -> None:
         super().__init__()
         m = Mamba2Shape.of(spec.dims)
         self.m = m
+        self.align_state = align_state
         d = spec.dims.hidden_size
         self.in_proj = normal_param(g, 2 * m.d_inner + 2 * m.d_state + m.num_heads, d, std=d**-0.5)
         self.conv_w = normal_param(g, m.conv_dim, m.d_conv, std=m.d_conv**-0.5)
@@ -119,17 +128,26 @@ class MambaMixer(nn.Module):
     ) -> torch.Tensor:
         """One request: conv + scan from its slot; returns ``y`` ``[n_new, d_inner]``."""
         m = self.m
-        n = xbc.shape[0]
+        n, dtype = xbc.shape[0], xbc.dtype
         conv0, ssm0 = self._load_state(req, conv_v, ssm_v)
-        # The conv input history: the saved last d_conv-1 inputs, then the new ones.
-        hist = torch.cat((conv0, xbc.T), dim=1)  # [conv_dim, d_conv-1+n]
-        xc = F.conv1d(hist[None], self.conv_w[:, None, :], self.conv_b, groups=m.conv_dim)
-        xc = F.silu(xc[0].T)  # [n, conv_dim]
+        # The conv input history: the saved last d_conv-1 inputs, then the new ones,
+        # rounded as the slot will keep them (a no-op when both are float32).
+        xbc = xbc.to(conv_v.dtype).to(dtype)
+        hist = torch.cat((conv0.to(dtype), xbc.T), dim=1)  # [conv_dim, d_conv-1+n]
+        # The causal depthwise conv as one multiply-sum over sliding windows
+        # (F.conv1d has no fast float64 path on CPUs).
+        windows = hist.unfold(1, m.d_conv, 1)  # [conv_dim, n, d_conv], oldest input first
+        xc = (windows * self.conv_w[:, None, :]).sum(-1) + self.conv_b[:, None]
+        xc = F.silu(xc.T)  # [n, conv_dim]
         xs, b, c = torch.split(xc, [m.d_inner, m.d_state, m.d_state], dim=-1)
         xs = xs.reshape(n, m.num_heads, m.head_dim)
         dt = F.softplus(dt_raw + self.dt_bias)
-        cuts = sorted(p - req.prefix_len for p in req.capture)
-        y, states = ssd_scan(xs, dt, -torch.exp(self.a_log), b, c, ssm0, cuts)
+        cuts = {p - req.prefix_len for p in req.capture}
+        if self.align_state is not None:
+            a = self.align_state
+            cuts.update(range(-(-(req.prefix_len + 1) // a) * a - req.prefix_len, n, a))
+        y, states = ssd_scan(xs, dt, -torch.exp(self.a_log), b, c, ssm0.to(dtype), sorted(cuts),
+                             state_dtype=ssm_v.dtype)
         y = y + self.d_skip[:, None] * xs
         k = m.d_conv - 1
         for pos, slot in req.capture.items():

@@ -19,6 +19,12 @@ is first split into segments at those offsets and every segment is padded to
 whole chunks with ``dt = 0`` tokens. A ``dt = 0`` token is an exact identity
 step (decay ``exp(0) = 1``, input ``0 * ...``), so padding changes nothing and
 every requested state is simply the carried state at a chunk boundary.
+
+With ``state_dtype`` the carried state passes through that dtype at every
+segment end (``cuts``): exactly what a checkpoint stored there holds, so a
+later continuation from that checkpoint starts from the very state this run
+carried on with (the reference model's deterministic mode cuts at every page
+boundary and computes in float64 around float32 checkpoints).
 """
 
 from __future__ import annotations
@@ -70,6 +76,7 @@ def ssd_scan(
     state0: torch.Tensor,
     cuts: Sequence[int] = (),
     chunk: int = CHUNK,
+    state_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     """Run the recurrence over one sequence, starting from ``state0``.
 
@@ -77,6 +84,8 @@ def ssd_scan(
     ``a_coef`` ``[H]`` (negative), ``b``/``c`` ``[T, N]``, ``state0``
     ``[H, P, N]``. Returns ``y`` ``[T, H, P]`` (without the ``D`` skip term)
     and the state after ``j`` tokens for every ``j`` in ``cuts`` and for ``T``.
+    ``state_dtype``: round the carried state through it at every segment end
+    (see the module docstring); ``None`` keeps full precision.
     """
     t = x.shape[0]
     bounds = sorted({0, t, *cuts})
@@ -103,8 +112,12 @@ def ssd_scan(
     local = torch.einsum("chs,cshp,csn->chpn", to_end, xs, bs)
     chunk_decay = log_decay.sum(dim=-1).exp()  # [nc, H]
     carried = [state0]
+    rounded = set(ends) if state_dtype is not None else set()
     for i in range(nc):
-        carried.append(chunk_decay[i][:, None, None] * carried[-1] + local[i])
+        nxt = chunk_decay[i][:, None, None] * carried[-1] + local[i]
+        if i + 1 in rounded:
+            nxt = nxt.to(state_dtype).to(nxt.dtype)
+        carried.append(nxt)
     entering = torch.stack(carried[:-1])  # state entering each chunk
     into = log_decay.cumsum(dim=-1).exp().transpose(1, 2)  # [nc, L, H]
     y = y + torch.einsum("ctn,chpn->cthp", cs, entering) * into[..., None]

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 
-from layerlift import Component, Engine, EngineConfig, EngineError, HybridModel
+from layerlift import Component, Engine, EngineConfig, EngineError, HybridModel, ModelSpec
 from layerlift.engine.api import min_pool_bytes
 from layerlift.engine.results import PrefillResult
 from layerlift.linker.master import EmbeddedMaster
@@ -106,15 +106,23 @@ def watch_forward(monkeypatch: pytest.MonkeyPatch, model: HybridModel) -> thread
 
 
 # ---- 1. the seed's scenario --------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny128_det_model() -> HybridModel:
+    """The seed scenario's model in deterministic mode (float64 compute)."""
+    return HybridModel(ModelSpec.preset("tiny128"), seed=0, deterministic=True)
+
+
 @pytest.mark.mooncake
 @pytest.mark.parametrize("policy", POLICIES)
-async def test_seed_restore_is_exact(policy: str, tiny128_model: HybridModel,
+async def test_seed_restore_is_exact(policy: str, tiny128_det_model: HybridModel,
                                      mc_tiny128: RecordingStore, namespace: str) -> None:
     """6 requests, each restoring 1152 tokens (page = track interval = 128)
-    from real Mooncake: next-token distributions equal the computed ones."""
-    batch = prompts(tiny128_model.vocab_size, [1152 + 40] * 6, seed=1)
+    from real Mooncake: in deterministic mode the next-token distributions
+    equal the cold run of the whole prompts within KL 1e-9."""
+    model = tiny128_det_model
+    batch = prompts(model.vocab_size, [1152 + 40] * 6, seed=1)
     cfg = EngineConfig(store="memory", policy=policy, namespace=namespace, pool_bytes=64 << 20)
-    async with Engine(tiny128_model, cfg, store=mc_tiny128) as engine:
+    async with Engine(model, cfg, store=mc_tiny128) as engine:
         r1 = await engine.prefill(batch)
         assert [r.computed_tokens for r in r1] == [1192] * 6
         report = await engine.wait_offloads()
@@ -126,8 +134,34 @@ async def test_seed_restore_is_exact(policy: str, tiny128_model: HybridModel,
         assert [r.computed_tokens for r in r2] == [40] * 6
         assert [r.fallback_reason for r in r2] == [None] * 6
         assert not any(r.recomputed_after_failure for r in r2)
-        assert_exact(r1, r2)
+        assert max(kls(r1, r2)) <= 1e-9, kls(r1, r2)
         await drop(engine)
+
+
+@pytest.mark.parametrize(("deterministic", "bound"), [(True, 1e-9), (False, 1e-6)])
+async def test_restored_prefill_equals_cold_run_of_whole_prompt(deterministic: bool,
+                                                                bound: float) -> None:
+    """Restores that continue off the cold run's scan chunks (checkpoints at
+    every page) and SWA tiles, in another batch than the cold run: within KL
+    1e-9 in deterministic mode. The float32 mode's documented bound is 1e-6
+    (float32 rounding of other tiles, chunks and batch shapes; about 1e-12
+    measured here on a CPU, up to 1.4e-7 reported elsewhere)."""
+    spec = ModelSpec.preset("tiny", track_interval=16)
+    model = HybridModel(spec, seed=0, deterministic=deterministic)
+    rng = np.random.default_rng(7)
+    base = prompts(model.vocab_size, [600] * 4, seed=7)
+    shared = [80, 290, 333, 599]  # restore boundaries 80, 288, 320, 592 tokens
+    batch = [np.concatenate([b[:n], rng.integers(0, model.vocab_size, 45)]) for b, n in
+             zip(base, shared, strict=True)]
+    cfg = EngineConfig(store="memory", pool_bytes=32 << 20)
+    async with Engine(model, cfg, store=MemoryStore()) as engine:
+        await engine.prefill(base)
+        await drop(engine)
+        got = await engine.prefill(batch)
+        assert [r.restored_tokens for r in got] == [80, 288, 320, 592]
+        await drop(engine)
+    ref = [(await cold(model, [p]))[0] for p in batch]  # each prompt alone, cold
+    assert max(kls(got, ref)) <= bound, kls(got, ref)
 
 
 # ---- 2. negative controls ------------------------------------------------------------

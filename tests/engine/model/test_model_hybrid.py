@@ -15,8 +15,9 @@ from reference import (
     tokens_for,
 )
 
-from layerlift.engine.model import HybridModel
+from layerlift.engine.model import ForwardRequest, HybridModel
 from layerlift.pools.spec import Component, ModelSpec
+from layerlift.testing import KL_EXACT, kl_divergence
 
 
 @pytest.mark.parametrize(("preset", "n"), [("tiny", 333), ("tiny128", 420)])
@@ -110,3 +111,67 @@ def test_kv_dtype_bfloat16_split_matches_whole() -> None:
     torch.testing.assert_close(rest, whole[128:], atol=2e-2, rtol=0)
     f32 = dense_logprobs(HybridModel(ModelSpec.preset("tiny"), seed=0), tokens)
     assert float((whole.exp() * (whole - f32)).sum(-1).max()) < 0.05  # close to float32 KV
+
+
+# ---- deterministic mode (float64 compute around the stored bytes) ---------------------
+def _row_kl(p: torch.Tensor, q: torch.Tensor) -> float:
+    """Largest per-row KL(p || q) of two ``[n, vocab]`` log-prob tables."""
+    return max(kl_divergence(a, b) for a, b in zip(p, q, strict=True))
+
+
+def test_deterministic_mode_is_a_float64_model_with_its_own_identity() -> None:
+    spec = ModelSpec.preset("tiny")
+    f32, f64 = HybridModel(spec, seed=0), HybridModel(spec, seed=0, deterministic=True)
+    assert f64.deterministic and not f32.deterministic
+    assert f64.embed.dtype == torch.float64 and f32.embed.dtype == torch.float32
+    assert torch.equal(f64.embed.float(), f32.embed)  # the same weights, upcast
+    assert f64.identity == f32.identity + "-f64"  # other KV bytes: other store keys
+    pool = ArrayPool(spec, max_pages=512)
+    out = run(f64, pool, tokens_for(spec, 100), table=0, slot=0)
+    assert out.next_token_logprobs.dtype == torch.float32
+    assert out.token_logprobs[0] is not None and out.token_logprobs[0].dtype == torch.float32
+    # Still the model of the dense reference (computed in float64 from the same weights).
+    assert_lp_close(out.token_logprobs[0], dense_logprobs(f64, tokens_for(spec, 100)).float())
+
+
+# Split points: page boundaries off the 64-token scan chunks and the 256-query SWA
+# tiles of a whole run (16, 80, 272), on them (256) and deep in (592).
+SPLITS = [16, 80, 256, 272, 592]
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_split_equals_whole(deterministic: bool) -> None:
+    """A continuation from a checkpoint equals the whole prompt: within KL 1e-9
+    per token in deterministic mode, and (documented bound of the float32
+    mode) within the float32 tolerance of ``assert_lp_close`` otherwise."""
+    spec = ModelSpec(layers="FSMSFSMM", page_size=16, swa_window=48, track_interval=16)
+    model = HybridModel(spec, seed=3, deterministic=deterministic)
+    pool = ArrayPool(spec, max_pages=8 * 256)
+    n = 640
+    tokens = tokens_for(spec, n)
+    whole = run(model, pool, tokens, table=0, slot=0).token_logprobs[0]
+    assert whole is not None
+    for i, b in enumerate(SPLITS):
+        run(model, pool, tokens[:b], table=1 + i, slot=1, capture={b: 2 + i})
+        rest = run(model, pool, tokens[b:], prefix_len=b, table=1 + i, slot=10 + i,
+                   cow=2 + i).token_logprobs[0]
+        assert rest is not None
+        if deterministic:
+            assert _row_kl(whole[b:], rest) <= KL_EXACT, b
+        else:
+            assert_lp_close(rest, whole[b:])
+
+
+def test_deterministic_batch_equals_single() -> None:
+    """Packing other requests into the batch changes every matmul's shape; in
+    deterministic mode the result moves by float64 rounding only."""
+    spec = ModelSpec.preset("tiny")
+    model = HybridModel(spec, seed=0, deterministic=True)
+    pool = ArrayPool(spec, max_pages=8 * 256)
+    seqs = [tokens_for(spec, n, seed=s) for s, n in ((1, 300), (2, 77), (3, 520))]
+    reqs = [ForwardRequest(t, 0, page_table(i, -(-len(t) // 16)), page_table(i, -(-len(t) // 16)),
+                           i, None, {}) for i, t in enumerate(seqs)]
+    batch = model.forward_batch(reqs, pool).next_token_logprobs
+    for i, t in enumerate(seqs):
+        single = run(model, pool, t, table=4 + i, slot=4 + i).next_token_logprobs[0]
+        assert kl_divergence(batch[i], single) <= KL_EXACT
