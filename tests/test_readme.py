@@ -67,3 +67,31 @@ def test_docs_block_runs(code: str, tmp_path: Path) -> None:
     assert proc.returncode == 0, (
         f"docs block failed (exit {proc.returncode}):\n{code}\n--- stdout\n"
         f"{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-3000:]}")
+
+
+LINK = re.compile(r"\]\((?P<target>[^)\s#]*)(?:#(?P<anchor>[^)\s]+))?\)")
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a Markdown heading."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower().replace("`", ""))
+    return text.replace(" ", "-")
+
+
+def _anchors(page: Path) -> set[str]:
+    return {_slug(h) for h in re.findall(r"^#+ (.*)$", page.read_text(), re.M)}
+
+
+def test_every_relative_link_and_anchor_resolves() -> None:
+    broken = []
+    for page in PAGES:
+        for m in LINK.finditer(page.read_text()):
+            target, anchor = m["target"], m["anchor"]
+            if target.startswith(("http://", "https://", "mailto:")):
+                continue
+            path = (page.parent / target).resolve() if target else page
+            if not path.exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target} does not exist")
+            elif anchor and path.suffix == ".md" and anchor not in _anchors(path):
+                broken.append(f"{page.relative_to(ROOT)}: no heading #{anchor} in {target or page.name}")
+    assert not broken, "\n".join(broken)
