@@ -15,6 +15,7 @@ import ctypes
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future
 from typing import NamedTuple, TypeVar
 
 from layerlift.linker.daemon_pool import DaemonPool
@@ -24,6 +25,7 @@ from layerlift.linker.store_base import (
     StoreFull,
     StoreIOError,
     StoreKeyMissing,
+    StoreTimeout,
     StoreUnavailable,
     TensorLike,
     buffer_span,
@@ -33,6 +35,7 @@ from layerlift.linker.store_base import (
 )
 
 _T = TypeVar("_T")
+_LOCAL_CALLS = frozenset({"register", "unregister"})
 
 
 def _address(data: bytes) -> int:
@@ -57,10 +60,13 @@ class MemoryStore(Store):
       the caller gets StoreTimeout after `timeout_s` while the call goes on
       and takes effect (reads and writes the caller's memory) after
       `latency_s`, exactly like a Mooncake call on a slow master.
-    - `stall()` / `resume()`: a stopped master. Calls made while stalled run
+    - `stall()` / `resume()`: a stopped master. Calls made while stalled
+      (except `register`/`unregister`, local to a Mooncake client) run
       on a background worker and take effect only after `resume()`; their
       callers get StoreTimeout (carrying the running call) after `timeout_s`.
-      `held` is set once a call waits for `resume()`.
+      `held` is set once a call waits for `resume()`; `stall_when(method)`
+      stalls the store at the next call of `method` (a master that stops
+      mid-restore); `timed_out` is set whenever a caller got StoreTimeout.
     - `capacity_bytes`: a full store. A put whose new objects do not fit
       stores those that do, in order, and raises StoreFull for the rest.
     - `fail_call(n, exc)`: the n-th call from now (1 = the next) raises `exc`
@@ -82,6 +88,8 @@ class MemoryStore(Store):
         self.latency_s = latency_s
         self.capacity_bytes = capacity_bytes
         self.held = threading.Event()
+        self.timed_out = threading.Event()
+        self._stall_on: set[str] = set()
         self._running = threading.Event()
         self._running.set()
         self._workers: DaemonPool | None = None
@@ -127,6 +135,12 @@ class MemoryStore(Store):
         self.held.clear()
         self._running.clear()
 
+    def stall_when(self, method: str) -> None:
+        """Stall the store (as `stall()`) when `method` is next called; that
+        call is the first one held."""
+        with self._lock:
+            self._stall_on.add(method)
+
     def resume(self) -> None:
         """Let stalled calls take effect (in the background, in their order)."""
         self._running.set()
@@ -150,7 +164,13 @@ class MemoryStore(Store):
             self._ncalls += 1
             self.calls.append(StoreCall(method, tuple(keys)))
             injected = self._fail_at.pop(self._ncalls, None)
-            stalled = not self._running.is_set()
+            if method in self._stall_on:
+                self._stall_on.discard(method)
+                self.held.clear()
+                self._running.clear()
+            # register/unregister are local to a Mooncake client: a stopped
+            # master does not hold them
+            stalled = not self._running.is_set() and method not in _LOCAL_CALLS
             slow = self.latency_s >= self.timeout_s
             if (stalled or slow) and self._workers is None:
                 self._workers = DaemonPool(4, "memory-store")
@@ -171,11 +191,15 @@ class MemoryStore(Store):
 
         if workers is None or not (stalled or slow):
             return run()
-        return call_bounded(
-            workers.submit, run, self.timeout_s,
-            f"MemoryStore {method} did not finish within {self.timeout_s:g} s "
-            "(the call may still run).",
-        )
+        try:
+            return call_bounded(
+                workers.submit, run, self.timeout_s,
+                f"MemoryStore {method} did not finish within {self.timeout_s:g} s "
+                "(the call may still run).",
+            )
+        except StoreTimeout:
+            self.timed_out.set()
+            raise
 
     def _check_keys(self, keys: Iterable[str], reading: bool) -> None:
         """Raise injected key faults (caller holds the lock)."""
@@ -211,7 +235,17 @@ class MemoryStore(Store):
                 self._registered[ptr] = size
             return ptr
 
-        return self._call("register", (), body)
+        try:
+            return self._call("register", (), body)
+        except StoreTimeout as exc:  # a registration that lands later is undone
+            if exc.future is not None:
+                exc.future.add_done_callback(lambda f: self._undo_register(f, ptr))
+            raise
+
+    def _undo_register(self, future: Future[int], ptr: int) -> None:
+        if not future.cancelled() and future.exception() is None:
+            with self._lock:
+                self._registered.pop(ptr, None)
 
     def unregister(self, ptr: int) -> None:
         def body() -> None:

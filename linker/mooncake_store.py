@@ -161,7 +161,12 @@ class MooncakeStore(Store):
 
     def register(self, buffer: TensorLike | int, nbytes: int | None = None) -> int:
         ptr, size = buffer_span(buffer, nbytes)
-        rc = self._call("register_buffer", lambda: self._client.register_buffer(ptr, size))
+        try:
+            rc = self._call("register_buffer", lambda: self._client.register_buffer(ptr, size))
+        except StoreTimeout as exc:
+            if exc.future is not None:  # it may still succeed: undo it then
+                exc.future.add_done_callback(self._orphan_unregister(ptr))
+            raise
         if rc != 0:
             raise code_error("register_buffer", rc)
         with self._lock:
@@ -340,6 +345,17 @@ class MooncakeStore(Store):
                              len(started))
 
         return end
+
+    def _orphan_unregister(self, ptr: int) -> Callable[[Future[Any]], None]:
+        """Done callback of a timed-out register: the caller gave up (and may
+        free the memory), so a registration that succeeded later is undone."""
+        client = self._client
+
+        def undo(future: Future[Any]) -> None:
+            if not future.cancelled() and future.exception() is None and future.result() == 0:
+                client.unregister_buffer(ptr)
+
+        return undo
 
     def _end_sessions(self, keys: list[str]) -> None:
         """End sessions, best effort: a failure is logged, never raised (runs in `finally`)."""

@@ -30,6 +30,12 @@ class RecordingStore(FaultyStore):
         with self._put_lock:
             self.put_keys.extend(keys)
 
+    def put_parts(self, keys: Sequence[str], ptrs: Sequence[Sequence[int]],
+                  sizes: Sequence[Sequence[int]]) -> None:
+        super().put_parts(keys, ptrs, sizes)
+        with self._put_lock:
+            self.put_keys.extend(keys)
+
     def take_puts(self) -> list[str]:
         """The keys put since the last call (and forget them)."""
         with self._put_lock:

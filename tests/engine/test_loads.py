@@ -8,6 +8,7 @@ import torch
 
 from layerlift import Component, ModelSpec
 from layerlift.engine.loads import BatchLoad, PageScatter
+from layerlift.linker.integrity import encode_object
 from layerlift.linker.memory_store import MemoryStore
 from layerlift.pools import UnifiedKVPool
 
@@ -36,9 +37,11 @@ def test_one_job_per_layer_covers_every_request_and_loads_the_bytes() -> None:
     idx = {c: pool.alloc(c, 2) for c in Component}
     objects = {c: [f"ns/fp/{c.value}/0/{c.value}{i}" for i in range(2)] for c in Component}
     src = {c: torch.randint(0, 255, (2, spec.page_bytes(c)), dtype=torch.uint8) for c in Component}
-    for c in Component:
-        store.register(src[c])
-        store.put(objects[c], [int(r.data_ptr()) for r in src[c]], [spec.page_bytes(c)] * 2)
+    for c in Component:  # each object is its page plus the checksum footer
+        obj = torch.stack([torch.frombuffer(bytearray(encode_object(spec, c, r.numpy().tobytes())),
+                                            dtype=torch.uint8) for r in src[c]])
+        store.register(obj)
+        store.put(objects[c], [int(r.data_ptr()) for r in obj], [obj.shape[1]] * 2)
     load = BatchLoad(pool, store, None)
     for c in Component:  # request 0 owns the first object of each kind, request 1 the second
         for r in range(2):
