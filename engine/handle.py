@@ -1,9 +1,9 @@
 """The step-by-step API's handle on one batch (``Engine.load``).
 
 A thin public face over :class:`~layerlift.engine.batch.Batch`, which owns
-the batch's state machine and all of its cleanup. The handle holds the
-engine's batch lock (through its batch) from ``Engine.load`` until
-``forward()`` returned or ``abort()`` finished.
+the batch's state machine and all of its cleanup. Through its batch the
+handle holds the engine's load lock until the load has landed and its
+device lock from COMMIT until ``forward()`` returned or ``abort()`` finished.
 """
 
 from __future__ import annotations
