@@ -5,7 +5,9 @@ The JSON is the record (it carries ``benchmark``: the benchmark's name, and
 ``meta.command``: the command line that made it); the Markdown and the plot are
 drawn from that record by :mod:`layerlift.bench.results`, the same functions
 ``layerlift bench report`` uses for ``docs/results.md``, so a table written
-by a run and the table in the docs cannot differ.
+by a run and the table in the docs cannot differ. (``ttft`` and ``replay``
+write their own fuller Markdown report with the same three options; the
+results page draws their tables from the JSON too.)
 """
 
 from __future__ import annotations
