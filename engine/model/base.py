@@ -66,11 +66,15 @@ class Model(Protocol):
           restore to land. It may block; it may raise (a failed load), and the
           forward then raises that exception. The copy-on-write of a recurrent
           layer's state (``mamba_cow_src`` into ``mamba_slot``) happens after
-          it. A model may call it more than once for a layer (later calls
-          return at once); it is called at least once per layer.
-        * ``after_layer(l)`` is called once every request's new KV (and
+          it. It is called at least once per layer; a model that works on a
+          layer in several stretches (requests or chunks one after another)
+          calls it before each of them (later calls return at once).
+        * ``after_layer(l)`` ends each stretch that ``before_layer(l)``
+          began; the last call comes once every request's new KV (and
           recurrent state, and the checkpoints in ``capture``) of layer ``l``
-          is written into the pool.
+          is written into the pool. The engine times layer ``l``'s compute as
+          the sum of its stretches (so a chunked model must not bracket the
+          whole forward with one pair).
         * Cached data is read and written only through ``pool.kv_view(l)``
           and ``pool.mamba_view(l)``, only at the pages of the request's page
           tables and at its state slots; nothing else in the pool is touched.

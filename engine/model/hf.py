@@ -9,9 +9,10 @@ decoder layer at a time, through hooks:
   sliding layers their cumulative length ``P``, recurrent layers zeroed state
   tensors with ``has_previous_state`` set (else the mixer restarts);
 * a forward pre-hook on decoder layer ``i`` calls ``before_layer`` for its
-  cache layers (the engine's per-layer wait), performs the copy-on-write of
-  the recurrent state and copies the pages / slot into the placeholders in
-  place;
+  cache layers (the engine's per-layer wait on the first call; every chunk
+  calls it, and ``after_layer`` after it, so the engine times each layer's
+  compute per chunk), performs the copy-on-write of the recurrent state and
+  copies the pages / slot into the placeholders in place;
 * a forward hook writes what the layer computed into the pool: the new
   tokens' KV (recorded as it enters the cache, because a sliding layer keeps
   only its last ``W - 1`` positions) and, at capture boundaries and at the
@@ -71,7 +72,6 @@ class _Pass:
     start: int  # absolute position of the chunk's first token
     stop: int
     first: bool  # first chunk of this request: fill the cache from the pool
-    last_pass: bool  # last chunk of the last request: layers are done after it
     wait: LayerHook
     after_layer: LayerHook
     new_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
@@ -150,35 +150,29 @@ class TransformersModel:
                       after_layer: LayerHook | None = None) -> ForwardOutput:
         """The model protocol's prefill (see :class:`~layerlift.engine.model.base.Model`):
         requests one after another, each in chunks split at its capture
-        positions; ``before_layer(l)`` once per cache layer, on first use;
-        ``after_layer(l)`` during the last chunk of the last request."""
+        positions; ``before_layer(l)`` and ``after_layer(l)`` around every
+        chunk's pass over cache layer ``l`` (the engine waits on the first
+        ``before_layer(l)`` only and sums the stretches)."""
         validate_requests(self.spec, self.vocab_size, requests)
         check_pool_indices(self.spec, requests, pool)
-        waited: set[int] = set()
-
-        def wait(layer: int) -> None:
-            if layer not in waited and before_layer is not None:
-                before_layer(layer)
-            waited.add(layer)
-
+        wait = before_layer or (lambda layer: None)
         done = after_layer or (lambda layer: None)
         with self._lock, torch.inference_mode():
             nxt, rows = [], []
-            for i, req in enumerate(requests):
-                lp = self._request(req, pool, wait, done, i == len(requests) - 1)
+            for req in requests:
+                lp = self._request(req, pool, wait, done)
                 nxt.append(lp[-1])
                 rows.append(lp if req.want_token_logprobs else None)
         return ForwardOutput(torch.stack(nxt), rows)
 
     def _request(self, req: ForwardRequest, pool: PoolViews, wait: LayerHook,
-                 done: LayerHook, last: bool) -> torch.Tensor:
+                 done: LayerHook) -> torch.Tensor:
         cache = self._prepared_cache(req.prefix_len)
         cuts = sorted({req.prefix_len, req.total, *req.capture})
         dev = self.device
         out = []
         for a, b in itertools.pairwise(cuts):
-            self._pass = _Pass(req, pool, cache, a, b, a == req.prefix_len,
-                               last and b == req.total, wait, done)
+            self._pass = _Pass(req, pool, cache, a, b, a == req.prefix_len, wait, done)
             try:
                 ids = req.tokens[a - req.prefix_len : b - req.prefix_len].to(dev)[None]
                 logits = self.hf(
@@ -255,11 +249,12 @@ class TransformersModel:
     def _pre_hook(self, index: int) -> Any:
         def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
             ps = self._pass
-            if ps is None or not ps.first:
+            if ps is None:
                 return
             for layer in self.layout.groups[index]:
-                ps.wait(layer)
-                self._fill(ps, ps.cache.layers[index], layer)
+                ps.wait(layer)  # every chunk: starts its stretch (waits the first time)
+                if ps.first:
+                    self._fill(ps, ps.cache.layers[index], layer)
 
         return hook
 
@@ -270,8 +265,7 @@ class TransformersModel:
                 return
             for layer in self.layout.groups[index]:
                 self._capture(ps, ps.cache.layers[index], layer)
-                if ps.last_pass:
-                    ps.after_layer(layer)
+                ps.after_layer(layer)
 
         return hook
 

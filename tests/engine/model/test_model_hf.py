@@ -219,8 +219,12 @@ def test_chunks_at_capture_positions_equal_one_pass(model: TransformersModel) ->
     assert whole.token_logprobs[0] is not None
     assert float((whole.token_logprobs[0] - cold).abs().max()) <= TOL
     n = model.spec.num_layers
-    assert [e for e in events if e[0] == "before"] == [("before", i) for i in range(n)]
-    assert [e for e in events if e[0] == "after"] == [("after", i) for i in range(n)]
+    # Each of the three chunks brackets every layer with before/after, in order.
+    one = events[: 2 * n]
+    assert events == one * 3
+    assert [e for e in one if e[0] == "before"] == [("before", i) for i in range(n)]
+    assert [e for e in one if e[0] == "after"] == [("after", i) for i in range(n)]
+    assert all(one.index(("before", i)) < one.index(("after", i)) for i in range(n))
     page1 = page_table(1, 10)
     model.forward_batch([ForwardRequest(tokens[:128], 0, page1, page1, 3)], pool)
     mamba = model.spec.layers_of(Component.MAMBA)
