@@ -38,6 +38,7 @@ from layerlift.linker.components import make_linkers
 from layerlift.linker.keys import KeySchema
 from layerlift.linker.store_base import Store
 from layerlift.overlap.base import Lane, LoadPolicy
+from layerlift.overlap.device import CudaDevice, Device
 from layerlift.overlap.lanes import CpuLane, CudaLane
 from layerlift.overlap.link import parse_link
 from layerlift.overlap.scheduler import LoadScheduler
@@ -65,6 +66,10 @@ class Engine:
     Raises ``ValueError`` for a config that cannot work (pool too small for
     one request, a model on another device). ``store`` injects an already
     open store (tests wrap one with faults); the engine then does not close it.
+    ``device`` injects the accelerator seam (``overlap.device.Device``) the
+    pool lives on instead of the one ``cfg.device`` names (tests run the CUDA
+    path on ``layerlift.testing.simdevice.SimDevice``); its tensors must be where
+    the model's are.
 
     Tensor parallelism: each rank runs its own engine (``rank``/``world_size``
     in the config; keys carry the rank). A restore must end at a boundary
@@ -74,7 +79,8 @@ class Engine:
     single-rank path.
     """
 
-    def __init__(self, model: Model, cfg: EngineConfig, *, store: Store | None = None) -> None:
+    def __init__(self, model: Model, cfg: EngineConfig, *, store: Store | None = None,
+                 device: Device | None = None) -> None:
         need = min_pool_bytes(model.spec)
         if cfg.pool_bytes < need:
             raise ValueError(
@@ -82,12 +88,14 @@ class Engine:
                 f"at least {need} bytes (two checkpoint intervals of FULL and SWA pages "
                 "plus three Mamba state slots)"
             )
-        if torch.device(model.device).type != torch.device(cfg.device).type:
+        where = device.torch_device if device is not None else torch.device(cfg.device)
+        if torch.device(model.device).type != where.type:
             raise ValueError(
                 f"the model lives on {model.device} but the engine is configured for "
                 f"{cfg.device}: build HybridModel(spec, seed, device={cfg.device!r})"
             )
         self.model, self.cfg = model, cfg
+        self._device = device
         self._injected = store
         self._handle: StoreHandle | None = None
         self._started = False
@@ -115,8 +123,13 @@ class Engine:
             self.link = self._handle.link
         else:
             self.link = parse_link(cfg.link) if cfg.link else None
-        self.pool = UnifiedKVPool(spec, cfg.pool_bytes, device=cfg.device)
-        if self.pool.buffer.device.type == "cpu":
+        if self._device is None and cfg.device.startswith("cuda"):
+            self._device = CudaDevice(cfg.device)
+        where = self._device.torch_device if self._device is not None else cfg.device
+        self.pool = UnifiedKVPool(spec, cfg.pool_bytes, device=where)
+        if self._device is not None:
+            self._device.attach_pool(self.pool)
+        else:
             self.store.register(self.pool.buffer)
         self.tree = UnifiedRadixTree(spec, self.pool, branch_checkpoints=cfg.branch_checkpoints)
         schema = KeySchema(cfg.namespace, f"{spec.fingerprint}-{self.model.identity}", cfg.rank)
@@ -138,8 +151,8 @@ class Engine:
         self._started = True
 
     def _make_lane(self) -> Lane:
-        if self.cfg.device.startswith("cuda"):
-            return CudaLane(self.cfg.device)
+        if self._device is not None:
+            return CudaLane(self._device)
         return CpuLane(max_workers=2)
 
     async def close(self) -> None:
@@ -153,7 +166,7 @@ class Engine:
             self.lane.close()
             if self._handle is not None:
                 await anyio.to_thread.run_sync(self._handle.close)
-            elif self.pool.buffer.device.type == "cpu":
+            elif self._device is None:
                 self.store.unregister(self.pool.buffer.data_ptr())
 
     # ---- one-call API ----------------------------------------------------------

@@ -18,6 +18,7 @@ import torch
 
 from layerlift.linker.store_base import Store, StoreKeyMissing
 from layerlift.overlap.base import LayerJob
+from layerlift.overlap.device import Device, device_of
 from layerlift.overlap.link import EmulatedLink
 from layerlift.pools.base import KVPool
 from layerlift.pools.spec import Component
@@ -79,10 +80,15 @@ class BatchLoad:
         self._layer_offsets: list[int] = []
 
     @property
+    def device(self) -> Device | None:
+        """The device the pool lives on (``overlap.device``); None on the CPU."""
+        return device_of(self.pool.buffer)
+
+    @property
     def on_device(self) -> bool:
         """The pool is device memory: fetches land in pinned host staging and
         an H2D copy on the load stream scatters them into the pages."""
-        return self.pool.buffer.device.type != "cpu"
+        return self.device is not None
 
     def open_staging(self) -> None:
         """CUDA: one pinned host arena for the whole batch (one region per
@@ -139,7 +145,8 @@ class BatchLoad:
                 assert self._staging is not None
                 ptrs += [self._staging_ptr + off + i * pb for i in range(n)]
                 h2d.append((self._staging[off : off + n * pb],
-                            PageScatter(self.pool.buffer, pb, 0, pb, items.indices)))
+                            PageScatter(self.pool.buffer, pb, 0, pb, items.indices,
+                                        self.device)))
                 off += n * pb
             else:
                 base = np.asarray(items.indices, dtype=np.int64) * pb
@@ -180,7 +187,7 @@ class BatchLoad:
             host = self._staging[start : start + n * size]
             ptrs = [self._staging_ptr + start + i * size for i in range(n)]
             h2d = [(host, PageScatter(self.pool.buffer, self.pool.page_bytes(component),
-                                       offset, size, items.indices))]
+                                       offset, size, items.indices, self.device))]
         else:
             base = np.asarray(items.indices, dtype=np.int64) * self.pool.page_bytes(component)
             ptrs = (base + (self.pool.buffer.data_ptr() + offset)).tolist()
@@ -196,10 +203,13 @@ class BatchLoad:
     def refresh(self, jobs: list[LayerJob]) -> None:
         """Rebuild jobs after COMMIT trimmed the items. Jobs already issued
         are unaffected (the lane snapshotted them); the rest load only what
-        the tree adopted."""
+        the tree adopted. The device copy plan (``h2d``) is rebuilt with the
+        fetch: staging row ``i`` of the trimmed fetch goes to the ``i``-th
+        adopted page, so a stale plan would scatter rows onto wrong pages."""
         for job in jobs:
             fresh = self._whole_job() if self.whole else self._job(job.layer)
             job.fetch, job.nbytes, job.requests = fresh.fetch, fresh.nbytes, fresh.requests
+            job.h2d = fresh.h2d
 
 
 def _noop() -> None:
@@ -209,16 +219,19 @@ def _noop() -> None:
 class PageScatter:
     """Device side of one layer's H2D copy: slice ``[offset, offset + size)``
     of every page in ``indices``. The lane calls ``copy_(host)`` on its load
-    stream: one H2D copy and one scatter kernel, no host sync."""
+    stream: one H2D copy and one scatter kernel, no host sync. Row ``i`` of
+    the host rows goes to page ``indices[i]``."""
 
     def __init__(self, buffer: torch.Tensor, page_bytes: int, offset: int, size: int,
-                 indices: list[int]) -> None:
+                 indices: list[int], device: Device | None = None) -> None:
         rows = buffer.numel() // page_bytes
         self.view = buffer.as_strided((rows, size), (page_bytes, 1),
                                       buffer.storage_offset() + offset)
         self.indices = torch.tensor(indices, dtype=torch.int64)
-        if buffer.is_cuda:  # pinned, so the index upload is asynchronous too
-            self.indices = self.indices.pin_memory()
+        if device is not None:  # pinned, so the index upload is asynchronous too
+            staged = device.pinned(8 * len(indices)).view(torch.int64)
+            staged.copy_(self.indices)
+            self.indices = staged
 
     def copy_(self, host: torch.Tensor, non_blocking: bool = True) -> None:
         device = self.view.device

@@ -17,11 +17,11 @@ import logging
 from dataclasses import dataclass, field
 
 import anyio
-import torch
 
 from layerlift.linker.components import ComponentLinker
 from layerlift.linker.contract import LinkerTransferPhase, PoolTransfer
 from layerlift.linker.store_base import Store, StoreError
+from layerlift.overlap.device import device_of
 from layerlift.pools.base import KVPool
 from layerlift.pools.spec import Component
 from layerlift.pools.tree import TreeNode, UnifiedRadixTree
@@ -104,11 +104,13 @@ class Offloader:
 
     def _put(self, keys: list[str], pages: list[tuple[Component, int]], sizes: list[int]) -> None:
         """Worker thread: put straight from the pool on CPU; through one pinned
-        host copy (registered for the call) on CUDA."""
-        if self.pool.buffer.device.type == "cpu":
+        host copy (registered for the call) on a device (``overlap.device``:
+        ordered after the forward's and the relocations' copies)."""
+        device = device_of(self.pool.buffer)
+        if device is None:
             self.store.put(keys, [self.pool.page_ptr(c, i) for c, i in pages], sizes)
             return
-        host = torch.cat([self.pool.page_view(c, i) for c, i in pages]).cpu().pin_memory()
+        host = device.to_host([self.pool.page_view(c, i) for c, i in pages])
         base = self.store.register(host)
         try:
             offsets = [0]

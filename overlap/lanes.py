@@ -5,7 +5,8 @@ unit per layer (all requests' jobs of that layer) or per layer group. A unit's f
 in order in ONE worker-thread call, so the per-unit overhead (a thread hand-off and one
 event-loop wake-up) does not grow with the batch size.
 
-torch.cuda and cuda-python are imported lazily: this module imports on CPU-only machines.
+cuda-python is imported lazily and torch.cuda is reached only through `overlap.device`:
+this module imports on CPU-only machines.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .base import JobCallback, JobFailure, LandedCallback, Landing, Lane, LayerJob, RequestId
+from .device import CudaDevice, Device, DeviceEvent
 from .notify import Completion, make_notifier
 
 
@@ -96,8 +98,11 @@ class CpuLane(Lane):
         unit: tuple[_Issued, ...], on_landed: LandedCallback | None, on_job: JobCallback | None
     ) -> Landing:
         landing, _ = _run_fetches(unit, on_job)
-        if on_landed is not None:
-            on_landed(landing)
+        try:
+            if on_landed is not None:
+                on_landed(landing)
+        finally:
+            _wait_for_timed_out_calls(landing)
         return landing
 
     def close(self) -> None:
@@ -107,12 +112,15 @@ class CpuLane(Lane):
 class CudaLane(Lane):
     """Fetches land in pinned host staging (worker threads), then H2D on a load stream.
 
-    Per unit, after its fetches returned, the worker enqueues `dst.copy_(src,
-    non_blocking=True)` for every `(host, device)` pair of the jobs that did not fail, on
-    `self.stream`, records one `torch.cuda.Event`, and hands it to the completion notifier
-    (see `overlap.notify`): `Landing.device_done` resolves on the loop once the copies
-    finished, without polling. Enqueue + record + notifier registration happen under one
-    lock, so events are recorded (and watched) in issue order.
+    Per unit, after its fetches returned, the worker launches `dst.copy_(src,
+    non_blocking=True)` for every `(host, device)` pair of the jobs that did not fail on
+    `self.stream`, records one event on that same stream, and hands it to the completion
+    notifier (see `overlap.notify`): `Landing.device_done` resolves on the loop once the
+    copies finished, without polling. Launch + record + notifier registration happen
+    under one lock, so events are recorded (and watched) in issue order.
+
+    Every stream, event and copy goes through `self.device` (`overlap.device`): a
+    `CudaDevice` in production, a simulated device in tests.
 
     Ownership: host tensors must be pinned (`alloc_staging`) and must not be reused, nor
     the device tensors freed, before `device_done` resolved. Device tensors allocated by
@@ -121,41 +129,42 @@ class CudaLane(Lane):
 
     def __init__(
         self,
-        device: Any = None,
+        device: Device | str | Any = None,
         max_workers: int = 2,
         *,
         name: str = "cuda",
         completion: Completion = Completion.AUTO,
     ) -> None:
-        import torch
-
-        if not torch.cuda.is_available():
-            raise RuntimeError("CudaLane needs a CUDA device; use CpuLane on this machine")
         if not 1 <= max_workers <= 64:
             raise ValueError(f"max_workers must be in [1, 64], got {max_workers}")
-        self._torch = torch
+        if not isinstance(device, Device):
+            import torch
+
+            if not torch.cuda.is_available():
+                raise RuntimeError("CudaLane needs a CUDA device; use CpuLane on this machine")
+            device = CudaDevice(device)
+        self.device: Device = device
         self.name = name
-        self.device = torch.device("cuda" if device is None else device)
-        self.stream = torch.cuda.Stream(device=self.device)  # type: ignore[no-untyped-call]
+        self.stream = device.new_stream()
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix=f"layerlift-{name}")
         self._enqueue_lock = threading.Lock()
-        self._notifier = make_notifier(completion, self.stream.cuda_stream)
+        self._notifier = make_notifier(completion, device.stream_handle(self.stream))
         self.completion = self._notifier.mode
 
     def begin_load(self) -> None:
-        """Order the load stream after everything already queued on this
+        """Order the load stream after everything already issued on this
         device's current stream (the caller's): the pool relocates pages with
         copies on that stream, and a load must not overwrite a page before
         the copy that vacated it ran. Costs one event, no host sync."""
-        torch = self._torch
-        with torch.cuda.device(self.device):
-            fence = torch.cuda.Event()
-            fence.record(torch.cuda.current_stream(self.device))
-            self.stream.wait_event(fence)
+        device = self.device
+        with device.use():
+            fence = device.event()
+            fence.record(device.current_stream())
+            fence.wait(self.stream)
 
     def alloc_staging(self, nbytes: int) -> Any:
         """A pinned host uint8 tensor of `nbytes` bytes for a fetch to land in."""
-        return self._torch.empty(nbytes, dtype=self._torch.uint8, pin_memory=True)
+        return self.device.pinned(nbytes)
 
     def fetch_into(
         self,
@@ -182,23 +191,45 @@ class CudaLane(Lane):
         landing, landed = _run_fetches(unit)
         pairs = [pair for job in landed for pair in job.h2d]
         if pairs:
-            torch = self._torch
-            with self._enqueue_lock, torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-                for host, dev in pairs:
-                    dev.copy_(host, non_blocking=True)
-                # blocking=True: the watcher's synchronize() sleeps instead of spinning
-                event = torch.cuda.Event(blocking=True)
-                event.record(self.stream)
+            with self._enqueue_lock:
+                self.device.launch(self.stream, lambda: _copy_pairs(pairs))
+                event = self._record_landing()
                 self._notifier.notify(event, _resolver(loop, device_done))
             landing.event = event
             landing.device_done = device_done
-        if on_landed is not None:
-            on_landed(landing)
+        try:
+            if on_landed is not None:
+                on_landed(landing)
+        finally:
+            _wait_for_timed_out_calls(landing)
         return landing
+
+    def _record_landing(self) -> DeviceEvent:
+        """The unit's event, recorded on the load stream right after its copies
+        (blocking: the watcher's synchronize() sleeps instead of spinning)."""
+        event = self.device.event(blocking=True)
+        event.record(self.stream)
+        return event
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
         self._notifier.close()
+
+
+def _copy_pairs(pairs: Sequence[tuple[Any, Any]]) -> None:
+    for host, dev in pairs:
+        dev.copy_(host, non_blocking=True)
+
+
+def _wait_for_timed_out_calls(landing: Landing) -> None:
+    """A fetch that timed out may still write into its destination (a store
+    call goes on after its caller stopped waiting; see `StoreTimeout`). Its
+    failure has been reported; the unit's thread returns only once every such
+    call really ended, so whoever waits for this thread may free the memory."""
+    for failure in landing.failures:
+        wait = getattr(failure.error, "wait_finished", None)
+        if callable(wait):
+            wait()
 
 
 def _deliver(

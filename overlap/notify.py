@@ -57,9 +57,15 @@ def _import_driver() -> Any | None:
     return driver
 
 
-def make_notifier(completion: Completion, stream_handle: int) -> Notifier:
-    """Build the notifier for `completion` on the stream whose raw handle is given."""
+def make_notifier(completion: Completion, stream_handle: int | None) -> Notifier:
+    """Build the notifier for `completion` on the stream whose raw handle is given
+    (`Device.stream_handle`; None for a device without driver streams, e.g. the
+    simulated one: AUTO then watches, HOST_FUNC raises `RuntimeError`)."""
     if completion is Completion.WATCHER:
+        return WatcherNotifier()
+    if stream_handle is None:
+        if completion is Completion.HOST_FUNC:
+            raise RuntimeError("Completion.HOST_FUNC needs a CUDA stream; this device has none")
         return WatcherNotifier()
     driver = _import_driver()
     if driver is None:

@@ -12,6 +12,11 @@ live outside the engine: production code never consults them.
 * ``FaultyStore.skip_reads(component)`` (in :mod:`.faults`) makes the ranged
   reads of one component return without writing a byte: the recurrent state
   (or a KV kind) is "restored" from whatever the slots held.
+* :class:`UnfencedLoads` drops a ``CudaLane``'s fence at the start of each
+  load (the load stream is no longer ordered after the relocation copies);
+  :class:`WrongStreamEvents` records a ``CudaLane``'s per-unit events on the
+  worker's current stream instead of the load stream. Both show on the
+  simulated device (:mod:`.simdevice`), where streams really run late.
 """
 
 from __future__ import annotations
@@ -19,7 +24,15 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-__all__ = ["FaultyModel", "InjectedForwardError", "SkipLayerWaits"]
+from layerlift.overlap.device import device_of
+
+__all__ = [
+    "FaultyModel",
+    "InjectedForwardError",
+    "SkipLayerWaits",
+    "UnfencedLoads",
+    "WrongStreamEvents",
+]
 
 
 class SkipLayerWaits:
@@ -44,11 +57,10 @@ class SkipLayerWaits:
         try:
             return self.inner.forward_batch(requests, pool, _no_wait, after_layer)
         finally:
-            device = getattr(getattr(pool, "buffer", None), "device", None)
-            if device is not None and device.type == "cuda":
-                import torch
-
-                torch.cuda.synchronize(device)
+            buffer = getattr(pool, "buffer", None)
+            device = device_of(buffer) if buffer is not None else None
+            if device is not None:  # the forward's kernels ran
+                device.synchronize()
             self.forward_done.set()
 
 
@@ -102,3 +114,42 @@ class FaultyModel:
                 raise InjectedForwardError(f"injected forward failure at layer {layer}")
 
         return self.inner.forward_batch(requests, pool, before, after_layer)
+
+
+class UnfencedLoads:
+    """Negative control: while ``enabled``, ``lane.begin_load`` does nothing,
+    so the load stream is not ordered after the copies already issued on the
+    caller's stream (the pool's relocations): a load may land in a page before
+    the relocation copy that vacated it read it. Wraps the lane in place."""
+
+    def __init__(self, lane: Any) -> None:
+        self.lane = lane
+        self.enabled = False
+        self._fenced = lane.begin_load
+        lane.begin_load = self._begin_load
+
+    def _begin_load(self) -> None:
+        if not self.enabled:
+            self._fenced()
+
+
+class WrongStreamEvents:
+    """Negative control: while ``enabled``, a ``CudaLane`` records each unit's
+    event on the recording thread's current stream (the device's default
+    one) instead of the load stream that carries the unit's copies, so the
+    forward's per-layer wait no longer orders it after the copies. Wraps the
+    lane in place."""
+
+    def __init__(self, lane: Any) -> None:
+        self.lane = lane
+        self.enabled = False
+        self._right = lane._record_landing
+        lane._record_landing = self._record
+
+    def _record(self) -> Any:
+        if not self.enabled:
+            return self._right()
+        device = self.lane.device
+        event = device.event(blocking=True)
+        event.record(device.current_stream())
+        return event

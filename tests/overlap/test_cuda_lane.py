@@ -1,4 +1,7 @@
-"""The key scheduler tests on CudaLane: H2D on a load stream, events, device_done."""
+"""The key scheduler tests on CudaLane: H2D on a load stream, events, device_done.
+
+Each runs on the simulated device (streams that really run late, CI) and, where
+a GPU is present, on CUDA with both completion mechanisms."""
 
 from __future__ import annotations
 
@@ -19,18 +22,27 @@ from layerlift.overlap import (
     LoadPolicy,
     LoadScheduler,
 )
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
-]
+from layerlift.testing.simdevice import SimDevice
 
 NUM_LAYERS, ELEMS = 6, 1 << 16
 
+_NO_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
 
-@pytest.fixture(params=[Completion.AUTO, Completion.WATCHER])
+@pytest.fixture(params=[
+    pytest.param("sim0", id="sim-seed0"),
+    pytest.param("sim1", id="sim-seed1"),
+    pytest.param(Completion.AUTO, id="cuda-auto", marks=[pytest.mark.gpu, _NO_GPU]),
+    pytest.param(Completion.WATCHER, id="cuda-watcher", marks=[pytest.mark.gpu, _NO_GPU]),
+])
 async def lane(request: pytest.FixtureRequest) -> AsyncIterator[CudaLane]:
+    if isinstance(request.param, str):
+        sim = SimDevice(seed=int(request.param[-1]), max_delay_s=0.003)
+        lane = CudaLane(sim, max_workers=2)
+        yield lane
+        lane.close()
+        sim.close()
+        return
     lane = CudaLane(max_workers=2, completion=request.param)
     yield lane
     lane.close()
@@ -38,7 +50,7 @@ async def lane(request: pytest.FixtureRequest) -> AsyncIterator[CudaLane]:
 
 def h2d_jobs(lane: CudaLane, rec: FetchRecorder) -> tuple[list[LayerJob], torch.Tensor]:
     """One job per layer: the recorder's fetch, then fill staging with `layer + 1`."""
-    dst = torch.zeros(NUM_LAYERS, ELEMS, dtype=torch.uint8, device=lane.device)
+    dst = torch.zeros(NUM_LAYERS, ELEMS, dtype=torch.uint8, device=lane.device.torch_device)
     jobs = []
     for layer in range(NUM_LAYERS):
         staging = lane.alloc_staging(ELEMS)
@@ -52,15 +64,19 @@ def h2d_jobs(lane: CudaLane, rec: FetchRecorder) -> tuple[list[LayerJob], torch.
     return jobs, dst
 
 
-def check_forward(readiness: LayerReadiness, dst: torch.Tensor, out: list[int]) -> None:
-    """The forward: wait(l) (stream wait, no host sync), then read layer l on the device."""
-    stream = torch.cuda.Stream(device=dst.device)
-    with torch.cuda.stream(stream):
+def check_forward(lane: CudaLane, readiness: LayerReadiness, dst: torch.Tensor,
+                  out: list[int]) -> None:
+    """The forward: wait(l) (stream wait, no host sync), then read layer l on the
+    device, on the device's default stream as the engine's forward does."""
+    device = lane.device
+    with device.use() as stream:
         sums = []
         for layer in range(readiness.num_layers):
-            readiness.wait(layer, WAIT_S)
+            readiness.wait(layer, WAIT_S, stream=stream)
             sums.append(dst[layer].to(torch.int64).sum())
-        stream.synchronize()
+        done = device.event()
+        done.record(stream)
+        done.synchronize()
     out.extend(int(s.item()) // ELEMS for s in sums)
 
 
@@ -79,7 +95,7 @@ async def test_overlap_on_cuda_lands_bytes_and_runs_early_layers(lane: CudaLane)
     await asyncio.to_thread(fwd.join, WAIT_S)
     assert fwd.early == []
     values: list[int] = []
-    await asyncio.to_thread(check_forward, readiness, dst, values)
+    await asyncio.to_thread(check_forward, lane, readiness, dst, values)
     assert values == [layer + 1 for layer in range(NUM_LAYERS)]
     for layer in range(NUM_LAYERS):
         await asyncio.wait_for(readiness.ready(layer), WAIT_S)  # landed on the device
@@ -97,7 +113,7 @@ async def test_barrier_on_cuda(lane: CudaLane) -> None:
     gate.set()
     await task.done()
     values: list[int] = []
-    await asyncio.to_thread(check_forward, readiness, dst, values)
+    await asyncio.to_thread(check_forward, lane, readiness, dst, values)
     assert values == [layer + 1 for layer in range(NUM_LAYERS)]
 
 
