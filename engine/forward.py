@@ -9,6 +9,7 @@ worker thread; everything else on the event loop.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,17 +24,23 @@ from layerlift.engine.plan import LookupPlan
 from layerlift.engine.restore import RestoreLoad
 from layerlift.engine.results import PrefillResult, Timings
 from layerlift.overlap.base import ReadinessView
+from layerlift.overlap.device import Device, device_of
 from layerlift.overlap.scheduler import LayerTiming
 from layerlift.pools.spec import Component
 
 __all__ = [
     "ForwardRun",
+    "ForwardStopped",
     "build_results",
     "build_runs",
     "forward_requests",
     "insert_computed",
     "run_forward",
 ]
+
+
+class ForwardStopped(Exception):
+    """The forward stopped at a layer boundary because its batch was cancelled."""
 
 
 @dataclass(eq=False)
@@ -71,20 +78,22 @@ def build_runs(plans: Sequence[LookupPlan], rl: RestoreLoad | None,
 
 
 def run_forward(model: Any, pool: Any, runs: Sequence[ForwardRun],
-                deps: Sequence[ReadinessView], started: float) -> tuple[ForwardOutput, Timings]:
+                deps: Sequence[ReadinessView], started: float,
+                stop: threading.Event | None = None) -> tuple[ForwardOutput, Timings]:
     """Worker thread: the model, with a wait for every readiness in ``deps``
     before each layer (the only place the forward waits for restored data).
+    Once ``stop`` is set the next layer raises :class:`ForwardStopped` (the
+    batch was cancelled: its pages are not used, so stopping early is safe).
 
-    On CUDA the thread runs under the pool's device (a fresh thread's current
-    device is cuda:0) and layer ``l``'s waits make that device's current
-    stream, named explicitly, wait on the load's event: no host sync."""
-    device = pool.buffer.device
-    if device.type != "cuda":
-        return _forward(model, pool, runs, deps, started, None)
-    with torch.cuda.device(device):
-        stream = torch.cuda.current_stream(device)
-        with torch.cuda.stream(stream):
-            return _forward(model, pool, runs, deps, started, stream)
+    On a device (``overlap.device``: CUDA, or the simulated device in tests)
+    the thread runs under the pool's device (a fresh thread's current device
+    is cuda:0) and layer ``l``'s waits make that device's current stream,
+    named explicitly, wait on the load's event: no host sync."""
+    device = device_of(pool.buffer)
+    if device is None:
+        return _forward(model, pool, runs, deps, started, None, stop)
+    with device.use() as stream:
+        return _forward(model, pool, runs, deps, started, (device, stream), stop)
 
 
 def forward_requests(runs: Sequence[ForwardRun]) -> list[ForwardRequest]:
@@ -106,12 +115,16 @@ def forward_requests(runs: Sequence[ForwardRun]) -> list[ForwardRequest]:
 
 
 def _forward(model: Any, pool: Any, runs: Sequence[ForwardRun], deps: Sequence[ReadinessView],
-             started: float, stream: Any) -> tuple[ForwardOutput, Timings]:
+             started: float, on: tuple[Device, Any] | None,
+             stop: threading.Event | None) -> tuple[ForwardOutput, Timings]:
+    stream = on[1] if on is not None else None
     reqs = forward_requests(runs)
     timings = Timings()
     mark = [time.perf_counter()]
 
     def before(layer: int) -> None:
+        if stop is not None and stop.is_set():
+            raise ForwardStopped(f"the batch was cancelled before layer {layer}")
         t = time.perf_counter()
         for dep in deps:
             dep.wait(layer, stream=stream)
@@ -124,20 +137,23 @@ def _forward(model: Any, pool: Any, runs: Sequence[ForwardRun], deps: Sequence[R
     def after(layer: int) -> None:
         timings.layer_compute.append(time.perf_counter() - mark[0])
 
-    if stream is None:
+    if on is None:
         return model.forward_batch(reqs, pool, before, after), timings
-    # On a GPU the host only enqueues: time each layer's compute with CUDA
+    # On a GPU the host only enqueues: time each layer's compute with device
     # events on the forward's stream (read once, after the forward).
+    device = on[0]
     spans: list[tuple[Any, Any]] = []
 
     def before_cuda(layer: int) -> None:
         before(layer)
-        start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        start = device.event(timing=True)
         start.record(stream)
         spans.append((start, None))
 
     def after_cuda(layer: int) -> None:
-        end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        if not spans or spans[-1][1] is not None:
+            return  # a model that skipped before_layer (a negative control): untimed
+        end = device.event(timing=True)
         end.record(stream)
         spans[-1] = (spans[-1][0], end)
 
