@@ -8,6 +8,7 @@ device lock from COMMIT until ``forward()`` returned or ``abort()`` finished.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -16,10 +17,10 @@ from layerlift.engine.batch import Batch, BatchState, RerunRequired
 from layerlift.engine.context import EngineError
 from layerlift.engine.model.api import ForwardRequest
 from layerlift.engine.plan import LookupPlan
-from layerlift.engine.results import PrefillResult
+from layerlift.engine.results import PrefillResult, Timings
 from layerlift.overlap.readiness import LayerReadiness
 
-__all__ = ["EngineError", "ExternalForward", "LoadHandle", "RerunRequired"]
+__all__ = ["EngineError", "ExternalForward", "LoadHandle", "RerunRequired", "WaitClock"]
 
 
 class LoadHandle:
@@ -100,27 +101,52 @@ class ExternalForward:
     the requests to run again; anything else aborts the batch and raises).
     ``done`` raises :class:`RerunRequired` (carrying new requests) when a
     restore the host read had not landed.
+
+    Timings (what ``restore="auto"`` learns the compute cost from): the host
+    passes its per-layer compute to ``done(..., timings=Timings(layer_compute
+    =[...]))``; without them they are measured between the waits when that
+    is sound (see :class:`WaitClock`); otherwise the batch teaches the cost
+    model nothing about compute. ``timings`` holds what ``done`` used.
     """
 
     def __init__(self, batch: Batch, requests: list[ForwardRequest]) -> None:
         self._batch = batch
         self.requests = requests
+        pool = batch.ctx.pool
+        self._layers = pool.spec.num_layers
+        self._clock = WaitClock(self._layers, measurable=pool.buffer.device.type == "cpu")
+        self.timings: Timings | None = None
 
     def wait(self, layer: int, timeout: float | None = None, *, stream: Any = None) -> None:
         """Block until layer ``layer`` may be read (default timeout: the
         engine's ``layer_wait_timeout_s``); on CUDA ``stream`` (None: the
         current one) waits on the load's event instead of the host."""
+        self._clock.called(layer, stream)
         self._batch.wait_layer(layer, timeout, stream=stream)
+        self._clock.returned(layer)
 
     async def failed(self, error: BaseException) -> list[ForwardRequest]:
         self.requests = await self._batch.external_failed(error)
+        self._clock.reset()  # the requests run again: a new forward to time
         return self.requests
 
-    async def done(self, next_token_logprobs: torch.Tensor) -> list[PrefillResult]:
+    async def done(self, next_token_logprobs: torch.Tensor, *,
+                   timings: Timings | None = None) -> list[PrefillResult]:
+        """The forward finished: results (see the class docstring).
+        ``timings``: the host's own measurement, ``layer_compute`` with one
+        entry per cache layer (seconds; ``layer_wait`` optional, the same
+        length). ``ValueError`` for timings of another length or negative."""
+        end = time.perf_counter()
+        if timings is not None:
+            check_host_timings(timings, self._layers)
+        self.timings = timings if timings is not None else self._clock.timings(end)
         try:
+            # TODO(lead, engine/batch.py): pass self.timings through
+            # (external_done(next_token_logprobs, self.timings)) once the batch takes it.
             return await self._batch.external_done(next_token_logprobs)
         except RerunRequired as rerun:
             self.requests = rerun.requests
+            self._clock.reset()
             raise
 
     def abort(self) -> None:
@@ -129,3 +155,56 @@ class ExternalForward:
 
     async def aclose(self) -> None:
         await self._batch.aclose()
+
+
+def check_host_timings(timings: Timings, layers: int) -> None:
+    """``ValueError`` unless ``timings.layer_compute`` has one non-negative
+    entry per cache layer (and ``layer_wait`` none or the same)."""
+    if len(timings.layer_compute) != layers:
+        raise ValueError(f"timings.layer_compute has {len(timings.layer_compute)} entries for "
+                         f"a model of {layers} cache layers: give one per layer (seconds)")
+    if timings.layer_wait and len(timings.layer_wait) != layers:
+        raise ValueError(f"timings.layer_wait has {len(timings.layer_wait)} entries for "
+                         f"{layers} cache layers: give one per layer or none")
+    if min(timings.layer_compute + timings.layer_wait) < 0:
+        raise ValueError("per-layer compute and wait times must not be negative")
+
+
+class WaitClock:
+    """Per-layer times a host's forward reveals through its waits.
+
+    Sound only when the host computes synchronously and waits once per layer
+    in order: on a CPU pool, every wait without a ``stream``, layers 0, 1,
+    ... each once. Then layer ``l`` computes from its wait's return to layer
+    ``l + 1``'s wait (the last layer: to ``done``; it includes the host's LM
+    head). Anything else (a GPU, where the host only enqueues; repeated or
+    skipped waits) gives ``None``: nothing is learned rather than a wrong
+    figure. Called from the host's forward thread, read after it returned.
+    """
+
+    def __init__(self, layers: int, *, measurable: bool) -> None:
+        self.layers, self.measurable = layers, measurable
+        self.reset()
+
+    def reset(self) -> None:
+        self.sound = self.measurable
+        self.calls: list[float] = []
+        self.returns: list[float] = []
+
+    def called(self, layer: int, stream: Any) -> None:
+        if stream is not None or layer != len(self.calls):
+            self.sound = False
+        self.calls.append(time.perf_counter())
+
+    def returned(self, layer: int) -> None:
+        self.returns.append(time.perf_counter())
+
+    def timings(self, end: float) -> Timings | None:
+        """What the waits measured, ``end`` being when the forward finished."""
+        n = self.layers
+        if not self.sound or len(self.calls) != n or len(self.returns) != n:
+            return None
+        starts = [*self.calls[1:], end]
+        return Timings(layer_wait=[r - c for c, r in zip(self.calls, self.returns, strict=True)],
+                       layer_compute=[max(0.0, s - r)
+                                      for r, s in zip(self.returns, starts, strict=True)])
