@@ -21,7 +21,7 @@ import anyio
 import numpy as np
 import torch
 
-from layerlift.engine.batch import Batch, too_big
+from layerlift.engine.batch import Batch, BatchState, too_big
 from layerlift.engine.compute import compute_bytes
 from layerlift.engine.config import EngineConfig
 from layerlift.engine.context import EngineContext, EngineError, match_plan, release_plan
@@ -238,9 +238,10 @@ class Engine:
             await self.restore.lookup(plans)
             if ctx.cost is not None:
                 overlap = self.cfg.policy != "barrier"
+                ahead = ctx.cost.compute_seconds(_tokens_ahead(ctx))
                 for plan in plans:
                     if plan.restores:
-                        decision = ctx.cost.decide_plan(plan, overlap=overlap)
+                        decision = ctx.cost.decide_plan(plan, overlap=overlap, ahead_s=ahead)
                         plan.decision = decision.reason
                         if not decision.restore:
                             plan.drop_restore(decision.reason)
@@ -333,6 +334,16 @@ class Engine:
         """Wait until every pending offload has landed or failed; the report
         says how many objects were stored and how many puts failed."""
         return await self.offloader.wait()
+
+
+def _tokens_ahead(ctx: EngineContext) -> int:
+    """Tokens the device still computes for batches already past their load
+    (cross-batch prefetch): a load issued now runs while they compute, so the
+    cost model prices it by what it adds after them. Their elapsed compute
+    is not subtracted (an upper bound)."""
+    live = (BatchState.LOADING, BatchState.COMMITTED, BatchState.RUNNING)
+    return sum(len(p.tokens) - p.boundary * p.spec.page_size
+               for b in ctx.live if b.state in live for p in b.plans)
 
 
 async def _acquire(lock: asyncio.Lock, wait_s: float | None) -> None:
