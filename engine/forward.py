@@ -119,48 +119,61 @@ def _forward(model: Any, pool: Any, runs: Sequence[ForwardRun], deps: Sequence[R
              stop: threading.Event | None) -> tuple[ForwardOutput, Timings]:
     stream = on[1] if on is not None else None
     reqs = forward_requests(runs)
-    timings = Timings()
+    # Per layer: the wait before its first use, and its compute summed over every
+    # stretch between before_layer(l) and after_layer(l) (a model that runs
+    # requests or chunks one after another brackets each of them). A stretch ends
+    # at the hook before it ends, so one decoder layer holding several cache
+    # layers is counted once.
+    layers = len(model.spec.kinds)
+    timings = Timings(layer_wait=[0.0] * layers, layer_compute=[0.0] * layers)
+    waited: set[int] = set()
     mark = [time.perf_counter()]
 
     def before(layer: int) -> None:
         if stop is not None and stop.is_set():
             raise ForwardStopped(f"the batch was cancelled before layer {layer}")
-        t = time.perf_counter()
-        for dep in deps:
-            dep.wait(layer, stream=stream)
-        now = time.perf_counter()
-        timings.layer_wait.append(now - t)
-        if layer == 0:
-            timings.forward_start = now - started
-        mark[0] = now
+        if layer not in waited:  # later calls start a stretch without waiting
+            waited.add(layer)
+            t = time.perf_counter()
+            for dep in deps:
+                dep.wait(layer, stream=stream)
+            now = time.perf_counter()
+            timings.layer_wait[layer] = now - t
+            if layer == 0:
+                timings.forward_start = now - started
+        mark[0] = time.perf_counter()
 
     def after(layer: int) -> None:
-        timings.layer_compute.append(time.perf_counter() - mark[0])
+        now = time.perf_counter()
+        timings.layer_compute[layer] += now - mark[0]
+        mark[0] = now
 
     if on is None:
         return model.forward_batch(reqs, pool, before, after), timings
-    # On a GPU the host only enqueues: time each layer's compute with device
-    # events on the forward's stream (read once, after the forward).
+    # On a GPU the host only enqueues: time each stretch with device events on
+    # the forward's stream (read once, after the forward).
     device = on[0]
-    spans: list[tuple[Any, Any]] = []
+    spans: list[tuple[int, Any, Any]] = []
+    last: list[Any] = [None]  # the event of the latest hook
 
     def before_cuda(layer: int) -> None:
         before(layer)
-        start = device.event(timing=True)
-        start.record(stream)
-        spans.append((start, None))
+        last[0] = device.event(timing=True)
+        last[0].record(stream)
 
     def after_cuda(layer: int) -> None:
-        if not spans or spans[-1][1] is not None:
+        if last[0] is None:
             return  # a model that skipped before_layer (a negative control): untimed
         end = device.event(timing=True)
         end.record(stream)
-        spans[-1] = (spans[-1][0], end)
+        spans.append((layer, last[0], end))
+        last[0] = end
 
     out = model.forward_batch(reqs, pool, before_cuda, after_cuda)
-    if spans and spans[-1][1] is not None:
-        spans[-1][1].synchronize()
-        timings.layer_compute = [a.elapsed_time(b) / 1e3 for a, b in spans if b is not None]
+    if spans:
+        spans[-1][2].synchronize()
+        for layer, a, b in spans:
+            timings.layer_compute[layer] += a.elapsed_time(b) / 1e3
     return out, timings
 
 
