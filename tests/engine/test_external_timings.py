@@ -149,3 +149,28 @@ async def test_done_refuses_timings_it_cannot_use(model: HybridModel, timings: T
         assert len(got) == 2 and all(isinstance(r.next_token_logprobs, torch.Tensor) for r in got)
         await engine.wait_offloads()
         assert_quiescent(engine)
+
+
+async def test_a_lookup_behind_a_running_batch_is_priced_after_it(model: HybridModel) -> None:
+    """Cross-batch prefetch: a plan looked up while another batch computes is
+    priced by what its load adds after that batch (the reason says how much
+    hid behind it); with nothing ahead, nothing is hidden."""
+    a, b = _prompts(model, 6)
+    cfg = EngineConfig(store="memory", pool_bytes=16 << 20, restore="auto",
+                       link="emulated:100,1")
+    async with Engine(model, cfg, store=MemoryStore()) as engine:
+        await engine.prefill([a, b])
+        await offload_and_drop(engine)
+        alone = await engine.lookup(b)
+        assert alone.decision is not None and "behind the batch ahead" not in alone.decision
+        engine.release_plan(alone)
+        ext = (await engine.load([await engine.lookup(a)])).begin_external()  # computing a
+        behind = await engine.lookup(b)
+        assert behind.decision is not None and "behind the batch ahead" in behind.decision
+        requests = ext.requests
+        out = await anyio.to_thread.run_sync(
+            model.forward_batch, requests, engine.pool, ext.wait, lambda layer: None)
+        await ext.done(out.next_token_logprobs)
+        engine.release_plan(behind)
+        await engine.wait_offloads()
+        assert_quiescent(engine)
