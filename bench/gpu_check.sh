@@ -35,8 +35,11 @@ PYEOF
 
 export GLOG_minloglevel=2
 rc=0
+# The gpu-marked tests: the CUDA lane (tests/overlap/test_cuda_lane.py) and the engine's
+# device scenarios (tests/engine/test_engine_gpu.py), the same scenarios that run in CI
+# on the simulated device (tests/engine/test_simdevice*.py). -rs names every skip.
 echo "== pytest -m gpu"
-"$PY" -m pytest -m gpu -q -p no:cacheprovider --junitxml="$RES/pytest_gpu.xml" \
+"$PY" -m pytest -m gpu -q -rs -p no:cacheprovider --junitxml="$RES/pytest_gpu.xml" \
   2>&1 | tee "$RES/pytest_gpu.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 

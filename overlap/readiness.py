@@ -82,9 +82,10 @@ class LayerReadiness:
     def mark_done(self, layer: int, event: DeviceEvent | None = None) -> None:
         """Layer `layer` may be consumed by the forward. Idempotent.
 
-        Without `event` the bytes are in place (also `landed`). With a CUDA `event`
-        (recorded on the load stream after the layer's H2D copy) `wait` makes the
-        caller's current stream wait on it; call `mark_landed` once it completed.
+        Without `event` the bytes are in place (also `landed`). With a device `event`
+        (`overlap.device`: recorded on the load stream after the layer's H2D copy)
+        `wait` makes the caller's stream wait on it; call `mark_landed` once it
+        completed.
         """
         e = self._entries[layer]
         with self._lock:
@@ -165,8 +166,9 @@ class LayerReadiness:
         requests: frozenset[RequestId] | None = None,
         stream: Any = None,
     ) -> None:
-        """Block until `layer` is done, then (CUDA) make `stream` (None: the
-        calling thread's current stream) wait on its event.
+        """Block until `layer` is done, then (on a device) make `stream` (None:
+        the calling thread's current stream) wait on its event: the forward's
+        later work is ordered after the layer's H2D copies (`overlap.device`).
 
         Raises `LayerLoadError` if the layer failed for any of `requests` (None: for any
         request), `LayerWaitTimeout` after `timeout` seconds (None: the default timeout).
