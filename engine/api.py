@@ -17,7 +17,6 @@ import time
 from collections.abc import Sequence
 from types import TracebackType
 
-import anyio
 import numpy as np
 import torch
 
@@ -34,6 +33,7 @@ from layerlift.engine.plan import LookupPlan
 from layerlift.engine.restore import RestoreStage
 from layerlift.engine.results import PrefillResult
 from layerlift.engine.stores import StoreHandle, open_store
+from layerlift.engine.threads import run_owned
 from layerlift.linker.components import make_linkers
 from layerlift.linker.keys import KeySchema
 from layerlift.linker.store_base import Store
@@ -113,7 +113,7 @@ class Engine:
         """Open the store (starting the embedded master), build the pools."""
         cfg, spec = self.cfg, self.model.spec
         if self._injected is None:
-            self._handle = await anyio.to_thread.run_sync(open_store, cfg)
+            self._handle = await run_owned(lambda: open_store(cfg))
             self.store = self._handle.store
         else:
             self.store = self._injected
@@ -156,16 +156,22 @@ class Engine:
         return CpuLane(max_workers=2)
 
     async def close(self) -> None:
-        """Wait for pending offloads, then close the store and the master."""
+        """Abort the batches still in flight and wait until their threads
+        returned, wait for pending offloads, then close the lane, the store
+        and the master (nothing a worker thread uses is closed under it)."""
         if not self._started:
             return
         self._started = False
         try:
+            for batch in list(self._ctx.live):
+                batch.abort(EngineError("the engine is closing"))
+            for batch in list(self._ctx.live):
+                await batch.aclose()
             await self.wait_offloads()
         finally:
             self.lane.close()
             if self._handle is not None:
-                await anyio.to_thread.run_sync(self._handle.close)
+                await run_owned(self._handle.close)
             elif self._device is None:
                 self.store.unregister(self.pool.buffer.data_ptr())
 

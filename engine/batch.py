@@ -47,7 +47,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from layerlift.engine.compute import ComputeAlloc, alloc_compute, compute_bytes, free_compute
+from layerlift.engine.batch_restore import BatchRestore
+from layerlift.engine.compute import alloc_compute, compute_bytes, free_compute
 from layerlift.engine.context import EngineContext, EngineError, release_plan
 from layerlift.engine.forward import (
     ForwardRun,
@@ -58,17 +59,15 @@ from layerlift.engine.forward import (
     insert_computed,
     run_forward,
 )
-from layerlift.engine.inflight import InFlightLoad
 from layerlift.engine.model.api import ForwardRequest
 from layerlift.engine.plan import LookupPlan
-from layerlift.engine.restore import RestoreLoad
+from layerlift.engine.record import RequestRecord, RequestStatus
 from layerlift.engine.results import PrefillResult, Timings
 from layerlift.engine.threads import run_owned, wait_through
-from layerlift.linker.transaction import RestoreTransaction, TransactionState
+from layerlift.linker.transaction import TransactionState
 from layerlift.overlap.base import LayerLoadError, LayerWaitTimeout, ReadinessView
 from layerlift.overlap.readiness import LayerReadiness
 from layerlift.pools.base import KVPool
-from layerlift.pools.spec import Component
 
 __all__ = ["Batch", "BatchState", "RerunRequired"]
 
@@ -117,94 +116,90 @@ NEXT: dict[BatchState, frozenset[BatchState]] = {
 
 
 class Batch:
-    """One batch from PREPARE to its exit.
+    """One batch from PREPARE to its exit: one :class:`RequestRecord` per
+    request (in plan order) and one :class:`BatchRestore` for its load.
 
     Locks (see :class:`EngineContext`): the caller acquires the load lock
-    before :meth:`prepare` and hands it to the batch, which releases it once
-    its load has landed in full (or ended); :meth:`issue` takes the device
-    lock after issuing the fetches (they run while it waits: prefetch) and
-    the exit releases it."""
+    before :meth:`prepare` and hands it to the batch (its restore releases
+    it once the load has landed in full, or at its end); :meth:`issue`
+    takes the device lock after issuing the fetches (they run while it
+    waits: prefetch) and the exit releases it."""
 
     def __init__(self, ctx: EngineContext, started: float) -> None:
         self.ctx = ctx
         self.started = started
         self.state = BatchState.PREPARED
-        self.plans: list[LookupPlan] = []
-        self.txns: dict[int, RestoreTransaction] = {}
-        self.computes: dict[int, ComputeAlloc] = {}
-        self.rl: RestoreLoad | None = None
-        self.recomputed: set[int] = set()
+        self.records: list[RequestRecord] = []
+        self.restore = BatchRestore(ctx)
         self.load_issued = 0.0
-        self._pins: dict[int, list[tuple[Component, torch.Tensor]]] = {}
         self._exit_task: asyncio.Task[None] | None = None
-        self.flight = InFlightLoad(ctx, self.txns, self._unpin)
         self._holds_device = False
         self._ext_runs: list[ForwardRun] = []
         self._ext_deps: list[ReadinessView] = []
-        self._readiness = LayerReadiness(ctx.pool.spec.num_layers,
-                                         default_timeout=ctx.cfg.layer_wait_timeout_s)
         self._forward_idle = asyncio.Event()  # no forward thread of this batch runs
         self._forward_idle.set()
         self._forward_stop: threading.Event | None = None
         self._abort_reason: BaseException | None = None
         ctx.live.add(self)
 
+    @property
+    def plans(self) -> list[LookupPlan]:
+        return [r.plan for r in self.records]
+
     # ---- PREPARE ------------------------------------------------------------------
     @classmethod
     async def prepare(cls, ctx: EngineContext, plans: Sequence[LookupPlan],
                       started: float) -> tuple[Batch, list[LookupPlan]]:
         """Take plans in order while they fit: restore slots (PREPAREd) and
-        the pages each forward writes. Returns the batch and the plans that
-        did not fit (still the caller's). Raises ``EngineError`` when the
-        first plan alone cannot fit; on any exception the batch has exited
-        (its plans released, the lock released)."""
+        the pages each forward writes. A first plan that does not fit while
+        another batch or an offload holds room waits for them (bounded).
+        Returns the batch and the plans that did not fit (still the
+        caller's). Raises ``EngineError`` when the first plan alone cannot
+        fit; on any exception the batch has exited (its plans released, the
+        lock released)."""
         batch = cls(ctx, started)
         rest = list(plans)
         try:
             while rest:
                 if not await batch._admit(rest[0]):
-                    if not batch.plans:
+                    if not batch.records:
                         # Alone it fits (checked by the caller) unless another
                         # batch or an offload holds the room: wait for them.
                         if await ctx.wait_for_room(batch, f"prompt {rest[0].request_id} "
                                                    "does not fit in the device pool now"):
                             continue
-                        raise batch._too_big(rest[0])
+                        raise too_big(ctx.pool, rest[0])
                     break
                 rest.pop(0)
-            batch.rl = batch.flight.rl = ctx.restore.build_load(batch.txns)
-            batch._readiness = batch.rl.readiness
+            batch.restore.plan(batch.records)
         except BaseException as exc:
             await batch.close(exc)
             raise
         return batch, rest
 
     async def _admit(self, plan: LookupPlan) -> bool:
-        ctx, rid = self.ctx, plan.request_id
+        ctx = self.ctx
         boundary, reason = plan.boundary, plan.fallback_reason
-        self.plans.append(plan)  # in the books before any await: the exit cleans up
-        txn = ctx.restore.prepare(plan)
-        if txn is not None:
-            self.txns[rid] = txn
-        comp = alloc_compute(ctx.pool, ctx.tree, plan)
-        if comp is None and ctx.offloader.pending:
+        rec = RequestRecord(plan)
+        self.records.append(rec)  # in the books before any await: the exit cleans up
+        rec.txn = ctx.restore.prepare(plan)
+        if rec.txn is not None:
+            rec.status = RequestStatus.RESTORING
+        rec.compute = alloc_compute(ctx.pool, ctx.tree, plan)
+        if rec.compute is None and ctx.offloader.pending:
             # Offloads in flight pin pages and lock nodes; they end on their own.
             await ctx.offloader.wait()
-            comp = alloc_compute(ctx.pool, ctx.tree, plan)
-        if comp is None and txn is not None:
-            del self.txns[rid]
+            rec.compute = alloc_compute(ctx.pool, ctx.tree, plan)
+        if rec.compute is None and rec.txn is not None:
+            txn, rec.txn, rec.status = rec.txn, None, RequestStatus.COMPUTING
             txn.abort()
             plan.drop_restore("not enough device memory to restore")
-            comp = alloc_compute(ctx.pool, ctx.tree, plan)
-        if comp is None:  # not in this batch: the caller serves it in a later one
-            self.plans.pop()
+            rec.compute = alloc_compute(ctx.pool, ctx.tree, plan)
+        if rec.compute is None:  # not in this batch: the caller serves it in a later one
+            self.records.pop()
             plan.boundary, plan.fallback_reason = boundary, reason
             return False
-        self.computes[rid] = comp
         return True
-
-    def _too_big(self, plan: LookupPlan) -> EngineError:
-        return too_big(self.ctx.pool, plan)
 
     # ---- LOADING ------------------------------------------------------------------
     async def issue(self, device_timeout: float | None = None) -> None:
@@ -218,16 +213,13 @@ class Batch:
         await self._guard(self._issue(device_timeout))
 
     async def _issue(self, device_timeout: float | None) -> None:
-        rl = self.rl
-        assert rl is not None
-        if rl.txns:
+        if self.restore.loads_anything:
             self.load_issued = time.perf_counter() - self.started  # before a layer can land
-            failed = await self.flight.start()
+            failed = await self.restore.start()
             if failed is not None:
-                await self._drop_before_commit(frozenset(rl.txns),
-                                               f"store session failed: {failed}")
-        if self.flight.task is None:
-            self.flight.release_lock()  # nothing in flight
+                await self._drop_before_commit(f"store session failed: {failed}")
+        if self.restore.task is None:
+            self.restore.release_lock()  # nothing in flight
         try:
             async with asyncio.timeout(device_timeout):
                 await self.ctx.device.acquire()
@@ -237,13 +229,15 @@ class Batch:
                 "handle must be forwarded or aborted before the next load") from None
         self._holds_device = True
 
-    async def _drop_before_commit(self, rids: frozenset[int], reason: str) -> None:
-        rl = self.rl
-        assert rl is not None
-        rl.drop_items(rids)
-        for rid in rids:
-            self.txns.pop(rid).abort()
-        await self._recompute(rids, reason)
+    async def _drop_before_commit(self, reason: str) -> None:
+        """Nothing was published: every restore becomes a recompute."""
+        dropped = [r for r in self.records if r.txn is not None]
+        self.restore.drop(frozenset(r.rid for r in dropped))
+        for rec in dropped:
+            txn, rec.txn = rec.txn, None
+            assert txn is not None
+            txn.abort()
+        await self._recompute(frozenset(r.rid for r in dropped), reason)
 
     # ---- COMMITTED ----------------------------------------------------------------
     def commit(self) -> LayerReadiness:
@@ -252,41 +246,26 @@ class Batch:
         load the readiness is done at once. ``RuntimeError`` if the batch is
         not LOADING (committed already, aborted, finished)."""
         self._to(BatchState.COMMITTED)
-        rl = self.rl
-        assert rl is not None
+        readiness = self.restore.readiness
         try:
-            refused = self.ctx.restore.commit(rl, self.plans)
+            refused = self.restore.commit(self.records)
             for rid, exc in refused.items():  # the forward sees it at layer 0: recompute
-                rl.readiness.mark_failed(0, exc, [rid])
-            for plan in self.plans:
-                result = rl.inserted.get(plan.request_id)
-                if result is not None:
-                    self._pin_restore(plan, result.canonical)
-            if self.flight.task is None:
-                for layer in range(rl.readiness.num_layers):
-                    rl.readiness.mark_done(layer)
+                readiness.mark_failed(0, exc, [rid])
+            for rec in self.records:
+                if rec.published:
+                    rec.pin_restore(self.ctx.pool)
+            if self.restore.task is None:
+                for layer in range(readiness.num_layers):
+                    readiness.mark_done(layer)
         except BaseException as exc:
             self.abort(exc)
             raise
-        return rl.readiness
-
-    def _pin_restore(self, plan: LookupPlan, canonical: dict[Component, torch.Tensor]) -> None:
-        """Pin what the forward reads of a restore (the canonical slots,
-        which may be another request's) until the batch exits."""
-        rid, d, b, w = plan.request_id, plan.device_pages, plan.boundary, plan.spec.window_pages
-        assert self.rl is not None
-        for c, idx in ((Component.FULL, canonical[Component.FULL][d:b]),
-                       (Component.SWA, canonical[Component.SWA][max(d, b - w):b]),
-                       (Component.MAMBA, torch.tensor([self.rl.cow_slot(rid)]))):
-            if len(idx):
-                self.ctx.pool.pin(c, idx)
-                self._pins.setdefault(rid, []).append((c, idx.clone()))
+        return readiness
 
     def _unpin(self, rids: frozenset[Hashable] | None = None) -> None:
-        for rid in list(self._pins):
-            if rids is None or rid in rids:
-                for c, idx in self._pins.pop(rid):
-                    self.ctx.pool.unpin(c, idx)
+        for rec in self.records:
+            if rids is None or rec.rid in rids:
+                rec.unpin(self.ctx.pool)
 
     # ---- RUNNING ------------------------------------------------------------------
     async def run(self) -> list[PrefillResult]:
@@ -306,8 +285,7 @@ class Batch:
     async def _run(self) -> list[PrefillResult]:
         ctx = self.ctx
         for _attempt in range(MAX_FORWARD_ATTEMPTS):
-            runs, deps, stop = build_runs(self.plans, self.rl, self.computes), self._deps(), \
-                threading.Event()
+            runs, deps, stop = build_runs(self.records), self._deps(), threading.Event()
             self._forward_stop = stop
             self._forward_idle.clear()
             try:
@@ -356,7 +334,7 @@ class Batch:
     async def _after_good_pass(self) -> bool:
         """The pass ran through: True once every restore it read had landed
         in full; otherwise the failed ones are set up to recompute (False)."""
-        if self.flight.ended:  # the load had ended before this pass
+        if self.restore.ended:  # the load had ended before this pass
             return True
         failed = await self._end_load()
         if failed:
@@ -368,11 +346,11 @@ class Batch:
                       timings: Timings) -> list[PrefillResult]:
         results = build_results(
             self.plans, logprobs, timings, started=self.started, load_issued=self.load_issued,
-            landed=self.flight.timings,
-            recomputed=self.recomputed)
-        for run in runs:
+            landed=self.restore.timings,
+            recomputed={r.rid for r in self.records if r.status is RequestStatus.RECOMPUTED})
+        for rec, run in zip(self.records, runs, strict=True):
             insert_computed(self.ctx, run)
-            del self.computes[run.plan.request_id]
+            rec.compute = None  # the tree or the free lists own its pages now
         self._teach_cost_model(timings)
         await self.close(None)
         return results
@@ -382,9 +360,10 @@ class Batch:
         if cost is None:
             return
         layers = self.ctx.pool.spec.num_layers
-        moved = {t.layer: t.nbytes for t in self.flight.timings}
+        moved = {t.layer: t.nbytes for t in self.restore.timings}
         computed = sum(len(p.tokens) - p.boundary * p.spec.page_size for p in self.plans)
-        if len(timings.layer_landed) == layers and not self.recomputed:
+        recomputed = any(r.status is RequestStatus.RECOMPUTED for r in self.records)
+        if len(timings.layer_landed) == layers and not recomputed:
             cost.observe_batch(timings, [moved.get(i, 0) for i in range(layers)], computed)
         else:
             cost.observe_forward(computed, sum(timings.layer_compute))
@@ -402,7 +381,7 @@ class Batch:
         return self._external_requests()
 
     def _external_requests(self) -> list[ForwardRequest]:
-        self._ext_runs = build_runs(self.plans, self.rl, self.computes)
+        self._ext_runs = build_runs(self.records)
         self._ext_deps = self._deps()
         return forward_requests(self._ext_runs)
 
@@ -451,8 +430,8 @@ class Batch:
         while it runs, and loads of other batches whose nodes a plan matched
         while they were still landing."""
         deps: list[ReadinessView] = []
-        if not self.flight.ended and self.rl is not None and self.rl.txns:
-            deps.append(self.rl.readiness)
+        if not self.restore.ended and any(r.txn is not None for r in self.records):
+            deps.append(self.restore.readiness)
         for plan in self.plans:
             for pending in plan.match.pending:
                 if isinstance(pending, LayerReadiness) and all(pending is not x for x in deps):
@@ -461,33 +440,34 @@ class Batch:
 
     async def _recompute(self, failed: frozenset[Hashable], reason: str) -> None:
         """Compute the failed restores from their device hit instead: new
-        compute pages sized for the longer suffix."""
+        compute pages sized for the longer suffix (waiting, bounded, for the
+        room another batch or an offload holds)."""
         ctx = self.ctx
-        for plan in self.plans:
-            rid = plan.request_id
-            if rid not in failed or not plan.restores:
+        for rec in self.records:
+            plan = rec.plan
+            if rec.rid not in failed or not plan.restores:
                 continue
-            free_compute(ctx.pool, self.computes.pop(rid))
+            assert rec.compute is not None
+            comp, rec.compute = rec.compute, None
+            free_compute(ctx.pool, comp)
             plan.drop_restore(reason)
-            self.recomputed.add(rid)
-            comp = alloc_compute(ctx.pool, ctx.tree, plan)
-            while comp is None and await ctx.wait_for_room(
-                    self, f"request {rid} must be recomputed ({reason})"):
-                comp = alloc_compute(ctx.pool, ctx.tree, plan)
-            if comp is None:
+            rec.status = RequestStatus.RECOMPUTED
+            rec.compute = alloc_compute(ctx.pool, ctx.tree, plan)
+            while rec.compute is None and await ctx.wait_for_room(
+                    self, f"request {rec.rid} must be recomputed ({reason})"):
+                rec.compute = alloc_compute(ctx.pool, ctx.tree, plan)
+            if rec.compute is None:
                 raise EngineError(
-                    f"request {rid} must be recomputed ({reason}) but its "
+                    f"request {rec.rid} must be recomputed ({reason}) but its "
                     f"{compute_bytes(ctx.pool, plan)} bytes of pages do not fit in the pool")
-            self.computes[rid] = comp
 
     # ---- end of the load ------------------------------------------------------------
     def _stop_load(self, reason: str) -> None:
-        self.flight.stop(reason)
-        self._readiness.cancel(reason)
+        self.restore.stop(reason)
 
     async def _end_load(self) -> frozenset[Hashable]:
         """End the load once (see :meth:`InFlightLoad.end`)."""
-        return await self.flight.end()
+        return await self.restore.end(self.records, self._unpin)
 
     # ---- ABORTED / exit -------------------------------------------------------------
     def abort(self, error: BaseException | None = None) -> None:
@@ -546,43 +526,44 @@ class Batch:
                 await self._end_load()
             except Exception as exc:
                 problems.append(exc)
-            for rid, comp in list(self.computes.items()):
-                step(f"freeing request {rid}'s compute pages",
-                     lambda comp=comp: free_compute(ctx.pool, comp))  # type: ignore[misc]
-            self.computes.clear()
-            step("dropping pins", self._unpin)
-            for rid, txn in list(self.txns.items()):
-                if txn.state is TransactionState.FINISHED and txn.result is not None:
-                    node = txn.result.node
-                    step(f"unlocking request {rid}'s node",
-                         lambda node=node: ctx.tree.unlock(node))  # type: ignore[misc]
-            self.txns.clear()
-            for plan in self.plans:
-                step(f"releasing plan {plan.request_id}",
-                     lambda plan=plan: release_plan(ctx, plan))  # type: ignore[misc]
+            for rec in self.records:  # record by record, each step on its own
+                step(f"releasing request {rec.rid}", functools.partial(self._release, rec))
             step("flushing deferred frees", ctx.pool.flush_deferred)
             step("settling the readiness",
-                 lambda: self._readiness.cancel("the batch has ended"))
+                 lambda: self.restore.readiness.cancel("the batch has ended"))
         finally:
             self.state = BatchState.DONE if error is None else BatchState.ABORTED
             ctx.live.discard(self)
             ctx.room_freed()
-            self.flight.release_lock()
+            self.restore.release_lock()
             if self._holds_device:
                 self._holds_device = False
                 ctx.device.release()
         if problems:
-            for exc in problems:
-                log.error("batch exit: %r", exc, exc_info=exc)
+            for problem in problems:
+                log.error("batch exit: %r", problem, exc_info=problem)
             if error is None:
                 raise EngineError(f"the batch's cleanup failed: {problems[0]!r}") from problems[0]
-            for exc in problems:
-                error.add_note(f"and during the cleanup: {exc!r}")
+            for problem in problems:
+                error.add_note(f"and during the cleanup: {problem!r}")
+
+    def _release(self, rec: RequestRecord) -> None:
+        """Everything the batch holds for one request: its compute pages,
+        its pins, its landed restore's node lock, its plan's hold."""
+        ctx = self.ctx
+        if rec.compute is not None:
+            comp, rec.compute = rec.compute, None
+            free_compute(ctx.pool, comp)
+        rec.unpin(ctx.pool)
+        txn, rec.txn = rec.txn, None
+        if txn is not None and txn.state is TransactionState.FINISHED and txn.result is not None:
+            ctx.tree.unlock(txn.result.node)
+        release_plan(ctx, rec.plan)
 
     # ---- helpers --------------------------------------------------------------------
     @property
     def readiness(self) -> LayerReadiness:
-        return self._readiness
+        return self.restore.readiness
 
     def _to(self, state: BatchState) -> None:
         if self._exit_task is not None or state not in NEXT[self.state]:

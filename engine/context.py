@@ -83,7 +83,7 @@ class EngineContext:
         if not others and not self.offloader.pending:
             return False
         room = self.room
-        waits = [asyncio.ensure_future(room.wait())]
+        waits: list[asyncio.Future[Any]] = [asyncio.ensure_future(room.wait())]
         if self.offloader.pending:
             waits.append(asyncio.ensure_future(self.offloader.wait()))
         try:

@@ -21,7 +21,7 @@ from layerlift.engine.compute import ComputeAlloc
 from layerlift.engine.context import EngineContext
 from layerlift.engine.model.api import ForwardOutput, ForwardRequest
 from layerlift.engine.plan import LookupPlan
-from layerlift.engine.restore import RestoreLoad
+from layerlift.engine.record import RequestRecord
 from layerlift.engine.results import PrefillResult, Timings
 from layerlift.overlap.base import ReadinessView
 from layerlift.overlap.device import Device, device_of
@@ -55,25 +55,17 @@ class ForwardRun:
     cow: int | None
 
 
-def build_runs(plans: Sequence[LookupPlan], rl: RestoreLoad | None,
-               computes: dict[int, ComputeAlloc]) -> list[ForwardRun]:
-    """Page tables for every plan: a restoring plan reads the canonical
-    indices its COMMIT got (COW from the canonical checkpoint); any other plan
+def build_runs(records: Sequence[RequestRecord]) -> list[ForwardRun]:
+    """Page tables for every request: a restoring one reads the canonical
+    indices its COMMIT got (COW from the canonical checkpoint); any other
     reads its device hit."""
-    inserted = rl.inserted if rl is not None else {}
     runs = []
-    for plan in plans:
-        rid, b = plan.request_id, plan.boundary
-        result = inserted.get(rid)
-        if result is not None and plan.restores:
-            assert rl is not None
-            full, swa = result.canonical[Component.FULL][:b], result.canonical[Component.SWA][:b]
-            cow: int | None = rl.cow_slot(rid)
-        else:
-            full, swa, cow = plan.match.full_indices, plan.match.swa_indices, plan.match.mamba_slot
+    for rec in records:
+        assert rec.compute is not None
+        full, swa, cow = rec.read_tables()
         swa = swa.clone()
-        swa[: max(0, b - plan.spec.window_pages)] = 0  # never read; keep in range
-        runs.append(ForwardRun(plan, computes[rid], full, swa, cow))
+        swa[: max(0, rec.plan.boundary - rec.plan.spec.window_pages)] = 0  # never read
+        runs.append(ForwardRun(rec.plan, rec.compute, full, swa, cow))
     return runs
 
 

@@ -163,7 +163,7 @@ class PoolSanitizer:
         """The pages and slots a forward over ``requests`` reads or writes."""
         if self.pool is None:
             return []
-        spec = self.pool.spec  # type: ignore[attr-defined]
+        spec = self.pool.spec
         blocks: list[slice] = []
         for r in requests:
             # SWA entries before the window are placeholders the forward never reads.
