@@ -146,10 +146,10 @@ class CudaLane(Lane):
         self.device: Device = device
         self.name = name
         self.stream = device.new_stream()
-        self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix=f"layerlift-{name}")
-        self._enqueue_lock = threading.Lock()
         self._notifier = make_notifier(completion, device.stream_handle(self.stream))
         self.completion = self._notifier.mode
+        self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix=f"layerlift-{name}")
+        self._enqueue_lock = threading.Lock()
 
     def begin_load(self) -> None:
         """Order the load stream after everything already issued on this

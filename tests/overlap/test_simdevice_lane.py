@@ -172,3 +172,29 @@ def test_to_host_follows_the_default_stream(sim: SimDevice) -> None:
     sim.close()
     with pytest.raises(RuntimeError, match="closed"):
         sim.launch(sim.default, lambda: None)
+
+
+def test_the_seam_finds_a_buffers_device_and_refuses_what_cannot_work() -> None:
+    import gc
+
+    from layerlift.overlap import Completion, CudaLane
+    from layerlift.overlap.device import CudaDevice, bind
+
+    sim = SimDevice(seed=0)
+    try:
+        buffer = torch.zeros(8, dtype=torch.uint8)
+        assert device_of(buffer) is None  # plain host memory: the CPU path
+        bind(buffer, sim)
+        assert device_of(buffer) is sim
+        del buffer
+        gc.collect()
+        assert device_of(torch.zeros(8, dtype=torch.uint8)) is None
+        with pytest.raises(RuntimeError, match="needs a CUDA stream"):
+            CudaLane(sim, completion=Completion.HOST_FUNC)
+        if not torch.cuda.is_available():
+            with pytest.raises(RuntimeError, match="needs a CUDA device"):
+                CudaDevice()
+            with pytest.raises(RuntimeError, match="needs a CUDA device"):
+                CudaLane()
+    finally:
+        sim.close()
