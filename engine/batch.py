@@ -356,16 +356,15 @@ class Batch:
         return results
 
     def _teach_cost_model(self, timings: Timings) -> None:
+        """Teach ``restore="auto"`` what happened: each layer that landed
+        (the lane's own records) and the forward's per-layer compute (an
+        untimed host forward teaches nothing)."""
         cost = self.ctx.cost
         if cost is None:
             return
-        layers = self.ctx.pool.spec.num_layers
-        moved = {t.layer: t.nbytes for t in self.restore.timings}
-        computed = sum(len(p.tokens) - p.boundary * p.spec.page_size for p in self.plans)
-        recomputed = any(r.status is RequestStatus.RECOMPUTED for r in self.records)
-        if len(timings.layer_landed) == layers and not recomputed:
-            cost.observe_batch(timings, [moved.get(i, 0) for i in range(layers)], computed)
-        else:
+        cost.observe_layers(self.restore.timings)
+        if len(timings.layer_compute) == self.ctx.pool.spec.num_layers:
+            computed = sum(len(p.tokens) - p.boundary * p.spec.page_size for p in self.plans)
             cost.observe_forward(computed, sum(timings.layer_compute))
 
     # ---- RUNNING in a host's own forward (external runner) -------------------------
@@ -406,13 +405,16 @@ class Batch:
         await self._guard(self._after_failed_pass(error))
         return self._external_requests()
 
-    async def external_done(self, next_token_logprobs: torch.Tensor) -> list[PrefillResult]:
+    async def external_done(self, next_token_logprobs: torch.Tensor,
+                            timings: Timings | None = None) -> list[PrefillResult]:
         """The host's forward finished and wrote every page and slot it was
         given; ``next_token_logprobs`` is ``[batch, vocab]`` in plan order.
         Ends the load; if a restore it read turns out not to have landed,
         those requests are set up to recompute and :class:`RerunRequired`
         carries the requests to run again. Otherwise inserts the computed
-        pages, offloads them, exits and returns the results."""
+        pages, offloads them, exits and returns the results. ``timings``: the
+        host's per-layer compute, if it measured it (the cost model learns
+        nothing about compute otherwise)."""
         if self.state is not BatchState.RUNNING or self._exit_task is not None:
             raise RuntimeError("this batch is not running a host forward")
         if next_token_logprobs.shape[0] != len(self.plans):
@@ -420,7 +422,8 @@ class Batch:
                              f"for {len(self.plans)} requests")
         if not await self._guard(self._after_good_pass()):
             raise RerunRequired(self._external_requests())
-        return await self._guard(self._finish(self._ext_runs, next_token_logprobs, Timings()))
+        return await self._guard(self._finish(self._ext_runs, next_token_logprobs,
+                                              timings if timings is not None else Timings()))
 
     def _restoring(self) -> frozenset[Hashable]:
         return frozenset(p.request_id for p in self.plans if p.restores)

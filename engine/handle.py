@@ -141,9 +141,7 @@ class ExternalForward:
             check_host_timings(timings, self._layers)
         self.timings = timings if timings is not None else self._clock.timings(end)
         try:
-            # TODO(lead, engine/batch.py): pass self.timings through
-            # (external_done(next_token_logprobs, self.timings)) once the batch takes it.
-            return await self._batch.external_done(next_token_logprobs)
+            return await self._batch.external_done(next_token_logprobs, self.timings)
         except RerunRequired as rerun:
             self.requests = rerun.requests
             self._clock.reset()

@@ -125,3 +125,24 @@ async def test_done_checks_its_input(model: HybridModel) -> None:
         ext.abort()
         await ext.aclose()
         assert_quiescent(engine)
+
+
+async def test_host_timings_teach_the_cost_model(model: HybridModel) -> None:
+    """``done(..., timings=...)``: the host's per-layer compute reaches the
+    cost model of ``restore="auto"`` (it used to learn a zero-time forward)."""
+    from layerlift.engine.results import Timings
+
+    cfg = EngineConfig(store="memory", pool_bytes=16 << 20, restore="auto")
+    async with Engine(model, cfg) as engine:
+        cost = engine._ctx.cost
+        assert cost is not None
+        before = cost.forward_observations
+        plans = [await engine.lookup(p) for p in _prompts(model, 21)]
+        handle = await engine.load(plans)
+        ext = handle.begin_external()
+        logprobs = await _host_forward(model, engine, ext, ext.requests)
+        layers = model.spec.num_layers
+        await ext.done(logprobs, timings=Timings(layer_compute=[0.002] * layers))
+        assert cost.forward_observations == before + 1
+        await engine.wait_offloads()
+        assert_quiescent(engine)
