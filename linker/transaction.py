@@ -202,7 +202,9 @@ class RestoreTransaction:
                 pool.unpin(c, t.device_indices)
         for c, idx in adopted.items():
             if len(idx):
-                pool.free(c, idx)
+                # Deferred: a page another batch still pins (it matched the
+                # node before the retract) is freed once that batch unpins it.
+                pool.free_deferred(c, idx)
         pool.flush_deferred()
 
     # ---- helpers -----------------------------------------------------------------
