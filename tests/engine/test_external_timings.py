@@ -174,3 +174,38 @@ async def test_a_lookup_behind_a_running_batch_is_priced_after_it(model: HybridM
         engine.release_plan(behind)
         await engine.wait_offloads()
         assert_quiescent(engine)
+
+
+async def test_host_timings_flip_the_next_decision(model: HybridModel) -> None:
+    """What the host reports is what ``restore="auto"`` decides on: after a
+    host forward that says compute is nearly free the next plan recomputes;
+    after one that says it is slow, the next plan restores again."""
+    prompts = _prompts(model, 8)
+    layers = model.spec.num_layers
+    cfg = EngineConfig(store="memory", pool_bytes=16 << 20, restore="auto",
+                       link="emulated:1,100")  # 1 GB/s, 100 us per call: a load costs ms
+    async with Engine(model, cfg, store=MemoryStore()) as engine:
+        cost = engine._ctx.cost
+        assert cost is not None
+        cost.alpha = 1.0  # one observation decides: the arithmetic below is exact
+        await engine.prefill(prompts)
+        for per_layer, then_restore in [(1e-12, False), (0.5, True), (1e-12, False)]:
+            await offload_and_drop(engine)
+            plans = [await engine.lookup(p) for p in prompts]
+            computed = sum(len(p.tokens) - p.boundary * p.spec.page_size for p in plans)
+            ext = (await engine.load(plans)).begin_external()
+            requests = ext.requests
+            out = await anyio.to_thread.run_sync(
+                model.forward_batch, requests, engine.pool, ext.wait, lambda layer: None)
+            await ext.done(out.next_token_logprobs,
+                           timings=Timings(layer_compute=[per_layer] * layers))
+            assert cost.compute_s_per_token == pytest.approx(per_layer * layers / computed)
+            await offload_and_drop(engine)
+            nxt = await engine.lookup(prompts[0])
+            assert nxt.decision is not None
+            assert nxt.decision.startswith("restore" if then_restore else "recompute"), \
+                nxt.decision
+            assert nxt.restores is then_restore
+            engine.release_plan(nxt)
+        await engine.wait_offloads()
+        assert_quiescent(engine)
