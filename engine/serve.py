@@ -39,6 +39,7 @@ from typing import Protocol
 import numpy as np
 
 from layerlift.engine.results import PrefillResult
+from layerlift.engine.threads import wait_through
 
 __all__ = [
     "PrefillEngine", "QueueFull", "ServeConfig", "Served", "Server", "ServerClosed",
@@ -169,7 +170,8 @@ class Server:
         ``True`` fails queued requests (and blocked ``submit`` calls) with
         :class:`ServerClosed`. The batch already running always finishes (the
         engine never abandons a running forward). Idempotent. Cancelling
-        ``aclose`` itself cancels the batcher (the engine aborts its batch).
+        ``aclose`` itself cancels the batcher (the engine aborts its batch)
+        and is raised once the batcher ended: no thread of its batches runs.
         """
         cond = self._condition()
         async with cond:
@@ -181,11 +183,9 @@ class Server:
                     self.stats.dropped += 1
             cond.notify_all()
         if self._task is not None:
-            try:
-                await asyncio.shield(self._task)
-            except asyncio.CancelledError:
-                self._task.cancel()
-                raise
+            # A cancelled aclose cancels the batcher (the engine aborts its
+            # batches) and returns once it ended: their threads have returned.
+            await wait_through(self._task, on_cancel=self._task.cancel)
 
     @property
     def prefetch_active(self) -> bool:

@@ -306,3 +306,64 @@ async def test_concurrent_prefills_in_a_tight_pool_wait_for_room(model: HybridMo
         assert sum(r.restored_tokens for (r,) in again) > 0
         await engine.wait_offloads()
         assert_quiescent(engine)
+
+
+async def test_cancelled_server_aclose_returns_after_the_forward(model: HybridModel) -> None:
+    """``Server.aclose`` cancelled while a batch's forward is held: it
+    cancels the batcher and returns only once that forward returned; the
+    engine then serves exactly."""
+    from layerlift.engine.serve import Server
+
+    (p,) = prompts(model, 7, [800])
+    later = prompts(model, 8, [500, 700])
+    ref = await cold(model, later)
+    san, faulty = PoolSanitizer(), FaultyModel(model)
+    async with Engine(san.model(faulty), EngineConfig(store="memory",
+                                                       pool_bytes=16 << 20)) as engine:
+        san.attach(engine.pool)
+        gate = threading.Event()
+        faulty.gate_at(5, gate)
+        server = Server(engine)
+        server.start()
+        request = asyncio.create_task(server.submit(p))
+        assert await anyio.to_thread.run_sync(faulty.reached.wait, WAIT_S)
+        closing = asyncio.create_task(server.aclose())
+        await asyncio.sleep(0)  # aclose starts waiting for the batcher
+        await cancel_while_held(closing, closing.cancel, gate)
+        with pytest.raises(asyncio.CancelledError):
+            await closing
+        with pytest.raises(BaseException):  # noqa: B017 -- cancelled or failed: either is fine
+            await request
+        faulty.clear()
+        assert_quiescent(engine)
+        got = [(await engine.prefill([q]))[0] for q in later]
+        assert_exact(got, ref)
+        await engine.wait_offloads()
+        assert_quiescent(engine)
+    san.check()
+
+
+async def test_engine_close_waits_for_a_running_put(model: HybridModel) -> None:
+    """``Engine.close`` while an offload's put is held: close waits for it
+    (the pages stay pinned), and the store then holds exact objects."""
+    (p,) = prompts(model, 9, [700])
+    (ref,) = await cold(model, [p])
+    inner = MemoryStore()
+    store = FaultyStore(inner, model.spec)
+    san = PoolSanitizer()
+    cfg = EngineConfig(store="memory", pool_bytes=16 << 20)
+    engine = Engine(san.model(model), cfg, store=san.store(store))
+    await engine.start()
+    san.attach(engine.pool)
+    gate = threading.Event()
+    put = store.gate("put", gate)
+    await engine.prefill([p])
+    assert await anyio.to_thread.run_sync(put.started.wait, WAIT_S)
+    closing = asyncio.create_task(engine.close())
+    await cancel_while_held(closing, lambda: None, gate)
+    await asyncio.wait_for(closing, WAIT_S)
+    san.check()
+    async with Engine(model, cfg, store=inner) as again:
+        (got,) = await again.prefill([p])
+        assert got.restored_tokens > 0
+        assert_exact([got], [ref])
