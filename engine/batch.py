@@ -21,17 +21,27 @@ ABORTED  (terminal)           ``abort()``, or any exception or cancellation in
                               any of the above
 ======== ==================== ================================================
 
-Every outcome leaves through :meth:`Batch._exit`: loads stopped and waited
-for, restores that did not land unpublished, every slot of this batch freed
-or owned by the tree, pins and node locks dropped, the readiness settled and
-the engine's batch lock released. Exactness holds by construction: a result
-counts a request's tokens as restored only if, once no fetch runs any more,
-its load had no failure (with the requests that read its pages); otherwise
-the request is recomputed and says so.
+A batch keeps one :class:`~layerlift.engine.record.RequestRecord` per request
+(plan, restore transaction, compute pages, pins, status) and one
+:class:`~layerlift.engine.batch_restore.BatchRestore` for its load.
 
-Threads: every method runs on the event loop; the forward runs in a worker
-thread. Cancelling a driving coroutine aborts the batch; a running forward
-pass is never abandoned (cancellation takes effect when it returns).
+Every outcome leaves through :meth:`Batch._exit`: the forward has returned,
+the load has ended (no fetch runs, the session is closed; restores that
+landed stay published, the rest are unpublished), then record by record
+every compute page is freed or owned by the tree, pins and node locks are
+dropped and the plan released; the readiness is settled and the load and
+device locks released. Exactness holds by construction: a result counts a
+request's tokens as restored only if, once no fetch runs any more, its load
+had no failure (with the requests that read its pages); otherwise the
+request is recomputed and says so.
+
+Ownership and cancellation: every method runs on the event loop; the
+forward runs in a worker thread and owns its pages until it returns. Memory
+a thread may touch is released only after that thread has returned
+(``engine/threads.py``): a cancelled or aborted batch stops its forward at
+the next layer and its fetches at the next job, waits for them, then exits;
+the cancellation (``task.cancel()``, ``asyncio.wait_for``/``timeout``, a
+``TaskGroup`` failure) is raised to the caller once the exit finished.
 """
 
 from __future__ import annotations
