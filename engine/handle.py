@@ -4,6 +4,8 @@ A thin public face over :class:`~layerlift.engine.batch.Batch`, which owns
 the batch's state machine and all of its cleanup. Through its batch the
 handle holds the engine's load lock until the load has landed and its
 device lock from COMMIT until ``forward()`` returned or ``abort()`` finished.
+Cancelling any awaited method aborts the batch; the cancellation is raised
+once no thread of the batch runs any more.
 """
 
 from __future__ import annotations
@@ -62,9 +64,10 @@ class LoadHandle:
         A restore that fails at layer k is recomputed (exact results; the
         result says so). Raises ``EngineError`` if a recompute does not fit,
         ``RuntimeError`` if the handle was aborted or finished. On any
-        exception, and on cancellation (which takes effect once the forward
-        thread finished its pass), the batch is ABORTed before the exception
-        propagates: fetches stopped, restores unpublished, every slot freed."""
+        exception, and on cancellation (the forward stops at its next layer
+        and is waited for), the batch is ABORTed before the exception
+        propagates: fetches stopped and waited for, restores that did not
+        land unpublished, every slot freed."""
         await self.issue()
         return await self._batch.run()
 
