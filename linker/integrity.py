@@ -6,6 +6,11 @@ slice of the object's component, in layer order, little-endian ``uint32``::
 
     [layer0 slice][layer1 slice]...[crc(layer0)][crc(layer1)]...
 
+Each CRC is seeded with the object's key and the layer's index
+(:func:`slice_seed`), so it names what the bytes are, not only what they
+hold: another object's bytes (with its own, self-consistent footer) under a
+key, or one layer's slice in another's place, fail the check.
+
 Why a footer and not a sidecar object: a per-layer load reads slice ``l`` of
 every page object *and* footer entry ``l`` in the same ranged call (two
 ranges per key), so verification costs no extra round trip, no extra object
@@ -43,6 +48,8 @@ __all__ = [
     "footer_bytes",
     "mismatches",
     "object_bytes",
+    "page_footers",
+    "slice_seed",
 ]
 
 # The byte layout of a page object. Part of every store key's fingerprint
@@ -72,39 +79,49 @@ def object_bytes(spec: ModelSpec, component: Component) -> int:
     return spec.page_bytes(component) + footer_bytes(spec, component)
 
 
-def checksums(ptrs: Sequence[int], size: int) -> np.ndarray:
-    """CRC-32 of ``size`` bytes at each address (one call per address; zlib
-    releases the GIL for large buffers). Returns ``uint32[len(ptrs)]``."""
+def slice_seed(key: str, local_layer: int) -> int:
+    """The CRC seed of slice ``local_layer`` of object ``key``."""
+    return zlib.crc32(f"{key}#{local_layer}".encode())
+
+
+def checksums(ptrs: Sequence[int], size: int, seeds: Sequence[int]) -> np.ndarray:
+    """CRC-32 of ``size`` bytes at each address, each from its seed (one call
+    per address; zlib releases the GIL for large buffers). Returns
+    ``uint32[len(ptrs)]``."""
     out = np.empty(len(ptrs), dtype="<u4")
-    for i, ptr in enumerate(ptrs):
+    for i, (ptr, seed) in enumerate(zip(ptrs, seeds, strict=True)):
         view = (ctypes.c_char * size).from_address(ptr)
-        out[i] = zlib.crc32(memoryview(view).cast("B"))
+        out[i] = zlib.crc32(memoryview(view).cast("B"), seed)
     return out
 
 
-def page_footers(spec: ModelSpec, component: Component, page_ptrs: Sequence[int]) -> np.ndarray:
-    """The footers of the pages at ``page_ptrs``: ``uint32[n, layers]`` (C order,
-    so row ``i`` is page ``i``'s footer bytes)."""
+def page_footers(spec: ModelSpec, component: Component, page_ptrs: Sequence[int],
+                 keys: Sequence[str]) -> np.ndarray:
+    """The footers of the pages at ``page_ptrs`` stored under ``keys``:
+    ``uint32[n, layers]`` (C order, so row ``i`` is page ``i``'s footer bytes)."""
     slices = component_slices(spec, component)
     out = np.empty((len(page_ptrs), len(slices)), dtype="<u4")
     for j, (offset, size) in enumerate(slices):
-        out[:, j] = checksums([p + offset for p in page_ptrs], size)
+        seeds = [slice_seed(k, j) for k in keys]
+        out[:, j] = checksums([p + offset for p in page_ptrs], size, seeds)
     return out
 
 
-def mismatches(ptrs: Sequence[int], size: int, expected: np.ndarray) -> list[int]:
+def mismatches(ptrs: Sequence[int], size: int, expected: np.ndarray,
+               seeds: Sequence[int]) -> list[int]:
     """Indices ``i`` whose ``size`` bytes at ``ptrs[i]`` do not have the CRC
-    ``expected[i]`` (empty: every slice verified)."""
-    got = checksums(ptrs, size)
+    ``expected[i]`` from seed ``seeds[i]`` (empty: every slice verified)."""
+    got = checksums(ptrs, size, seeds)
     return np.flatnonzero(got != expected.astype("<u4", copy=False)).tolist()
 
 
-def encode_object(spec: ModelSpec, component: Component, page: bytes) -> bytes:
-    """The store object of one page: its bytes plus the checksum footer (for
-    tools and tests that write objects without an engine). Raises ValueError
-    if ``page`` is not one page of ``component``."""
+def encode_object(spec: ModelSpec, component: Component, page: bytes, key: str) -> bytes:
+    """The store object of one page stored under ``key``: its bytes plus the
+    checksum footer (for tools and tests that write objects without an
+    engine). Raises ValueError if ``page`` is not one page of ``component``."""
     if len(page) != spec.page_bytes(component):
         raise ValueError(f"a {component.value} page is {spec.page_bytes(component)} bytes, "
                          f"got {len(page)}")
-    sums = [zlib.crc32(page[o : o + n]) for o, n in component_slices(spec, component)]
+    sums = [zlib.crc32(page[o : o + n], slice_seed(key, j))
+            for j, (o, n) in enumerate(component_slices(spec, component))]
     return bytes(page) + np.asarray(sums, dtype="<u4").tobytes()

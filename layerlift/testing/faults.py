@@ -19,7 +19,7 @@ import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from layerlift.linker.integrity import CHECK_BYTES, component_slices
+from layerlift.linker.integrity import CHECK_BYTES, component_slices, slice_seed
 from layerlift.linker.store_base import Store, StoreIOError, StoreUnavailable, TensorLike
 from layerlift.pools.spec import Component, ModelSpec
 
@@ -211,11 +211,13 @@ class FaultyStore(Store):
             return
         component = Component(key.split("/")[-3])
         page, foot = dst_ptrs[0], dst_ptrs[1]
+        slices = component_slices(self.spec, component)
         if sizes[1] == CHECK_BYTES:
-            _write_crc(foot, page, sizes[0])
+            layer = next((j for j, (o, n) in enumerate(slices) if n == sizes[0]), 0)
+            _write_crc(foot, page, sizes[0], slice_seed(key, layer))
             return
-        for j, (offset, size) in enumerate(component_slices(self.spec, component)):
-            _write_crc(foot + j * CHECK_BYTES, page + offset, size)
+        for j, (offset, size) in enumerate(slices):
+            _write_crc(foot + j * CHECK_BYTES, page + offset, size, slice_seed(key, j))
 
     def _whole_read(self, keys: Sequence[str], sizes: Sequence[Sequence[int]],
                     src_offsets: Sequence[Sequence[int]]) -> bool:
@@ -293,6 +295,6 @@ class FaultyStore(Store):
 
 
 
-def _write_crc(at: int, ptr: int, size: int) -> None:
-    crc = zlib.crc32(ctypes.string_at(ptr, size))
+def _write_crc(at: int, ptr: int, size: int, seed: int) -> None:
+    crc = zlib.crc32(ctypes.string_at(ptr, size), seed)
     ctypes.memmove(at, crc.to_bytes(CHECK_BYTES, "little"), CHECK_BYTES)

@@ -38,8 +38,9 @@ def test_one_job_per_layer_covers_every_request_and_loads_the_bytes() -> None:
     objects = {c: [f"ns/fp/{c.value}/0/{c.value}{i}" for i in range(2)] for c in Component}
     src = {c: torch.randint(0, 255, (2, spec.page_bytes(c)), dtype=torch.uint8) for c in Component}
     for c in Component:  # each object is its page plus the checksum footer
-        obj = torch.stack([torch.frombuffer(bytearray(encode_object(spec, c, r.numpy().tobytes())),
-                                            dtype=torch.uint8) for r in src[c]])
+        obj = torch.stack([torch.frombuffer(bytearray(encode_object(
+            spec, c, r.numpy().tobytes(), k)), dtype=torch.uint8)
+            for r, k in zip(src[c], objects[c], strict=True)])
         store.register(obj)
         store.put(objects[c], [int(r.data_ptr()) for r in obj], [obj.shape[1]] * 2)
     load = BatchLoad(pool, store, None)

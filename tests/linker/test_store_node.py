@@ -55,12 +55,27 @@ def test_without_a_master_it_says_so(tmp_path: Path) -> None:
 
     done = subprocess.run(
         [sys.executable, "-m", "layerlift.cli", "store-node",
-         "--master", f"127.0.0.1:{free_port()}", "--bytes", "1M", "--setup-retries", "1"],
+         "--master", f"127.0.0.1:{free_port()}", "--bytes", "16M", "--setup-retries", "1"],
         capture_output=True, text=True, cwd=tmp_path, timeout=120,
         env={**os.environ, "MC_LOG_LEVEL": "ERROR"},
     )  # fmt: skip
     assert done.returncode == 1
     assert "error:" in done.stderr
+
+
+def test_a_segment_below_the_minimum_is_refused_with_the_reason(tmp_path: Path) -> None:
+    """Mooncake cannot mount a segment under 16 MiB; its own error blames the
+    master. The node says what is wrong before connecting."""
+    from layerlift.linker.master import free_port
+
+    done = subprocess.run(
+        [sys.executable, "-m", "layerlift.cli", "store-node",
+         "--master", f"127.0.0.1:{free_port()}", "--bytes", "8M"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=120,
+        env={**os.environ, "MC_LOG_LEVEL": "ERROR"},
+    )  # fmt: skip
+    assert done.returncode != 0
+    assert "at least 16 MiB" in done.stderr, done.stderr
 
 
 def test_bad_sizes_are_refused(tmp_path: Path) -> None:
