@@ -16,7 +16,15 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from layerlift.linker.store_base import Store, StoreKeyMissing
+from layerlift.linker.integrity import (
+    CHECK_BYTES,
+    component_slices,
+    footer_bytes,
+    mismatches,
+    slice_seed,
+)
+from layerlift.linker.scratch import Scratch, scratch_for
+from layerlift.linker.store_base import Store, StoreIntegrityError
 from layerlift.overlap.base import LayerJob
 from layerlift.overlap.device import Device, device_of
 from layerlift.overlap.link import EmulatedLink
@@ -78,6 +86,12 @@ class BatchLoad:
         self._staging: torch.Tensor | None = None
         self._staging_ptr = 0
         self._layer_offsets: list[int] = []
+        # Integrity: footer entries read beside each slice land here (a region
+        # of the store's registered scratch arena), one per layer (or per component
+        # for a whole read); see ``linker/integrity.py``.
+        self._checks: Scratch | None = None
+        self._checks_ptr = 0
+        self._check_offsets: dict[int | Component, int] = {}
 
     @property
     def device(self) -> Device | None:
@@ -107,9 +121,38 @@ class BatchLoad:
         self._staging_ptr = self.store.register(self._staging)
 
     def close_staging(self) -> None:
+        """Unregister the staging arena and the checksum buffer (call once no
+        fetch runs: a timed-out read may still write into them until then)."""
         if self._staging is not None:
             self.store.unregister(self._staging_ptr)
             self._staging = None
+        if self._checks is not None:
+            self._checks.release()
+            self._checks = None
+
+    def _open_checks(self) -> None:
+        """The host buffer the footer entries land in, sized before COMMIT
+        trims: per layer ``items * 4`` bytes, or per component whole footers."""
+        if self._checks is not None:
+            return
+        spec, total = self.pool.spec, 0
+        if self.whole:
+            for c in Component:
+                self._check_offsets[c] = total
+                total += footer_bytes(spec, c) * len(self.items[c])
+        else:
+            for layer in range(spec.num_layers):
+                self._check_offsets[layer] = total
+                total += CHECK_BYTES * len(self.items[spec.kinds[layer]])
+        self._checks = scratch_for(self.store).take(total)
+        self._checks_ptr = self._checks.ptr
+
+    def _expected(self, region: int | Component, count: int) -> np.ndarray:
+        """A ``uint32`` view of ``count`` footer entries of one region."""
+        assert self._checks is not None
+        start = self._check_offsets[region]
+        raw = self._checks.tensor.numpy()[start : start + count * CHECK_BYTES]
+        return raw.view("<u4")
 
     @property
     def keys(self) -> list[str]:
@@ -130,36 +173,49 @@ class BatchLoad:
         if not comps:
             return LayerJob(layer=0, fetch=_noop)
         keys: list[str] = []
-        ptrs: list[int] = []
-        sizes: list[int] = []
+        dsts: list[list[int]] = []
+        lens: list[list[int]] = []
+        offs: list[list[int]] = []
+        verify: list[tuple[Component, list[int], np.ndarray, list[str]]] = []
         h2d: list[tuple[torch.Tensor, PageScatter]] = []
         if self.on_device and self._staging is None:
             self._open_whole_staging(comps)
-        off = 0
+        self._open_checks()
+        spec, off = self.pool.spec, 0
         for c in comps:
-            items, pb = self.items[c], self.pool.page_bytes(c)
+            items, pb, fb = self.items[c], self.pool.page_bytes(c), footer_bytes(spec, c)
             n = len(items)
             keys += items.keys
-            sizes += [pb] * n
             if self.on_device:
                 assert self._staging is not None
-                ptrs += [self._staging_ptr + off + i * pb for i in range(n)]
+                ptrs = [self._staging_ptr + off + i * pb for i in range(n)]
                 h2d.append((self._staging[off : off + n * pb],
                             PageScatter(self.pool.buffer, pb, 0, pb, items.indices,
                                         self.device)))
                 off += n * pb
             else:
                 base = np.asarray(items.indices, dtype=np.int64) * pb
-                ptrs += (base + self.pool.buffer.data_ptr()).tolist()
+                ptrs = (base + self.pool.buffer.data_ptr()).tolist()
+            ck = self._checks_ptr + self._check_offsets[c]
+            for i, p in enumerate(ptrs):
+                dsts.append([p, ck + i * fb] if fb else [p])
+                lens.append([pb, fb] if fb else [pb])
+                offs.append([0, pb] if fb else [0])
+            slices = len(component_slices(spec, c))
+            verify.append((c, ptrs, self._expected(c, n * slices).reshape(n, slices),
+                           list(items.keys)))
         store = self.store
 
         def fetch() -> None:
-            got = store.get(keys, ptrs, sizes)
-            missing = [k for k, ok in zip(keys, got, strict=True) if not ok]
-            if missing:
-                raise StoreKeyMissing(f"{len(missing)} objects vanished: {missing[:3]}")
+            """One ranged read of every object whole (page and footer), then
+            every layer slice verified against its footer entry."""
+            store.get_ranges(keys, dsts, lens, offs)
+            for c, ptrs, expected, ckeys in verify:
+                for j, (offset, size) in enumerate(component_slices(spec, c)):
+                    seeds = [slice_seed(k, j) for k in ckeys]
+                    _verify(c, [p + offset for p in ptrs], size, expected[:, j], seeds)
 
-        nbytes = sum(sizes)
+        nbytes = sum(ls[0] for ls in lens)
         wrapped = self.link.wrap(fetch, nbytes) if self.link is not None else fetch
         owners = frozenset(o for c in comps for o in self.items[c].owners)
         return LayerJob(layer=0, fetch=wrapped, nbytes=nbytes, requests=owners,
@@ -173,7 +229,7 @@ class BatchLoad:
         self._staging_ptr = self.store.register(self._staging)
 
     def _job(self, layer: int) -> LayerJob:
-        component, _, offset, size = self.pool.spec.layer_slice(layer)
+        component, local, offset, size = self.pool.spec.layer_slice(layer)
         items = self.items[component]
         keys = list(items.keys)
         if not keys:
@@ -192,8 +248,18 @@ class BatchLoad:
             base = np.asarray(items.indices, dtype=np.int64) * self.pool.page_bytes(component)
             ptrs = (base + (self.pool.buffer.data_ptr() + offset)).tolist()
 
+        self._open_checks()
+        ck = self._checks_ptr + self._check_offsets[layer]
+        expected = self._expected(layer, n)
+        at = self.pool.page_bytes(component) + CHECK_BYTES * local
+        dsts = [[p, ck + i * CHECK_BYTES] for i, p in enumerate(ptrs)]
+        seeds = [slice_seed(k, local) for k in keys]
+
         def fetch() -> None:
-            store.get_ranges(keys, [[p] for p in ptrs], [[size]] * n, [[offset]] * n)
+            """Slice ``layer`` of every object plus its footer entry in one
+            ranged read, then every slice verified (StoreIntegrityError)."""
+            store.get_ranges(keys, dsts, [[size, CHECK_BYTES]] * n, [[offset, at]] * n)
+            _verify(component, ptrs, size, expected, seeds)
 
         nbytes = size * n
         wrapped = self.link.wrap(fetch, nbytes) if self.link is not None else fetch
@@ -214,6 +280,16 @@ class BatchLoad:
 
 def _noop() -> None:
     return None
+
+
+def _verify(component: Component, ptrs: list[int], size: int, expected: np.ndarray,
+            seeds: list[int]) -> None:
+    """Raise StoreIntegrityError unless every slice matches its footer CRC."""
+    bad = mismatches(ptrs, size, expected, seeds)
+    if bad:
+        raise StoreIntegrityError(
+            f"{len(bad)} of {len(ptrs)} {component.value} slice(s) read from the store do not "
+            "match their checksum (a corrupted, truncated or foreign object); recomputing")
 
 
 class PageScatter:

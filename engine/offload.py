@@ -8,19 +8,36 @@ checkpoint sends only that checkpoint (no hit loss, no KV sent twice). The
 last node is locked and every page sent is pinned until the put returned, so
 nothing is evicted or moved under a transfer. A failed put leaves the flags
 unset (the next prefill of that prefix retries).
+
+A store call owns the memory it was lent until it really ended: a put that
+times out is waited for (in its worker thread, so the pins and the
+registered host copy stay) and, if it then succeeded, counts as landed
+(`OffloadReport.late`). Each object is its page plus a checksum footer
+(`linker/integrity.py`). Objects go in prefix order (nodes root first; per
+node FULL, SWA, then MAMBA), so a checkpoint is sent only with its prefix. A
+full store (`StoreFull`) backs that node off (its next 2, 4, ... 64 offloads
+are skipped); a prefix larger than the store's capacity is never sent (said
+once). Failures are logged rate-limited (`FailureLog`); the report keeps
+counters and the last few errors, never an unbounded list.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import anyio
 
 from layerlift.linker.components import ComponentLinker
 from layerlift.linker.contract import LinkerTransferPhase, PoolTransfer
-from layerlift.linker.store_base import Store, StoreError
+from layerlift.linker.integrity import footer_bytes, object_bytes, page_footers
+from layerlift.linker.scratch import scratch_for
+from layerlift.linker.store_base import Store, StoreError, StoreFull, StoreTimeout
 from layerlift.overlap.device import device_of
 from layerlift.pools.base import KVPool
 from layerlift.pools.spec import Component
@@ -31,18 +48,78 @@ __all__ = ["OffloadReport", "Offloader"]
 log = logging.getLogger("layerlift.engine")
 
 
+_KEEP_ERRORS = 8  # the report keeps the last few error messages, no more
+_MAX_BACKOFF = 6  # a full store skips at most 2**6 offloads of one node in a row
+
+
 @dataclass(slots=True)
 class OffloadReport:
-    """What ``Engine.wait_offloads`` saw: objects put, puts failed, last error."""
+    """What ``Engine.wait_offloads`` saw, as counters (bounded whatever the
+    number of failures): objects and bytes put, puts failed (per error type
+    in ``failures``), puts that landed after their timeout (``late``),
+    offloads skipped while backing off a full store (``backed_off``) or
+    because the prefix exceeds the store's capacity (``too_big``), and the
+    last few error messages (``errors``, at most 8)."""
 
     objects: int = 0
     bytes: int = 0
     failed: int = 0
-    errors: list[str] = field(default_factory=list)
+    late: int = 0
+    backed_off: int = 0
+    too_big: int = 0
+    failures: Counter[str] = field(default_factory=Counter)
+    recent: deque[str] = field(default_factory=lambda: deque(maxlen=_KEEP_ERRORS))
 
     @property
     def ok(self) -> bool:
         return self.failed == 0
+
+    @property
+    def errors(self) -> list[str]:
+        """The last (at most 8) error messages, oldest first."""
+        return list(self.recent)
+
+    def record_failure(self, exc: BaseException) -> None:
+        self.failed += 1
+        self.failures[type(exc).__name__] += 1
+        self.recent.append(str(exc))
+
+
+class FailureLog:
+    """Rate-limited warnings for a failure that repeats (an outage): the first
+    failure is logged at once; later ones are counted and summarised in one
+    line at most every ``interval_s``; the first success after failures logs
+    the recovery. ``clock`` is injectable for tests. Not thread-safe: call it
+    from one thread (the event loop)."""
+
+    def __init__(self, what: str, interval_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic,
+                 logger: logging.Logger = log) -> None:
+        if not interval_s > 0:
+            raise ValueError(f"interval_s must be positive, got {interval_s!r}")
+        self.what, self.interval_s, self.clock, self.logger = what, interval_s, clock, logger
+        self.failures = 0  # in the current run of failures
+        self._unsaid = 0
+        self._last_said = 0.0
+
+    def failed(self, exc: BaseException) -> None:
+        now = self.clock()
+        self.failures += 1
+        if self.failures == 1:
+            self._last_said = now
+            self.logger.warning("%s failed (will retry; further failures are summarised every "
+                                "%g s): %s", self.what, self.interval_s, exc)
+            return
+        self._unsaid += 1
+        if now - self._last_said >= self.interval_s:
+            self.logger.warning("%s failed %d more time(s) in the last %.0f s; last error: %s",
+                                self.what, self._unsaid, now - self._last_said, exc)
+            self._unsaid, self._last_said = 0, now
+
+    def succeeded(self) -> None:
+        if self.failures:
+            self.logger.warning("%s works again after %d failure(s).", self.what, self.failures)
+        self.failures = self._unsaid = 0
 
 
 class Offloader:
@@ -53,9 +130,20 @@ class Offloader:
         self.tree, self.pool, self.linkers, self.store = tree, pool, linkers, store
         self._tasks: set[asyncio.Task[None]] = set()
         self.report = OffloadReport()
+        self.failure_log = FailureLog("offload to the store")
+        self._lock = threading.Lock()  # report fields written by put threads
+        self._backoff: dict[bytes, list[int]] = {}  # last page hash -> [skips left, level]
+        self._said_too_big = False
 
     def submit(self, node: TreeNode) -> None:
-        """Offload what the store lacks along ``node``'s path (returns at once)."""
+        """Offload what the store lacks along ``node``'s path (returns at once).
+
+        Objects go root first, per node FULL, SWA, then MAMBA (the linkers'
+        order): a checkpoint is sent only with the prefix it needs. Skipped
+        while the node backs off a full store, or when the prefix is larger
+        than the store's capacity."""
+        if self._backing_off(node):
+            return
         work: list[tuple[TreeNode, PoolTransfer]] = []
         seen: set[str] = set()
         for n in node.path():
@@ -69,7 +157,7 @@ class Offloader:
                 if len(t):
                     seen.update(t.keys)
                     work.append((n, t))
-        if not work:
+        if not work or self._too_big(work):
             return
         self.tree.lock(node)
         for _, t in work:
@@ -87,14 +175,18 @@ class Offloader:
         try:
             await anyio.to_thread.run_sync(self._put, keys, pages, sizes)
         except StoreError as exc:
-            self.report.failed += 1
-            self.report.errors.append(str(exc))
-            log.warning("offload of %d objects failed (will retry later): %s", len(keys), exc)
+            self.report.record_failure(exc)
+            self.failure_log.failed(exc)
+            if isinstance(exc, StoreFull):
+                self._back_off(node)
         else:
             for n, t in work:
                 self.linkers[t.component].mark_stored(n, t)
             self.report.objects += len(keys)
             self.report.bytes += sum(sizes)
+            self.failure_log.succeeded()
+            if node.last_hash is not None:
+                self._backoff.pop(node.last_hash, None)
         finally:
             for _, t in work:
                 assert t.device_indices is not None
@@ -108,7 +200,7 @@ class Offloader:
         ordered after the forward's and the relocations' copies)."""
         device = device_of(self.pool.buffer)
         if device is None:
-            self.store.put(keys, [self.pool.page_ptr(c, i) for c, i in pages], sizes)
+            self._put_objects(keys, pages, [self.pool.page_ptr(c, i) for c, i in pages], sizes)
             return
         host = device.to_host([self.pool.page_view(c, i) for c, i in pages])
         base = self.store.register(host)
@@ -116,9 +208,81 @@ class Offloader:
             offsets = [0]
             for size in sizes[:-1]:
                 offsets.append(offsets[-1] + size)
-            self.store.put(keys, [base + o for o in offsets], sizes)
+            # returns only once the put really ended: the host copy stays
+            # registered while a timed-out put may still read it
+            self._put_objects(keys, pages, [base + o for o in offsets], sizes)
         finally:
             self.store.unregister(base)
+
+    def _put_objects(self, keys: list[str], pages: list[tuple[Component, int]],
+                     ptrs: list[int], sizes: list[int]) -> None:
+        """Worker thread: put each page (zero-copy at ``ptrs``) plus its
+        checksum footer (one region of the store's registered scratch arena), in one
+        batch put. A put that times out is waited for until it really ended
+        (the pages and the footers are its memory until then); one that then
+        succeeded counts as landed (``report.late``), one that failed raises
+        its StoreTimeout."""
+        spec = self.pool.spec
+        fsizes = [footer_bytes(spec, c) for c, _ in pages]
+        starts = [0]
+        for f in fsizes:
+            starts.append(starts[-1] + f)
+        scratch = scratch_for(self.store).take(starts[-1])
+        flat = scratch.tensor.numpy()
+        for comp in {c for c, _ in pages}:
+            rows = [i for i, (c, _) in enumerate(pages) if c is comp and fsizes[i]]
+            if rows:
+                sums = page_footers(spec, comp, [ptrs[i] for i in rows],
+                                    [keys[i] for i in rows]).view("u1")
+                for r, i in enumerate(rows):
+                    flat[starts[i] : starts[i + 1]] = sums[r]
+        fbase = scratch.ptr
+        try:
+            parts = [[p, fbase + starts[i]] if fsizes[i] else [p] for i, p in enumerate(ptrs)]
+            lens = [[n, fsizes[i]] if fsizes[i] else [n] for i, n in enumerate(sizes)]
+            try:
+                self.store.put_parts(keys, parts, lens)
+            except StoreTimeout as exc:
+                if not exc.wait_finished():
+                    raise
+                with self._lock:
+                    self.report.late += 1
+        finally:
+            scratch.release()
+
+    def _backing_off(self, node: TreeNode) -> bool:
+        """Whether this offload of ``node`` is skipped (a full store)."""
+        state = self._backoff.get(node.last_hash) if node.last_hash is not None else None
+        if state is None or state[0] <= 0:
+            return False
+        state[0] -= 1
+        self.report.backed_off += 1
+        return True
+
+    def _back_off(self, node: TreeNode) -> None:
+        """The store was full for ``node``'s prefix: skip its next 2, 4, ..., 64 offloads."""
+        if node.last_hash is None:
+            return
+        state = self._backoff.setdefault(node.last_hash, [0, 0])
+        state[1] = min(state[1] + 1, _MAX_BACKOFF)
+        state[0] = 2 ** state[1]
+
+    def _too_big(self, work: list[tuple[TreeNode, PoolTransfer]]) -> bool:
+        """A prefix larger than the store's capacity (when known) is never
+        offloaded: it would only evict everything else. Said once."""
+        capacity = self.store.capacity_bytes
+        if capacity is None:
+            return False
+        need = sum(len(t) * object_bytes(self.pool.spec, t.component) for _, t in work)
+        if need <= capacity:
+            return False
+        self.report.too_big += 1
+        if not self._said_too_big:
+            self._said_too_big = True
+            log.warning("a prefix needs %d bytes in the store, more than its capacity of %d: "
+                        "it is not offloaded (said once; see OffloadReport.too_big)",
+                        need, capacity)
+        return True
 
     @property
     def pending(self) -> bool:

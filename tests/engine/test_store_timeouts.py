@@ -1,0 +1,198 @@
+"""Store timeouts with the call still running, through the engine (issue 21).
+
+A store call that times out goes on: a stopped master resumes and the call
+then reads (put) or writes (ranged read) the memory it was lent. The engine
+must keep that memory (pins, restore slots, staging, the registered host
+copy) until the call really ended. Fault table: the store stalls at one call
+(``exists``, the session start, a layer's ranged read, the offload's put) for
+longer than its timeout, then resumes; every case is exact, quiescent, and
+the next prefill restores exactly. Reproduction 1 of the issue runs on the
+in-process store and on a real ``mooncake_master`` stopped with SIGSTOP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+
+import anyio
+import numpy as np
+import pytest
+
+from layerlift import Engine, EngineConfig, HybridModel, ModelSpec
+from layerlift.engine.results import PrefillResult
+from layerlift.linker.master import EmbeddedMaster
+from layerlift.linker.memory_store import MemoryStore
+from layerlift.linker.mooncake_store import MooncakeStore
+from layerlift.linker.store_base import Store, StoreTimeout
+from layerlift.testing import FaultyStore, assert_quiescent, kl_divergence, offload_and_drop
+
+KL_TOL = 1e-6
+HOLD_S = 0.5  # how long a broken engine gets to return early (a correct one never does)
+WAIT_S = 30.0
+POOL = 32 << 20
+
+
+@pytest.fixture(scope="module")
+def model() -> HybridModel:
+    return HybridModel(ModelSpec.preset("tiny"), seed=0)
+
+
+def prompts(model: HybridModel, seed: int, lengths: Sequence[int]) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, model.vocab_size, n, dtype=np.int64) for n in lengths]
+
+
+async def cold(model: HybridModel, batch: Sequence[np.ndarray]) -> list[PrefillResult]:
+    cfg = EngineConfig(store="memory", offload=False, pool_bytes=POOL)
+    async with Engine(model, cfg) as engine:
+        return [(await engine.prefill([p]))[0] for p in batch]
+
+
+def assert_exact(got: Sequence[PrefillResult], ref: Sequence[PrefillResult]) -> None:
+    kls = [kl_divergence(r.next_token_logprobs, g.next_token_logprobs)
+           for g, r in zip(got, ref, strict=True)]
+    assert max(kls) <= KL_TOL, f"results differ from cold runs: KL = {kls}"
+
+
+def engine_cfg() -> EngineConfig:
+    return EngineConfig(store="memory", pool_bytes=POOL, layer_wait_timeout_s=WAIT_S)
+
+
+# ---- the fault table: the store stalls at one call --------------------------------------
+STALL_AT = ["exists", "open_session", "get_ranges", "put_parts"]
+
+
+@pytest.mark.parametrize("method", STALL_AT)
+async def test_store_stalls_past_its_timeout_at_one_call(model: HybridModel, method: str) -> None:
+    a, b = prompts(model, 1, [300, 280])
+    ref = await cold(model, [a, b])
+    store = MemoryStore(timeout_s=0.3)
+    async with Engine(model, engine_cfg(), store=store) as engine:
+        await engine.prefill([a])
+        await offload_and_drop(engine)
+        store.stall_when(method)
+        task = asyncio.ensure_future(engine.prefill([a, b]))
+        try:
+            assert await anyio.to_thread.run_sync(store.timed_out.wait, WAIT_S)
+            if method == "get_ranges":
+                # the read still writes into A's restore slots: the batch must
+                # not end (and free them) before the call ended
+                done, _ = await asyncio.wait({task}, timeout=HOLD_S)
+                assert not done, "the batch ended while a timed-out read still ran"
+        finally:
+            store.resume()
+        got = await task
+        assert_exact(got, ref)
+        if method in ("exists", "open_session", "get_ranges"):
+            assert got[0].restored_tokens == 0 or not got[0].recomputed_after_failure
+        report = await engine.wait_offloads()
+        # a put that timed out landed later (counted), or failed: never both
+        assert set(report.failures) <= {"StoreTimeout"}, report
+        assert_quiescent(engine)
+        await offload_and_drop(engine, expect_ok=False)
+        assert_exact(await engine.prefill([a, b]), ref)  # puts what failed, if anything
+        failed = report.failed
+        await offload_and_drop(engine, expect_ok=False)
+        assert engine.offloader.report.failed == failed, engine.offloader.report
+        again = await engine.prefill([a, b])
+        assert_exact(again, ref)
+        assert all(r.restored_tokens > 0 and not r.recomputed_after_failure for r in again), \
+            [(r.restored_tokens, r.fallback_reason) for r in again]
+
+
+# ---- reproduction 1: a put that times out must not land later with other bytes ----------
+class PutWatch(FaultyStore):
+    """Sets ``put_timed_out`` when a put raises StoreTimeout."""
+
+    def __init__(self, inner: Store, spec: ModelSpec) -> None:
+        super().__init__(inner, spec)
+        self.put_timed_out = threading.Event()
+
+    def put_parts(self, keys: Sequence[str], ptrs: Sequence[Sequence[int]],
+                  sizes: Sequence[Sequence[int]]) -> None:
+        try:
+            super().put_parts(keys, ptrs, sizes)
+        except StoreTimeout:
+            self.put_timed_out.set()
+            raise
+
+
+async def reproduce_late_put(model: HybridModel, store: PutWatch, stop: Callable[[], None],
+                             resume: Callable[[], None]) -> None:
+    """Prefill A while the store is stopped (its put times out), empty the
+    device cache, prefill B (into the pages A's put would read if they were
+    released), resume: A must then restore exactly, with no failed layer
+    (the put landed with A's bytes) and the report must count it landed."""
+    a, b, warm = prompts(model, 7, [192 + 40, 400, 100])
+    ref = await cold(model, [a, b])
+    async with Engine(model, engine_cfg(), store=store) as engine:
+        await engine.prefill([warm])  # a running engine: its scratch arena is registered
+        await offload_and_drop(engine)
+        stop()
+        try:
+            assert_exact([(await engine.prefill([a]))[0]], ref[:1])
+            assert await anyio.to_thread.run_sync(store.put_timed_out.wait, WAIT_S)
+            engine.drop_device_cache()
+            # the timed-out put still owns A's pages: its node stays locked
+            assert engine.tree.stats().locked_nodes > 0, \
+                "A's pages were released while its put still ran"
+            assert_exact([(await engine.prefill([b]))[0]], ref[1:])
+        finally:
+            resume()
+        report = await engine.wait_offloads()
+        assert report.late >= 1, report
+        assert_quiescent(engine)
+        await offload_and_drop(engine, expect_ok=False)
+        got = (await engine.prefill([a]))[0]
+        assert_exact([got], ref[:1])
+        assert got.restored_tokens >= 192 and not got.recomputed_after_failure, \
+            (got.restored_tokens, got.fallback_reason)
+
+
+async def test_late_put_lands_with_its_own_bytes_memory(model: HybridModel) -> None:
+    mem = MemoryStore(timeout_s=0.3)
+    await reproduce_late_put(model, PutWatch(mem, model.spec), mem.stall, mem.resume)
+
+
+@pytest.fixture(scope="module")
+def stoppable_master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedMaster]:
+    """A master of this module's own: SIGSTOP must not stall other tests."""
+    log = tmp_path_factory.mktemp("stall-engine") / "mooncake_master.log"
+    with EmbeddedMaster(log_path=log, lease_ttl_ms=5000) as master:
+        yield master
+
+
+@pytest.mark.mooncake
+async def test_late_put_lands_with_its_own_bytes_stalled_master(
+        model: HybridModel, stoppable_master: EmbeddedMaster) -> None:
+    """Reproduction 1 on a real master: ``store_timeout_s=0.5``, the master
+    stopped (SIGSTOP) while A's put runs, resumed (SIGCONT) after B."""
+    pid = stoppable_master.pid
+    assert pid is not None
+    stopped = threading.Event()
+
+    def stop() -> None:
+        os.kill(pid, signal.SIGSTOP)
+        stopped.set()
+
+    def resume() -> None:
+        os.kill(pid, signal.SIGCONT)
+        stopped.clear()
+
+    client = MooncakeStore(stoppable_master.config(
+        global_segment_size=64 << 20, local_buffer_size=16 << 20, timeout_s=0.5))
+    try:
+        store = PutWatch(client, model.spec)
+        # a namespace of its own: the keys of this test never meet another's
+        cfg = engine_cfg()
+        object.__setattr__(cfg, "namespace", f"stall-{uuid.uuid4().hex[:8]}")
+        await reproduce_late_put(model, store, stop, resume)
+    finally:
+        if stopped.is_set():
+            os.kill(pid, signal.SIGCONT)
+        client.close()
