@@ -87,7 +87,8 @@ async def test_control_events_on_the_wrong_stream_is_caught(sim: SimDevice) -> N
 
 
 async def test_control_unfenced_loads_is_caught() -> None:
-    sim = SimDevice(seed=0, relocation_delay_s=0.05)
+    # The relocation copies run 200 ms late: a load not ordered after them overtakes them.
+    sim = SimDevice(seed=0, relocation_delay_s=0.2)
     try:
         relocated, kls = await relocations_before_restore(sim_rig(sim), unfenced=True)
     finally:
