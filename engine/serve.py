@@ -23,6 +23,13 @@ prefetch, the next batch is formed when the current one returned (more
 requests coalesce into it, but its restore starts only then).
 ``Server._run_batch`` is the one place that calls the engine.
 
+A request's error is that request's: ``submit`` checks the prompt (a 1-D
+sequence of integer token ids in ``[0, vocab_size)``, at most
+``max_prompt_tokens`` long) and raises ``ValueError`` to its caller before
+it is queued; when the engine fails a batch of several requests, the batch
+is split in halves and each half run again (down to single requests), so
+only the requests that fail alone get the error and the rest are served.
+
 Threads: everything runs on the event loop that called ``start``.
 """
 
@@ -30,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -40,6 +48,8 @@ import numpy as np
 
 from layerlift.engine.results import PrefillResult
 from layerlift.engine.threads import wait_through
+
+log = logging.getLogger("layerlift.engine")
 
 __all__ = [
     "PrefillEngine", "QueueFull", "ServeConfig", "Served", "Server", "ServerClosed",
@@ -76,17 +86,29 @@ class ServeConfig:
       waits and ``submit_nowait`` raises :class:`QueueFull`.
     * ``prefetch``: cross-batch prefetch: two batches in flight, the next
       one's LOOKUP/LOAD running while the current forward runs.
+    * ``max_prompt_tokens``: the longest prompt ``submit`` accepts (None: no
+      bound of the server's own; the engine may still refuse one that cannot
+      fit its pool, which then fails that request only).
+    * ``vocab_size``: token ids must lie in ``[0, vocab_size)``; None: taken
+      from ``engine.model.vocab_size`` when the engine has one.
     """
 
     max_batch_tokens: int = 4096
     max_batch_requests: int = 64
     max_queue: int = 1024
     prefetch: bool = False
+    max_prompt_tokens: int | None = None
+    vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_batch_tokens", "max_batch_requests", "max_queue"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("max_prompt_tokens", "vocab_size"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
+                raise ValueError(f"{name} must be None or an integer >= 1, got {value!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,15 +136,25 @@ class Served:
         return self.finished - self.submitted
 
 
+_RECENT_BATCHES = 1024
+
+
 @dataclass(slots=True)
 class ServerStats:
-    """Counters since start: batches run, requests answered, failed, dropped."""
+    """Counters since start: batches run, requests answered, failed, dropped,
+    refused at ``submit`` (bad prompt), prompt tokens handed to the engine,
+    batches split to isolate a failing request; ``batch_tokens`` holds the
+    prompt tokens of the last 1024 batches only (bounded)."""
 
     batches: int = 0
     served: int = 0
     failed: int = 0
     dropped: int = 0
-    batch_tokens: list[int] = field(default_factory=list)
+    refused: int = 0
+    tokens: int = 0
+    splits: int = 0
+    batch_tokens: collections.deque[int] = field(
+        default_factory=lambda: collections.deque(maxlen=_RECENT_BATCHES))
 
 
 @dataclass(eq=False, slots=True)
@@ -139,6 +171,9 @@ class Server:
     def __init__(self, engine: PrefillEngine, cfg: ServeConfig | None = None) -> None:
         self.engine = engine
         self.cfg = cfg or ServeConfig()
+        model_vocab = getattr(getattr(engine, "model", None), "vocab_size", None)
+        self.vocab_size: int | None = self.cfg.vocab_size or (
+            int(model_vocab) if isinstance(model_vocab, int) else None)
         self.stats = ServerStats()
         self._queue: collections.deque[_Pending] = collections.deque()
         self._changed: asyncio.Condition | None = None
@@ -202,8 +237,10 @@ class Server:
     async def submit(self, tokens: Sequence[int] | np.ndarray) -> Served:
         """Queue one prompt (waiting while the queue is full) and wait for its
         result. Raises :class:`ServerClosed` if the server is closing or
-        dropped the request, ``ValueError`` for an empty prompt, and whatever
-        the engine raised for the batch that held it. Cancelling the caller
+        dropped the request, ``ValueError`` for a bad prompt (empty, not 1-D,
+        not integers, a token id outside ``[0, vocab_size)``, longer than
+        ``max_prompt_tokens``), and whatever the engine raised for this
+        request (it failed alone; see the module docstring). Cancelling the caller
         while the request is queued removes it from the queue; once its batch
         runs, the batch completes and the result is discarded."""
         fut = await self.enqueue(tokens)
@@ -212,7 +249,7 @@ class Server:
     async def enqueue(self, tokens: Sequence[int] | np.ndarray) -> asyncio.Future[Served]:
         """Queue one prompt (waiting while the queue is full); returns the
         future of its result at once. Raises like :meth:`submit`."""
-        arr = _as_prompt(tokens)
+        arr = self._check_prompt(tokens)
         cond = self._condition()
         async with cond:
             await cond.wait_for(lambda: self._closing or len(self._queue) < self.cfg.max_queue)
@@ -221,13 +258,22 @@ class Server:
     def submit_nowait(self, tokens: Sequence[int] | np.ndarray) -> asyncio.Future[Served]:
         """Queue one prompt without waiting; returns the future of its result.
         Raises :class:`QueueFull` when ``max_queue`` requests wait already,
-        :class:`ServerClosed` when closing."""
-        arr = _as_prompt(tokens)
+        :class:`ServerClosed` when closing, ``ValueError`` for a bad prompt."""
+        arr = self._check_prompt(tokens)
         self._condition()
         if not self._closing and len(self._queue) >= self.cfg.max_queue:
             raise QueueFull(f"{len(self._queue)} requests are queued (max_queue="
                             f"{self.cfg.max_queue}); retry later or await submit()")
         return self._push(arr)
+
+    def _check_prompt(self, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+        """The prompt as int64, or ``ValueError`` naming what is wrong."""
+        try:
+            arr = _as_prompt(tokens, self.vocab_size, self.cfg.max_prompt_tokens)
+        except ValueError:
+            self.stats.refused += 1
+            raise
+        return arr
 
     def _push(self, arr: np.ndarray) -> asyncio.Future[Served]:
         if self._closing:
@@ -320,7 +366,7 @@ class Server:
 
     async def _run_batch(self, batch: list[_Pending]) -> None:
         """Run one batch through the engine and answer its awaiters. An
-        engine error fails this batch's requests only.
+        engine error fails only the requests that fail alone (`_isolate`).
 
         With prefetch two of these run at once; the engine orders their
         loads and forwards (FIFO)."""
@@ -328,26 +374,43 @@ class Server:
         self._next_batch_id += 1
         start = time.perf_counter()
         self.stats.batches += 1
-        self.stats.batch_tokens.append(sum(len(p.tokens) for p in batch))
+        tokens = sum(len(p.tokens) for p in batch)
+        self.stats.tokens += tokens
+        self.stats.batch_tokens.append(tokens)
+        try:
+            outcomes = await self._isolate(batch)
+        except asyncio.CancelledError:
+            for p in batch:
+                self._fail(p, ServerClosed("the server was cancelled while this batch ran"))
+            raise
+        done = time.perf_counter()
+        for p, out in zip(batch, outcomes, strict=True):
+            if isinstance(out, Exception):  # this request's own error
+                self.stats.failed += 1
+                self._fail(p, out)
+                continue
+            self.stats.served += 1
+            if not p.future.done():
+                p.future.set_result(Served(out, p.submitted, start, done, batch_id, len(batch)))
+
+    async def _isolate(self, batch: list[_Pending]) -> list[PrefillResult | Exception]:
+        """``engine.prefill`` of the batch; if it raises, each half again (down
+        to single requests), so an error lands on the requests that fail
+        alone. Cancellation is never caught here."""
         try:
             results = await self.engine.prefill([p.tokens for p in batch])
             if len(results) != len(batch):
                 raise RuntimeError(f"the engine returned {len(results)} results for "
                                    f"{len(batch)} prompts")
-        except asyncio.CancelledError:
-            for p in batch:
-                self._fail(p, ServerClosed("the server was cancelled while this batch ran"))
-            raise
-        except Exception as exc:  # the engine's error belongs to this batch's awaiters
-            self.stats.failed += len(batch)
-            for p in batch:
-                self._fail(p, exc)
-            return
-        done = time.perf_counter()
-        for p, res in zip(batch, results, strict=True):
-            self.stats.served += 1
-            if not p.future.done():
-                p.future.set_result(Served(res, p.submitted, start, done, batch_id, len(batch)))
+            return list(results)
+        except Exception as exc:
+            if len(batch) == 1:
+                return [exc]
+            self.stats.splits += 1
+            log.info("a batch of %d requests failed (%s); running its halves apart to find "
+                     "the request it belongs to", len(batch), exc)
+            mid = len(batch) // 2
+            return [*await self._isolate(batch[:mid]), *await self._isolate(batch[mid:])]
 
     @staticmethod
     def _fail(p: _Pending, exc: BaseException) -> None:
@@ -355,8 +418,28 @@ class Server:
             p.future.set_exception(exc)
 
 
-def _as_prompt(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
-    arr = np.asarray(tokens, dtype=np.int64)
-    if arr.ndim != 1 or len(arr) == 0:
+def _as_prompt(tokens: Sequence[int] | np.ndarray, vocab_size: int | None,
+               max_tokens: int | None) -> np.ndarray:
+    """The prompt as a 1-D int64 array; ``ValueError`` with a sentence for a
+    prompt that is empty, not 1-D, not integers, out of the vocabulary or
+    too long."""
+    try:
+        raw = np.asarray(tokens)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"a prompt must be a 1-D sequence of token ids: {exc}") from None
+    if raw.ndim != 1 or len(raw) == 0:
         raise ValueError("a prompt must be a non-empty 1-D sequence of token ids")
+    if not np.issubdtype(raw.dtype, np.integer):
+        raise ValueError(f"token ids must be integers, got dtype {raw.dtype}")
+    if raw.dtype.kind == "u" and raw.dtype.itemsize == 8 and int(raw.max()) > np.iinfo(np.int64).max:
+        raise ValueError("token ids must lie in the model's vocabulary")
+    arr = raw.astype(np.int64)
+    if max_tokens is not None and len(arr) > max_tokens:
+        raise ValueError(f"the prompt has {len(arr)} tokens; this server takes at most "
+                         f"{max_tokens} (ServeConfig.max_prompt_tokens)")
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 0 or (vocab_size is not None and hi >= vocab_size):
+        bound = f"[0, {vocab_size})" if vocab_size is not None else "[0, ...)"
+        bad = lo if lo < 0 else hi
+        raise ValueError(f"token id {bad} is outside the model's vocabulary {bound}")
     return arr

@@ -23,14 +23,19 @@ SPEC = ModelSpec.preset("tiny")
 class GatedEngine:
     """Delegates ``prefill`` to a real engine; records every batch's prompt
     lengths; batch ``i`` waits for ``release(i)`` when gated, and fails with
-    ``EngineError`` when listed in ``fail``."""
+    ``EngineError`` when listed in ``fail``; any batch holding a prompt of a
+    length in ``poison`` fails with ``EngineError`` (an error that belongs to
+    that request)."""
 
-    def __init__(self, engine: Engine, gated: Sequence[int] = (), fail: Sequence[int] = ()) -> None:
+    def __init__(self, engine: Engine, gated: Sequence[int] = (), fail: Sequence[int] = (),
+                 poison: Sequence[int] = ()) -> None:
         self.engine = engine
+        self.model = engine.model
         self.batches: list[list[int]] = []
         self.entered = [asyncio.Event() for _ in range(16)]
         self.gates = {i: asyncio.Event() for i in gated}
         self.fail = set(fail)
+        self.poison = set(poison)
 
     def release(self, i: int) -> None:
         self.gates[i].set()
@@ -43,6 +48,9 @@ class GatedEngine:
             await self.gates[i].wait()
         if i in self.fail:
             raise EngineError(f"injected failure of batch {i}")
+        bad = [len(p) for p in prompts if len(p) in self.poison]
+        if bad:
+            raise EngineError(f"injected failure of the {bad[0]}-token request")
         return await self.engine.prefill(prompts)
 
 
@@ -163,7 +171,9 @@ async def test_close_with_cancel_fails_queued_and_blocked_requests(engine: Engin
 
 
 async def test_engine_error_fails_its_batch_only(engine: Engine) -> None:
-    gated = GatedEngine(engine, gated=[0], fail=[1])
+    """A batch whose every request fails alone too (an outage of the whole
+    engine): each request gets the error; the next batch is served."""
+    gated = GatedEngine(engine, gated=[0], fail=[1, 2, 3])
     async with Server(gated, ServeConfig(max_batch_tokens=100)) as server:
         first = asyncio.create_task(server.submit(prompt(90, 0)))
         await gated.entered[0].wait()
@@ -172,12 +182,86 @@ async def test_engine_error_fails_its_batch_only(engine: Engine) -> None:
         gated.release(0)
         await first
         for f in doomed:
-            with pytest.raises(EngineError, match="injected failure of batch 1"):
+            with pytest.raises(EngineError, match="injected failure of batch"):
                 await f
         assert (await after).batch_id == 2
         again = await server.submit(prompt(80, 3))  # still serving; the device cache hits
     assert again.result.device_hit_tokens > 0
-    assert server.stats.failed == 2
+    assert gated.batches[1:4] == [[45, 45], [45], [45]]  # split, then each alone
+    assert server.stats.failed == 2 and server.stats.splits == 1
+
+
+async def test_an_engine_error_of_one_request_fails_that_request_only(engine: Engine) -> None:
+    """Issue 21, finding 4: the request the error belongs to fails; the
+    others of its batch are served (exact: the same as alone)."""
+    gated = GatedEngine(engine, gated=[0], poison=[33])
+    async with Server(gated, ServeConfig(max_batch_tokens=1000)) as server:
+        first = asyncio.create_task(server.submit(prompt(40, 0)))
+        await gated.entered[0].wait()
+        good = [server.submit_nowait(prompt(n, i)) for i, n in ((1, 50), (2, 60), (3, 70))]
+        bad = server.submit_nowait(prompt(33, 4))
+        good.append(server.submit_nowait(prompt(80, 5)))
+        gated.release(0)
+        await first
+        served = [await f for f in good]
+        with pytest.raises(EngineError, match="33-token request"):
+            await bad
+    assert [len(b) for b in gated.batches[:2]] == [1, 5]
+    assert all(s.result.computed_tokens + s.result.device_hit_tokens + s.result.restored_tokens
+               == n for s, n in zip(served, (50, 60, 70, 80), strict=True))
+    assert server.stats.failed == 1 and server.stats.served == 5
+
+
+async def test_a_prompt_that_cannot_fit_fails_alone(tiny_model: HybridModel) -> None:
+    """A real engine error that names one request (a prompt too large for
+    the pool) fails that request; the two valid prompts batched with it are
+    served and exact."""
+    small = [prompt(60, 1), prompt(70, 2)]
+    async with Engine(tiny_model, EngineConfig(store="memory", pool_bytes=4 << 20,
+                                               offload=False)) as eng:
+        alone = [(await eng.prefill([p]))[0] for p in small]
+        eng.drop_device_cache()
+        gated = GatedEngine(eng, gated=[0])
+        async with Server(gated, ServeConfig(max_batch_tokens=100_000)) as server:
+            first = asyncio.create_task(server.submit(prompt(10, 9)))
+            await gated.entered[0].wait()
+            futs = [server.submit_nowait(small[0]), server.submit_nowait(prompt(20_000, 3)),
+                    server.submit_nowait(small[1])]
+            gated.release(0)
+            await first
+            with pytest.raises(EngineError, match="cannot fit"):
+                await futs[1]
+            got = [await futs[0], await futs[2]]
+    for a, g in zip(alone, got, strict=True):
+        assert kl_divergence(a.next_token_logprobs, g.result.next_token_logprobs) <= KL_EXACT
+
+
+async def test_bad_prompts_are_refused_at_submit(engine: Engine) -> None:
+    """Issue 21, finding 4: ``[1, 2, 3, 10**6]`` queued beside two valid
+    prompts: its caller gets ValueError at once, the two are served."""
+    async with Server(engine, ServeConfig(max_prompt_tokens=500)) as server:
+        ok = [server.submit_nowait(prompt(40, 1)), server.submit_nowait(prompt(50, 2))]
+        with pytest.raises(ValueError, match="outside the model's vocabulary"):
+            server.submit_nowait([1, 2, 3, 10**6])
+        with pytest.raises(ValueError, match="outside the model's vocabulary"):
+            await server.submit([5, -1])
+        with pytest.raises(ValueError, match="integers"):
+            await server.submit([1.5, 2.0])
+        with pytest.raises(ValueError, match="non-empty 1-D"):
+            await server.submit([])
+        with pytest.raises(ValueError, match="at most 500"):
+            await server.submit(prompt(501, 3))
+        served = [await f for f in ok]
+    assert len(served) == 2 and server.stats.refused == 5 and server.stats.failed == 0
+
+
+async def test_stats_stay_bounded(engine: Engine) -> None:
+    """``batch_tokens`` keeps the last 1024 batches; totals are counters."""
+    async with Server(engine, ServeConfig(max_batch_requests=1)) as server:
+        for i in range(3):
+            await server.submit(prompt(20 + i, i))
+    assert list(server.stats.batch_tokens) == [20, 21, 22] and server.stats.tokens == 63
+    assert server.stats.batch_tokens.maxlen == 1024
 
 
 async def test_cancelled_awaiter_leaves_the_queue(engine: Engine) -> None:
@@ -233,6 +317,8 @@ async def test_without_prefetch_one_batch_is_in_flight(engine: Engine) -> None:
 def test_config_is_validated() -> None:
     with pytest.raises(ValueError, match="max_batch_tokens must be at least 1"):
         ServeConfig(max_batch_tokens=0)
+    with pytest.raises(ValueError, match="max_prompt_tokens must be None or an integer"):
+        ServeConfig(max_prompt_tokens=0)
 
 
 async def _cold(model: HybridModel, prompts: list[np.ndarray]) -> list[PrefillResult]:
