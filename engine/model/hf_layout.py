@@ -69,10 +69,11 @@ prefill on the torch path (measured with transformers 5.24): ``arch: (why,
 what support would take)``."""
 
 TESTED_ARCHITECTURES: tuple[str, ...] = (
-    "afmoe", "beam", "cohere2", "cohere2_moe", "cwm", "doge", "dots1", "exaone4", "exaone_moe",
-    "flint", "gemma2", "gemma3_text", "gemma3n_text", "gemma4_text", "gpt_oss", "granite_swa",
-    "granitemoe_swa", "inkling2_loop_text", "inkling2_text", "inkling_text", "kimi_linear",
-    "kolibri1", "lara_mini", "lfm2", "lfm3", "llama4_text", "mamba2", "mimo_v2_flash",
+    "afmoe", "bailing_hybrid", "bamba", "beam", "cohere2", "cohere2_moe", "cwm", "doge", "dots1",
+    "exaone4", "exaone_moe", "falcon_h1", "flint", "gemma2", "gemma3_text", "gemma3n_text",
+    "gemma4_text", "gpt_oss", "granite_swa", "granitemoe_swa", "granitemoehybrid",
+    "inkling2_loop_text", "inkling2_text", "inkling_text", "kimi_linear", "kolibri1", "laguna",
+    "lara_mini", "lfm2", "lfm2_moe", "lfm3", "llama4_text", "mamba2", "mellum", "mimo_v2_flash",
     "ministral", "ministral3", "mistral", "mixtral", "modernbert-decoder", "nemotron_h", "olmo3",
     "olmo_hybrid", "phi3", "phimoe", "qwen2", "qwen2_moe", "qwen3", "qwen3_5_moe_text",
     "qwen3_5_text", "qwen3_moe", "qwen3_next", "smollm3", "starcoder2", "vaultgemma", "zamba2",

@@ -75,9 +75,20 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     "zaya": dict(num_experts_per_tok=1),
     "gemma3n_text": dict(activation_sparsity_pattern=[0.0] * 4),
     "mamba2": dict(num_heads=4, head_dim=16),
+    "bamba": dict(attn_layer_indices=[1, 3]),
+    "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"] * 2),
+    "falcon_h1": dict(mamba_d_ssm=64),
+    "bailing_hybrid": dict(layer_types=["linear_attention", "full_attention"] * 2,
+                           num_key_value_heads=4),
+    # MLA (full attention only): the cache holds the latent, like Kimi Linear's
+    "deepseek_v3": dict(head_dim=8, num_key_value_heads=4),
+    "laguna": dict(layer_types=["sliding_attention", "full_attention"] * 2),
+    "mellum": dict(layer_types=["sliding_attention", "full_attention"] * 2),
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"] * 2),
     # the config's own 4-layer pattern: cut from the default one, its layers'
     # conv states differ in width (a refusal, see test_model_hf_refusals.py)
-    **{arch: dict(layer_types=None)
+    **{arch: dict(layer_types=None, swa_num_attention_heads=4, swa_num_key_value_heads=2,
+                  swa_head_dim=16, sliding_window_size=32)
        for arch in ("inkling_text", "inkling2_text", "inkling2_loop_text")},
     # full layers twice as wide as sliding ones: K/V widths differ per layer
     "gemma4_text": dict(global_head_dim=32, layer_types=["sliding_attention",
@@ -94,8 +105,10 @@ def tiny_kwargs(arch: str) -> dict[str, Any]:
     default = CONFIG_MAPPING[arch]()
     assert default.get_text_config(decoder=True) is default, f"{arch} nests its text config"
     def settable(name: str) -> bool:
-        return hasattr(default, name) and not isinstance(getattr(type(default), name, None),
-                                                         property)
+        target = getattr(default, "attribute_map", {}).get(name, name)
+        if isinstance(getattr(type(default), target, None), property):
+            return False
+        return name in type(default).__dataclass_fields__ or name in vars(default)
 
     kw = {k: v for k, v in _TINY.items() if settable(k)}
     for name in ("layer_types", "layers_block_type"):

@@ -24,7 +24,7 @@ REFUSALS: list[tuple[str, dict[str, Any], str, object]] = [
     # a cache layer class LayerLift cannot map (DSA's indexer keys: a state it cannot see)
     ("deepseek_v32", {}, "DynamicIndexedLayer is not one of transformers' standard", 0),
     # recurrent layers whose states differ in shape (conv widths per layer)
-    ("inkling_text", {"layer_types": ["hybrid_sliding"] * 3 + ["hybrid"]},
+    ("inkling_text", {"layer_types": ["hybrid_sliding"] * 3 + ["hybrid"], "swa_head_dim": 32},
      "differ in recurrent state layout", 3),
     # a looped model: continuing from a filled cache fails in its forward
     ("dory", {}, "cannot continue from a cache", None),
