@@ -9,10 +9,12 @@ token bucket (``tbf``, applied at both ends) and pulled (``link_down``: the
 switch-side end goes down, the host keeps its address, packets are lost, so
 established connections hang until the caller's timeout).
 
-Every name starts with ``ll-<pid>-``. ``close()`` (also on leaving the
-``with`` block, on failure, and at interpreter exit) kills the processes
-started in the hosts and deletes the namespaces, which deletes their veths and
-the bridge. A run that crashed leaves namespaces whose pid is dead: the next
+Every name starts with ``ll-<pid>-<n>-``, where ``n`` counts the instances
+made in this process (unique while the process lives, unlike an ``id()``).
+``close()`` (also on leaving the ``with`` block, on failure, and at
+interpreter exit) kills the processes started in the hosts and deletes the
+namespaces this instance made (and only those), which deletes their veths
+and the bridge. A run that crashed leaves namespaces whose pid is dead: the next
 :class:`NetnsHosts` sweeps them (:func:`sweep_stale`). Needs root (or
 CAP_NET_ADMIN + CAP_SYS_ADMIN) and ``iproute2``; :func:`netns_available` says
 whether this machine allows it and why not.
@@ -23,6 +25,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import itertools
 import os
 import re
 import shutil
@@ -51,6 +54,7 @@ SUBNET = "198.18.0"
 _NAME = re.compile(rf"^{PREFIX}(?P<pid>\d+)-")
 _RATE = re.compile(r"^\d+(\.\d+)?(bit|kbit|mbit|gbit|bps|kbps|mbps|gbps)$")
 _PR_SET_PDEATHSIG = 1
+_instances = itertools.count()  # next() is atomic under the GIL
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,9 +173,10 @@ class NetnsHosts:
         self._labels = labels
         self._rates = rates
         self.grace_s = grace_s
-        self._tag = f"{PREFIX}{os.getpid()}-{id(self) % 100000}"
+        self._tag = f"{PREFIX}{os.getpid()}-{next(_instances)}"
         self.switch = f"{self._tag}-sw"
         self.hosts: dict[str, Host] = {}
+        self._made: list[str] = []  # namespaces this instance created, in order
         self._procs: list[subprocess.Popen[bytes]] = []
         self._lock = threading.Lock()
         self._started = False
@@ -206,16 +211,28 @@ class NetnsHosts:
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()}")
 
+    def _add_namespace(self, name: str) -> None:
+        """``ip netns add`` and remember it as ours (only what was made here
+        is ever deleted by ``close``)."""
+        self._run("netns", "add", name)
+        with self._lock:
+            self._made.append(name)
+
+    @property
+    def tag(self) -> str:
+        """The prefix of every namespace name of this instance."""
+        return self._tag
+
     def _build(self) -> None:
         sw = self.switch
-        self._run("netns", "add", sw)
+        self._add_namespace(sw)
         self._run("-n", sw, "link", "add", "br0", "type", "bridge")
         self._run("-n", sw, "link", "set", "br0", "up")
         for i, label in enumerate(self._labels):
             netns = f"{self._tag}-h{i}"
             host = Host(label, netns, f"{SUBNET}.{i + 2}", "eth0", f"p{i}")
             self.hosts[label] = host
-            self._run("netns", "add", netns)
+            self._add_namespace(netns)
             self._run("-n", netns, "link", "set", "lo", "up")
             self._run("-n", sw, "link", "add", host.port, "type", "veth",
                       "peer", "name", host.iface, "netns", netns)  # fmt: skip
@@ -311,11 +328,10 @@ class NetnsHosts:
                 proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 self.kill(proc)
-        for name in [h.netns for h in self.hosts.values()] + [self.switch]:
+        with self._lock:
+            made, self._made = self._made, []
+        for name in reversed(made):  # only what this instance made
             _delete_namespace(name)
-        for name in _namespaces():  # hosts whose Host record was not made yet
-            if name.startswith(f"{self._tag}-"):
-                _delete_namespace(name)
 
     def __enter__(self) -> NetnsHosts:
         return self.start()
