@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from layerlift.engine.config import EngineConfig
 from layerlift.linker.master import EmbeddedMaster
@@ -88,7 +88,11 @@ def open_store(cfg: EngineConfig) -> StoreHandle:
     # A read lease of 5 s: the 50 ms test default expires under large reads (-707).
     master = EmbeddedMaster(lease_ttl_ms=5000, http_metadata=False).start()
     try:
-        store = MooncakeStore(_mooncake_config(cfg, master.master_address, master.metadata_url))
+        # the embedded master's only segment is this client's: that is the
+        # store's capacity (a prefix larger than it is never offloaded)
+        store = MooncakeStore(replace(
+            _mooncake_config(cfg, master.master_address, master.metadata_url),
+            capacity_bytes=cfg.segment_bytes))
     except BaseException:
         master.stop()
         raise
