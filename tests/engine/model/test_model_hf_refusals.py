@@ -16,6 +16,11 @@ from layerlift.engine.model.hf import TransformersModel, UnsupportedModelError
 REFUSALS: list[tuple[str, dict[str, Any], str, object]] = [
     # its own cache class: transformers' forward rejects the standard cache
     ("minimax", {}, "MiniMax uses cache of its own", None),
+    ("xlstm", {}, "rejects transformers' standard DynamicCache", None),
+    # its own cache layer class inside the standard cache
+    ("deepseek_v4", {}, "DeepseekV4HCACache is not one of transformers' standard", 0),
+    # no `cache` argument at all: its state is passed around outside a Cache
+    ("rwkv", {}, "takes no `cache` argument", None),
     # known-inexact torch paths (the table INEXACT)
     ("jamba", {}, "restarts the recurrent scan at zero", None),
     ("falcon_mamba", {"num_hidden_layers": 2}, "restarts the recurrent scan at zero", None),
