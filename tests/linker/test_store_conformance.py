@@ -195,3 +195,41 @@ def test_close_is_idempotent_and_use_after_close_fails(closable: Store, ns: str)
         closable.exists(keys)
     with pytest.raises(StoreError):
         closable.get(keys, [1], [PAGE_BYTES])
+
+
+def test_put_parts_concatenates_the_buffers_of_each_object(store: Store, ns: str) -> None:
+    """An object put from two buffers (a page and its footer) reads back as
+    their concatenation, whole and by range (one range in each part)."""
+    pages = torch.randint(0, 256, (2, PAGE_BYTES), dtype=torch.uint8)
+    footers = torch.randint(0, 256, (2, 16), dtype=torch.uint8)
+    _register(store, pages)
+    _register(store, footers)
+    keys = [f"{ns}/parts/{i}" for i in range(2)]
+    store.put_parts(keys, [[int(pages[i].data_ptr()), int(footers[i].data_ptr())] for i in range(2)],
+                    [[PAGE_BYTES, 16]] * 2)
+    whole = torch.zeros(2, PAGE_BYTES + 16, dtype=torch.uint8)
+    _register(store, whole)
+    assert store.get(keys, [int(whole[i].data_ptr()) for i in range(2)], [PAGE_BYTES + 16] * 2) \
+        == [True, True]
+    assert torch.equal(whole[:, :PAGE_BYTES], pages) and torch.equal(whole[:, PAGE_BYTES:], footers)
+    part = torch.zeros(2, LAYER_BYTES + 4, dtype=torch.uint8)
+    _register(store, part)
+    with store.open_session(keys):
+        store.get_ranges(keys, [[int(part[i].data_ptr()), int(part[i].data_ptr()) + LAYER_BYTES]
+                                for i in range(2)],
+                         [[LAYER_BYTES, 4]] * 2, [[LAYER_BYTES, PAGE_BYTES + 4]] * 2)
+    assert torch.equal(part[:, :LAYER_BYTES], pages[:, LAYER_BYTES : 2 * LAYER_BYTES])
+    assert torch.equal(part[:, LAYER_BYTES:], footers[:, 4:8])
+
+
+@pytest.mark.parametrize(("sizes", "offsets", "match"), [
+    ([[-1]], [[0]], "negative"), ([[4]], [[-4]], "negative"), ([[]], [[]], "no slices"),
+    ([[4, 4]], [[0]], "disagree"),
+])
+def test_get_ranges_arguments_are_checked_alike(store: Store, ns: str, sizes: list[list[int]],
+                                                 offsets: list[list[int]], match: str) -> None:
+    dst = torch.zeros(64, dtype=torch.uint8)
+    _register(store, dst)
+    ptrs = [[int(dst.data_ptr())] * len(sizes[0])] if sizes[0] else [[]]
+    with pytest.raises(ValueError, match=match):
+        store.get_ranges([f"{ns}/x"], ptrs, sizes, offsets)

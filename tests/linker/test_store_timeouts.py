@@ -159,3 +159,15 @@ def test_a_timed_out_session_start_that_succeeds_is_ended(
         assert torch.equal(dst, src)
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("size", [1, 1 << 20, 8 << 20, (16 << 20) - 1])
+def test_a_segment_below_the_minimum_is_refused_up_front(size: int) -> None:
+    """Mooncake 0.3.13 cannot mount a segment under 16 MiB and its setup error
+    blames the master; the config says what is wrong instead."""
+    from layerlift.linker.mooncake_config import MooncakeConfig
+
+    with pytest.raises(ValueError, match="at least 16 MiB"):
+        MooncakeConfig(master_address="127.0.0.1:5000", global_segment_size=size)
+    MooncakeConfig(master_address="127.0.0.1:5000", global_segment_size=0)
+    MooncakeConfig(master_address="127.0.0.1:5000", global_segment_size=16 << 20)
