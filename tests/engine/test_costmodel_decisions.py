@@ -158,3 +158,33 @@ def test_exploring_picks_up_a_link_that_got_faster() -> None:
                                               + sizes))
     assert decisions[:5] == [False, False, False, False, True]
     assert all(decisions[5:]), decisions
+
+
+async def test_the_engine_explores_a_slow_link_and_stays_exact() -> None:
+    """On a link where recompute wins, every ``explore_after + 1``-th plan
+    restores anyway (its result says why) and is as exact as the rest."""
+    from layerlift import Engine, EngineConfig, HybridModel
+    from layerlift.linker.memory_store import MemoryStore
+    from layerlift.testing import assert_quiescent, kl_divergence, offload_and_drop
+
+    model = HybridModel(ModelSpec.preset("tiny"), seed=0)
+    prompt = np.random.default_rng(9).integers(0, model.vocab_size, 300, dtype=np.int64)
+    cfg = EngineConfig(store="memory", pool_bytes=16 << 20, restore="auto",
+                       link="emulated:0.001,5000")  # 1 MB/s, 5 ms per call
+    async with Engine(model, cfg, store=MemoryStore()) as engine:
+        cost = engine._ctx.cost
+        assert cost is not None
+        cost.explore_after = 2
+        (ref,) = await engine.prefill([prompt])
+        got = []
+        for _ in range(7):
+            await offload_and_drop(engine)
+            got += await engine.prefill([prompt])
+        # The first restore (on the priors) measures the link; then recompute wins.
+        kinds = [r.restore_decision.split(":")[0] for r in got]  # type: ignore[union-attr]
+        assert kinds == ["restore"] + ["recompute", "recompute", "explore"] * 2, kinds
+        assert [r.restored_tokens > 0 for r in got] == [True] + [False, False, True] * 2
+        assert max(kl_divergence(ref.next_token_logprobs, r.next_token_logprobs)
+                   for r in got) <= 1e-9
+        await engine.wait_offloads()
+        assert_quiescent(engine)
