@@ -8,12 +8,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from layerlift import Engine, EngineConfig, HybridModel
 from layerlift.engine.costmodel import CostModel, CostPriors, restore_bytes
 from layerlift.engine.plan import LookupPlan
+from layerlift.linker.memory_store import MemoryStore
 from layerlift.overlap.scheduler import LayerTiming
 from layerlift.pools import UnifiedKVPool
 from layerlift.pools.spec import ModelSpec
 from layerlift.pools.tree import UnifiedRadixTree
+from layerlift.testing import assert_quiescent, kl_divergence, offload_and_drop
 
 L = 8
 # A known world: 100 MB/s, no per-call latency, 0.1 ms of forward per token.
@@ -163,10 +166,6 @@ def test_exploring_picks_up_a_link_that_got_faster() -> None:
 async def test_the_engine_explores_a_slow_link_and_stays_exact() -> None:
     """On a link where recompute wins, every ``explore_after + 1``-th plan
     restores anyway (its result says why) and is as exact as the rest."""
-    from layerlift import Engine, EngineConfig, HybridModel
-    from layerlift.linker.memory_store import MemoryStore
-    from layerlift.testing import assert_quiescent, kl_divergence, offload_and_drop
-
     model = HybridModel(ModelSpec.preset("tiny"), seed=0)
     prompt = np.random.default_rng(9).integers(0, model.vocab_size, 300, dtype=np.int64)
     cfg = EngineConfig(store="memory", pool_bytes=16 << 20, restore="auto",
