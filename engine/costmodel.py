@@ -170,18 +170,20 @@ class CostModel:
     def observe_layers(self, layers: Sequence[LayerTiming]) -> None:
         """One load's per-layer records from the lane (absolute clock): a
         layer's time runs from the later of its issue and the previous
-        layer's landing to its own landing. Layers that failed, never landed
-        or moved nothing are skipped (a load cut short still teaches what
-        landed)."""
+        layer's landing to its own landing (on a GPU, its copies' completion
+        when recorded: what the forward waits for). Layers that failed, never
+        landed or moved nothing are skipped (a load cut short still teaches
+        what landed)."""
         xs: list[int] = []
         ys: list[float] = []
         last = float("-inf")
         for t in sorted(layers, key=lambda t: t.layer):
             if t.failed or t.landed <= 0 or t.nbytes <= 0:
                 continue
+            end = max(t.landed, t.device_done or 0.0)
             xs.append(t.nbytes)
-            ys.append(max(0.0, t.landed - max(t.issued, last)))
-            last = max(last, t.landed)
+            ys.append(max(0.0, end - max(t.issued, last)))
+            last = max(last, end)
         self.observe_load(xs, ys)
 
     def observe_forward(self, computed_tokens: int, forward_seconds: float) -> None:

@@ -102,6 +102,11 @@ def test_lane_records_skip_failed_and_unlanded_layers_and_queueing() -> None:
     assert model.load_observations == 2
     # Both kept layers took 0.5 s for 1000 B: the fit passes through that point.
     assert model.layer_latency_s + 1000 / model.bandwidth_bytes_per_s == pytest.approx(0.5)
+    # On a GPU a layer has landed once its copies completed on the device.
+    gpu = CostModel(4, alpha=1.0)
+    gpu.observe_layers([LayerTiming(0, 1000, issued=10.0, landed=10.2, device_done=10.5),
+                        LayerTiming(1, 1000, issued=10.0, landed=10.6, device_done=11.0)])
+    assert gpu.layer_latency_s + 1000 / gpu.bandwidth_bytes_per_s == pytest.approx(0.5)
 
 
 def test_an_untimed_forward_teaches_nothing() -> None:
