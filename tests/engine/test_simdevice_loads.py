@@ -14,23 +14,29 @@ import torch
 
 from layerlift import Component, ModelSpec
 from layerlift.engine.loads import BatchLoad
+from layerlift.linker.integrity import component_slices, slice_seed
 from layerlift.linker.memory_store import MemoryStore
 from layerlift.pools import UnifiedKVPool
 from layerlift.testing.simdevice import SimDevice
 
 
 class PatternStore(MemoryStore):
-    """Ranged reads write a byte pattern of the key's number (``.../k7`` -> 7)
-    as the slice (and its CRC-32 where a footer entry is read beside it)."""
+    """Ranged reads of FULL objects write a byte pattern of the key's number
+    (``.../k7`` -> 7) as the slice, and its checksum where the footer entry is
+    read beside it (``linker/integrity.py``)."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.offsets = [o for o, _ in component_slices(spec, Component.FULL)]
 
     def get_ranges(self, keys: Sequence[str], dst_ptrs: Sequence[Sequence[int]],
                    sizes: Sequence[Sequence[int]], src_offsets: Sequence[Sequence[int]]) -> None:
-        for key, ptrs, lens in zip(keys, dst_ptrs, sizes, strict=True):
+        for key, ptrs, lens, offs in zip(keys, dst_ptrs, sizes, src_offsets, strict=True):
             row = bytes([int(key.rsplit("k", 1)[1])]) * lens[0]
             ctypes.memmove(ptrs[0], row, lens[0])
             if len(ptrs) > 1:  # the slice's checksum entry
-                crc = zlib.crc32(row).to_bytes(4, "little")
-                ctypes.memmove(ptrs[1], crc, 4)
+                seed = slice_seed(key, self.offsets.index(offs[0]))
+                ctypes.memmove(ptrs[1], zlib.crc32(row, seed).to_bytes(4, "little"), 4)
 
 
 def test_refresh_rebuilds_the_copy_plan_after_commit_trims_duplicates() -> None:
@@ -42,7 +48,7 @@ def test_refresh_rebuilds_the_copy_plan_after_commit_trims_duplicates() -> None:
         pages = pool.alloc(Component.FULL, 4)
         assert pages is not None
         idx = pages.tolist()
-        store = PatternStore()
+        store = PatternStore(spec)
         load = BatchLoad(pool, store, None, sim.pinned)
         for n, page in enumerate(idx):
             load.items[Component.FULL].add([f"ns/full/k{n + 1}"], [page], n)
@@ -83,7 +89,7 @@ def test_a_layer_with_nothing_left_has_no_copy_plan() -> None:
         sim.attach_pool(pool)
         page = pool.alloc(Component.FULL, 1)
         assert page is not None
-        load = BatchLoad(pool, PatternStore(), None, sim.pinned)
+        load = BatchLoad(pool, PatternStore(spec), None, sim.pinned)
         load.items[Component.FULL].add(["ns/full/k1"], page.tolist(), 0)
         jobs = load.jobs()
         full = spec.layers_of(Component.FULL)
