@@ -20,5 +20,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "sched": ("layerlift.bench.sched", "the load scheduler alone, loads and computes that use no CPU"),
     "overhead": ("layerlift.bench.overhead", "per-layer scheduling overhead of the overlap machinery"),
     "pools": ("layerlift.bench.pools", "tri-pool admission against static splits (equal bytes)"),
+    "fleet-grid": ("layerlift.bench.fleet_grid",
+                   "the replay through 1-8 simulated instances per router, at three settings"),
     "report": ("layerlift.bench.results", "regenerate docs/results.md from bench/results/*.json"),
 }

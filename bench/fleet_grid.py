@@ -2,7 +2,7 @@
 per router and policy, at three settings; one JSON record, a Markdown
 page and one TTFT CDF per setting.
 
-    python -m layerlift.bench.fleet_grid --out bench/results/fleet/grid
+    layerlift bench fleet-grid --out bench/results/fleet/grid
 
 Each cell is one ``layerlift bench replay`` run (its command line is in the
 record); a cell runs every policy on the same sampled requests. Settings:
@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from layerlift.bench import replay
+from layerlift.bench.output import add_output_options, command_line
 
 __all__ = ["SETTINGS", "cells", "main", "render", "targets"]
 
@@ -165,9 +166,10 @@ def render_targets(checks: Sequence[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def plot(record: dict[str, Any], folder: Path) -> None:
-    """One TTFT CDF per setting: every policy at the largest fleet with the
-    restore-aware router, and at one instance (dashed)."""
+def plot(record: dict[str, Any], folder: Path, prefix: str = "") -> None:
+    """One TTFT CDF per setting (``folder/{prefix}{setting}.png``): every
+    policy at the largest fleet with the restore-aware router, and at one
+    instance (dashed)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -193,15 +195,17 @@ def plot(record: dict[str, Any], folder: Path) -> None:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=6, ncol=2)
         fig.tight_layout()
-        fig.savefig(folder / f"{name}.png", dpi=110)
+        fig.savefig(folder / f"{prefix}{name}.png", dpi=110)
         plt.close(fig)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m layerlift.bench.fleet_grid",
+    ap = argparse.ArgumentParser(prog="layerlift bench fleet-grid",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="bench/results/fleet/grid",
-                    help="folder: grid.json, grid.md, one PNG per setting")
+                    help="folder: grid.json, grid.md, one PNG per setting (unless --json, "
+                         "--markdown or --plot name other places)")
+    add_output_options(ap)
     ap.add_argument("--settings", default=",".join(SETTINGS))
     ap.add_argument("--instances", default="1,2,4,8")
     ap.add_argument("--routers-small", default="round-robin,restore-aware",
@@ -219,6 +223,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                  args.routers_big.split(","))
     folder = Path(args.out)
     folder.mkdir(parents=True, exist_ok=True)
+    json_path = Path(args.json or folder / "grid.json")
+    md_path = Path(args.markdown or folder / "grid.md")
+    for path in (json_path, md_path):
+        path.parent.mkdir(parents=True, exist_ok=True)
     record: dict[str, Any] = {"benchmark": "fleet-grid", "settings": {}}
     t0 = time.perf_counter()
     for name in settings:
@@ -232,12 +240,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{name} {n}x {router}: {time.perf_counter() - t:.0f} s", file=sys.stderr,
                   flush=True)
         record["settings"][name] = rows
-        cmd = "python -m layerlift.bench.fleet_grid " + " ".join(
-            sys.argv[1:] if argv is None else argv)
-        record["meta"] = {"command": cmd.strip(), "wall_s": time.perf_counter() - t0}
-        (folder / "grid.json").write_text(json.dumps(record, indent=1) + "\n")
-        (folder / "grid.md").write_text(render(record))
-    plot(record, folder)
+        record["meta"] = {"command": command_line("fleet-grid", argv),
+                          "wall_s": time.perf_counter() - t0}
+        json_path.write_text(json.dumps(record, indent=1) + "\n")
+        md_path.write_text(render(record))
+    if args.plot:  # one PNG per setting: PLOT's name with the setting's appended
+        plot_path = Path(args.plot)
+        plot_path.parent.mkdir(parents=True, exist_ok=True)
+        plot(record, plot_path.parent, f"{plot_path.stem}-")
+    else:
+        plot(record, folder)
     return 0
 
 

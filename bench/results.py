@@ -142,6 +142,16 @@ def _pools(r: Record) -> list[str]:
     return out
 
 
+def _fleet_grid(r: Record) -> list[str]:
+    from layerlift.bench.fleet_grid import render as render_grid
+
+    lines = render_grid(r).rstrip("\n").split("\n")
+    first = next((i for i, line in enumerate(lines) if line.startswith("## ")), len(lines))
+    # Its own page's title, command and per-setting images stay on its page.
+    return [("#" + line if line.startswith("## ") else line) for line in lines[first:]
+            if not line.startswith("![")]
+
+
 def _plot_bars(path: str, title: str, labels: Sequence[str],
                series: Mapping[str, Sequence[float]], ylabel: str) -> None:
     import matplotlib
@@ -203,6 +213,14 @@ def _plot_overhead(r: Record, path: str) -> None:
                series, "µs per layer")
 
 
+def _plot_fleet_grid(r: Record, path: str) -> None:
+    from layerlift.bench.fleet_grid import plot as plot_grid
+
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    plot_grid(r, out.parent, f"{out.stem}-")
+
+
 def _plot_pools(r: Record, path: str) -> None:
     by = r["admitted_fraction"]["by_phase"]
     series = {k: [v["phase1"], v["phase2"]] for k, v in by.items()}
@@ -217,6 +235,8 @@ KINDS: dict[str, tuple[str, Callable[[Record], list[str]], Callable[[Record, str
     "overhead": ("Per-layer scheduling overhead", _overhead, _plot_overhead),
     "store": ("Mooncake per-layer ranged reads against whole-object reads", _store, _plot_store),
     "pools": ("Tri-pool admission", _pools, _plot_pools),
+    "fleet-grid": ("Fleet grid (simulated instances behind routers)", _fleet_grid,
+                   _plot_fleet_grid),
 }
 
 
@@ -268,9 +288,19 @@ def headline(record: Record, link_prefix: str = "emulated") -> str:
 
 
 def build_page(results: Path) -> str:
-    """``docs/results.md``: one section per JSON file under ``results``, in the
-    order of ``KINDS``, each kind's main run first, then by file name."""
-    records = [(p, json.loads(p.read_text())) for p in sorted(results.glob("*.json"))]
+    """``docs/results.md``: one section per benchmark record under ``results``
+    (subfolders included), in the order of ``KINDS``, each kind's main run
+    first, then by path; JSON files that are not benchmark records (inputs
+    such as a calibration profile) are listed at the end."""
+    records, others = [], []
+    for p in sorted(results.rglob("*.json")):
+        data = json.loads(p.read_text())
+        try:
+            kind_of(data)
+        except ValueError:
+            others.append(p)
+            continue
+        records.append((p, data))
     order = list(KINDS)
 
     def rank(kind: str) -> int:
@@ -278,7 +308,8 @@ def build_page(results: Path) -> str:
 
     # Within a kind, the main run first (``ttft_quick``: what ``make bench`` writes).
     records.sort(key=lambda pr: (rank(kind_of(pr[1])), kind_of(pr[1]),
-                                 pr[0].stem not in ("ttft_quick", kind_of(pr[1])), pr[0].name))
+                                 pr[0].stem not in ("ttft_quick", kind_of(pr[1])),
+                                 str(pr[0].relative_to(results))))
     out = ["# Results", "",
            "Generated from `bench/results/*.json` by `layerlift bench report`: do not edit; "
            "rerun a benchmark with `--json`, then the report. What the columns mean and "
@@ -286,12 +317,16 @@ def build_page(results: Path) -> str:
            "[the benchmarks guide](guide/benchmarks.md).", ""]
     for path, rec in records:
         title, table = _section(rec)
+        rel = path.relative_to(results)
         cmd = rec.get("meta", {}).get("command", "(command not recorded)")
-        out += [f"## {title}: `{path.name}`", "", f"`{cmd}`", ""]
+        out += [f"## {title}: `{rel}`", "", f"`{cmd}`", ""]
         png = path.with_suffix(".png")
         if png.exists():
-            out += [f"![{path.stem}](../bench/results/{png.name})", ""]
+            out += [f"![{path.stem}](../bench/results/{rel.with_suffix('.png')})", ""]
         out += [*table(rec), ""]
+    if others:
+        out += ["## Other data files", "",
+                *(f"- `{p.relative_to(results)}` (not a benchmark record)" for p in others), ""]
     return "\n".join(out)
 
 

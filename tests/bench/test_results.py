@@ -50,10 +50,17 @@ def test_results_page_is_generated_from_the_json() -> None:
 
 
 def test_every_record_names_its_benchmark_and_command() -> None:
-    for path in sorted((ROOT / "bench" / "results").glob("*.json")):
+    records = 0
+    for path in sorted((ROOT / "bench" / "results").rglob("*.json")):
         record = json.loads(path.read_text())
-        assert kind_of(record) in BENCHMARKS, path.name
+        try:
+            kind = kind_of(record)
+        except ValueError:
+            continue  # an input such as a calibration profile: listed, not tabled
+        records += 1
+        assert kind in BENCHMARKS, f"{path.name}: `layerlift bench {kind}` is not registered"
         assert record.get("meta", {}).get("command", "").startswith("layerlift bench "), path.name
+    assert records >= 6
 
 
 def test_readme_headline_is_the_make_bench_record() -> None:
