@@ -169,3 +169,55 @@ async def test_a_foreign_object_in_mooncake_is_recomputed(
         assert got.recomputed_after_failure, "the foreign object was not detected"
         await engine.wait_offloads()
         assert_quiescent(engine)
+
+
+@pytest.mark.parametrize("order", ["layer order", "reversed"])
+def test_every_layer_verifies_whatever_order_its_fetches_run(order: str) -> None:
+    """A component's first layer reads its objects' footers whole; a later
+    layer that runs first (several fetches in flight) reads its own footer
+    entries instead. Both verify: the bytes land, and a flipped byte in any
+    layer's slice fails that layer only."""
+    from layerlift.engine.loads import BatchLoad
+    from layerlift.linker.store_base import StoreIntegrityError
+    from layerlift.pools import UnifiedKVPool
+
+    spec = ModelSpec.preset("tiny")
+    pool = UnifiedKVPool(spec, 8 << 20)
+    store = MemoryStore()
+    store.register(pool.buffer)
+    idx = {c: pool.alloc(c, 3) for c in Component}
+    src = {c: torch.randint(0, 255, (3, spec.page_bytes(c)), dtype=torch.uint8) for c in Component}
+    keys = {c: [f"ns/fp.l2/{c.value}/0/{c.value}{i}" for i in range(3)] for c in Component}
+    for c in Component:
+        objs = torch.stack([torch.frombuffer(bytearray(encode_object(
+            spec, c, r.numpy().tobytes(), k)), dtype=torch.uint8)
+            for r, k in zip(src[c], keys[c], strict=True)])
+        store.register(objs)
+        store.put(keys[c], [int(r.data_ptr()) for r in objs], [objs.shape[1]] * 3)
+    bad_layer = spec.layers_of(Component.SWA)[1]
+    offset = spec.layer_slice(bad_layer)[2]
+    key = keys[Component.SWA][2]
+    data = bytearray(store.object_bytes(key))
+    data[offset + 7] ^= 0x40
+    store.replace_object(key, bytes(data))
+    load = BatchLoad(pool, store, None)
+    for c in Component:
+        load.items[c].add(keys[c], [int(i) for i in idx[c]], 0)
+    jobs = load.jobs()
+    failed = []
+    for job in (jobs if order == "layer order" else jobs[::-1]):
+        try:
+            job.fetch()
+        except StoreIntegrityError:
+            failed.append(job.layer)
+    assert failed == [bad_layer]
+    for c in Component:
+        for r in range(3):
+            got = pool.page_view(c, int(idx[c][r]))
+            if c is Component.SWA and r == 2:
+                want = src[c][r].clone()
+                want[offset + 7] ^= 0x40
+                assert torch.equal(got, want)
+            else:
+                assert torch.equal(got, src[c][r])
+    load.close_staging()

@@ -1,0 +1,150 @@
+"""What end-to-end integrity costs (issue 21): CRC-32 per layer slice.
+
+    python -m layerlift.bench.integrity [--json PATH] [--repeats N] [--mooncake]
+
+1. ``crc``: the verification of one layer of a restored batch (the hot
+   path: ``integrity.mismatches`` over N slices, seeded with their keys) and
+   the footers of an offload (``integrity.page_footers``), in GB of slice
+   bytes per second of one CPU thread, for slice sizes from 8 KiB to 1 MiB
+   (about 64 MiB of slices per point). A vectorised integer hash in torch
+   (int16 words times weights, summed in float64: exact) is measured beside
+   it, since that is what a "per layer, all pages at once" torch op costs.
+2. ``--mooncake``: one layer of 64 page objects (256 KiB slices, 8 layers)
+   read with ``get_ranges`` from a private loopback master three ways,
+   medians of interleaved repeats: the slice alone (``plain``), the slice
+   plus its 4-byte footer entry as a second range per object (``entry``),
+   and the slice plus the whole footer (``footer``: what a component's
+   first layer reads). The engine's design (whole footers with the first
+   layer, later layers plain) costs ``(footer - plain) / (layers * plain)``
+   of a restore; one entry per layer would cost ``entry / plain - 1``.
+
+Every figure is the median of ``--repeats`` runs; the JSON records the
+machine's CPU count and torch's thread count (the CRC is one call per slice
+on one thread; zlib releases the GIL, so fetch threads verify in parallel).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+import uuid
+import zlib
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from layerlift.linker.integrity import CHECK_BYTES, checksums, mismatches, slice_seed
+
+SIZES = (8 << 10, 32 << 10, 128 << 10, 256 << 10, 1 << 20)
+TOTAL = 64 << 20
+
+
+def _median_s(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _torch_hash(buf: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """An exact vectorised hash of every row at once (int16 words x weights,
+    float64 sums stay below 2**53): the torch alternative to a CRC loop."""
+    return buf.view(torch.int16).to(torch.float64) @ weights
+
+
+def crc_points(repeats: int) -> list[dict[str, Any]]:
+    rows = []
+    for size in SIZES:
+        n = max(1, TOTAL // size)
+        buf = torch.randint(0, 256, (n, size), dtype=torch.uint8)
+        ptrs = [int(buf[i].data_ptr()) for i in range(n)]
+        seeds = [slice_seed(f"ns/fp.l2/full/0/{i:08x}", 3) for i in range(n)]
+        expected = checksums(ptrs, size, seeds)
+        verify_s = _median_s(partial(mismatches, ptrs, size, expected, seeds), repeats)
+        weights = torch.randint(1, 1 << 20, (size // 2,), dtype=torch.int64).to(torch.float64)
+        torch_s = _median_s(partial(_torch_hash, buf, weights), repeats)
+        gb = n * size / 1e9
+        rows.append({
+            "slice_bytes": size, "slices": n, "gb": gb,
+            "crc_verify_gbps": gb / verify_s, "crc_ms_per_gb": verify_s / gb * 1e3,
+            "torch_hash_gbps": gb / torch_s, "torch_hash_ms_per_gb": torch_s / gb * 1e3,
+        })
+    return rows
+
+
+def mooncake_point(repeats: int) -> dict[str, Any]:
+    from layerlift.linker.master import EmbeddedMaster
+    from layerlift.linker.mooncake_store import MooncakeStore
+
+    n, slice_bytes, layers = 64, 256 << 10, 8
+    page = slice_bytes * layers
+    with tempfile.TemporaryDirectory() as tmp, \
+            EmbeddedMaster(log_path=Path(tmp) / "master.log", lease_ttl_ms=5000) as master, \
+            MooncakeStore(master.config(global_segment_size=256 << 20,
+                                        local_buffer_size=32 << 20)) as store:
+        src = torch.randint(0, 256, (n, page + layers * CHECK_BYTES), dtype=torch.uint8)
+        dst = torch.zeros(n, slice_bytes, dtype=torch.uint8)
+        foot = torch.zeros(n, layers * CHECK_BYTES, dtype=torch.uint8)
+        for t in (src, dst, foot):
+            store.register(t)
+        keys = [f"bench-{uuid.uuid4().hex[:8]}/{i}" for i in range(n)]
+        store.put(keys, [int(src[i].data_ptr()) for i in range(n)], [src.shape[1]] * n)
+        plain = ([[int(dst[i].data_ptr())] for i in range(n)], [[slice_bytes]] * n,
+                 [[slice_bytes]] * n)
+        ptrs2 = [[int(dst[i].data_ptr()), int(foot[i].data_ptr())] for i in range(n)]
+        variants = {
+            "plain": plain,
+            "entry": (ptrs2, [[slice_bytes, CHECK_BYTES]] * n,
+                      [[slice_bytes, page + CHECK_BYTES]] * n),
+            "footer": (ptrs2, [[slice_bytes, layers * CHECK_BYTES]] * n, [[slice_bytes, page]] * n),
+        }
+        times: dict[str, list[float]] = {k: [] for k in variants}
+        with store.open_session(keys):
+            names = list(variants)
+            for r in range(repeats + 1):
+                for name in names[r % 3:] + names[: r % 3]:  # rotated order
+                    t0 = time.perf_counter()
+                    store.get_ranges(keys, *variants[name])
+                    if r:
+                        times[name].append(time.perf_counter() - t0)
+        ok = bool(torch.equal(dst, src[:, slice_bytes : 2 * slice_bytes]))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"objects": n, "slice_bytes": slice_bytes, "layers": layers,
+            **{f"{k}_ms": v * 1e3 for k, v in med.items()},
+            "entry_per_layer_overhead": med["entry"] / med["plain"] - 1,
+            "design_overhead_per_restore": (med["footer"] - med["plain"]) / (layers * med["plain"]),
+            "bytes_exact": ok}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", default="bench/results/integrity.json")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--mooncake", action="store_true")
+    args = ap.parse_args(argv)
+    out: dict[str, Any] = {
+        "what": "CRC-32 per layer slice: verify throughput per CPU thread; footer read cost",
+        "command": "python -m layerlift.bench.integrity" + (" --mooncake" if args.mooncake else ""),
+        "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        "zlib": zlib.ZLIB_RUNTIME_VERSION, "repeats": args.repeats,
+        "crc": crc_points(args.repeats),
+    }
+    if args.mooncake:
+        out["mooncake_footer_read"] = mooncake_point(args.repeats)
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
