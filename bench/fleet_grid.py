@@ -13,8 +13,10 @@ record); a cell runs every policy on the same sampled requests. Settings:
 * ``cpu-measured``: the reference model's layout (preset ``tiny``) with the
   compute profile fitted on this machine, the replay's default emulated link.
 
-``--quick`` cuts the grid (fewer requests, instances 1 and 4, two routers)
-for a smoke run.
+What runs by default (2 cores shared, so the grid is cut; ``--full`` runs
+everything): every policy at one instance and at the largest fleet with
+round-robin; device-only, barrier and overlap elsewhere; at the largest
+fleet the other routers with overlap; 60 requests.
 """
 
 from __future__ import annotations
@@ -47,16 +49,28 @@ SETTINGS: dict[str, list[str]] = {
 }
 
 
+ALL = "device-only,barrier,overlap,overlap+prefetch,overlap+auto"
+CUT = "device-only,barrier,overlap"
+
+
 def cells(instances: Sequence[int], routers_small: Sequence[str],
-          routers_big: Sequence[str]) -> list[tuple[int, str]]:
-    """``(instances, router)`` pairs: one router for a single instance (they
-    all pick it), ``routers_small`` below the largest fleet, ``routers_big``
-    at the largest."""
+          routers_big: Sequence[str], *, full: bool = False) -> list[tuple[int, str, str]]:
+    """``(instances, router, policies)`` cells: one router for a single
+    instance (they all pick it), ``routers_small`` below the largest fleet,
+    ``routers_big`` at the largest. Every policy runs at one instance and
+    at the largest fleet with round-robin; elsewhere only device-only,
+    barrier and overlap (the routers beyond round-robin at the largest
+    fleet: overlap alone), unless ``full``."""
     top = max(instances)
     out = []
     for n in sorted(instances):
         names = ["round-robin"] if n == 1 else routers_big if n == top else routers_small
-        out += [(n, r) for r in names]
+        for r in names:
+            if full or n == 1 or (n == top and r == "round-robin"):
+                pols = ALL
+            else:
+                pols = "overlap" if n == top else CUT
+            out.append((n, r, pols))
     return out
 
 
@@ -208,11 +222,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_output_options(ap)
     ap.add_argument("--settings", default=",".join(SETTINGS))
     ap.add_argument("--instances", default="1,2,4,8")
-    ap.add_argument("--routers-small", default="round-robin,restore-aware",
+    ap.add_argument("--full", action="store_true",
+                    help="every policy in every cell (the default cuts, see cells())")
+    ap.add_argument("--routers-small", default="round-robin",
                     help="routers below the largest fleet")
     ap.add_argument("--routers-big", default="round-robin,least-loaded,prefix,restore-aware",
                     help="routers at the largest fleet")
-    ap.add_argument("--requests", type=int, default=100)
+    ap.add_argument("--requests", type=int, default=60)
     ap.add_argument("--kl-samples", type=int, default=4)
     args = ap.parse_args(argv)
     settings = [s for s in args.settings.split(",") if s]
@@ -220,7 +236,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if bad:
         raise SystemExit(f"error: unknown settings {bad}; choose from {list(SETTINGS)}")
     grid = cells([int(x) for x in args.instances.split(",")], args.routers_small.split(","),
-                 args.routers_big.split(","))
+                 args.routers_big.split(","), full=args.full)
     folder = Path(args.out)
     folder.mkdir(parents=True, exist_ok=True)
     json_path = Path(args.json or folder / "grid.json")
@@ -231,10 +247,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.perf_counter()
     for name in settings:
         rows = []
-        for n, router in grid:
+        for n, router, pols in grid:
             argv_cell = [*SETTINGS[name], "--requests", str(args.requests), "--instances",
-                         str(n), "--router", router, "--kl-samples", str(args.kl_samples),
-                         "--quiet"]
+                         str(n), "--router", router, "--policies", pols,
+                         "--kl-samples", str(args.kl_samples), "--quiet"]
             t = time.perf_counter()
             rows.append(_run(argv_cell))
             print(f"{name} {n}x {router}: {time.perf_counter() - t:.0f} s", file=sys.stderr,

@@ -9,8 +9,11 @@ from layerlift.bench.fleet_grid import cells, render_targets, targets
 
 def test_cells_cut_the_routers_by_fleet_size() -> None:
     got = cells([1, 2, 8], ["round-robin", "restore-aware"], ["round-robin", "prefix"])
-    assert got == [(1, "round-robin"), (2, "round-robin"), (2, "restore-aware"),
-                   (8, "round-robin"), (8, "prefix")]
+    assert [(n, r) for n, r, _ in got] == [(1, "round-robin"), (2, "round-robin"),
+                                           (2, "restore-aware"), (8, "round-robin"),
+                                           (8, "prefix")]
+    assert [p.count(",") + 1 for _, _, p in got] == [5, 3, 3, 5, 1]
+    assert all(p.count(",") == 4 for _, _, p in cells([1, 2], ["prefix"], ["prefix"], full=True))
 
 
 def cell(n: int, router: str, p90: dict[str, float], restored: int = 0) -> dict[str, Any]:
