@@ -213,6 +213,35 @@ def plot(record: dict[str, Any], folder: Path, prefix: str = "") -> None:
         plt.close(fig)
 
 
+def render_fidelity(real: dict[str, Any], sim: dict[str, Any]) -> str:
+    """Real mode against simulated (``cpu-measured``), per policy: TTFT
+    p50/p90 and token counts side by side with the relative differences
+    (targets: TTFT within 15 %, tokens within 2 % of the prompt tokens)."""
+    lines = ["# Fidelity: real mode against the simulated model (cpu-measured)", "",
+             f"real: `{real['meta']['command']}`", "",
+             f"simulated: `{sim['meta']['command']}`", "",
+             "| policy | p50 real ms | p50 sim ms | diff | p90 real ms | p90 sim ms | diff | "
+             "hit real | hit sim | restored real | restored sim | computed real | "
+             "computed sim | max token diff / prompt |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for pol, r in real["policies"].items():
+        s_ = sim["policies"].get(pol)
+        if s_ is None:
+            continue
+        tr_, ts_ = r["tokens"], s_["tokens"]
+        total = sum(tr_.values())
+        tok = max(abs(tr_[k] - ts_[k]) for k in tr_) / total
+        d50 = s_["ttft_p50_s"] / r["ttft_p50_s"] - 1
+        d90 = s_["ttft_p90_s"] / r["ttft_p90_s"] - 1
+        lines.append(
+            f"| {pol} | {r['ttft_p50_s'] * 1e3:.1f} | {s_['ttft_p50_s'] * 1e3:.1f} | "
+            f"{100 * d50:+.0f} % | {r['ttft_p90_s'] * 1e3:.1f} | {s_['ttft_p90_s'] * 1e3:.1f} | "
+            f"{100 * d90:+.0f} % | {tr_['device_hit']} | {ts_['device_hit']} | "
+            f"{tr_['restored']} | {ts_['restored']} | {tr_['computed']} | {ts_['computed']} | "
+            f"{100 * tok:.2f} % |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="layerlift bench fleet-grid",
                                  description=__doc__.split("\n\n")[0])
@@ -230,7 +259,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="routers at the largest fleet")
     ap.add_argument("--requests", type=int, default=60)
     ap.add_argument("--kl-samples", type=int, default=4)
+    ap.add_argument("--fidelity", nargs=2, metavar=("REAL_JSON", "SIM_JSON"), default=None,
+                    help="write fidelity.md next to these two replay records instead")
     args = ap.parse_args(argv)
+    if args.fidelity:
+        real, sim = (json.loads(Path(p).read_text()) for p in args.fidelity)
+        out = Path(args.fidelity[0]).parent / "fidelity.md"
+        out.write_text(render_fidelity(real, sim))
+        print(f"wrote {out}")
+        return 0
     settings = [s for s in args.settings.split(",") if s]
     bad = [s for s in settings if s not in SETTINGS]
     if bad:
