@@ -44,6 +44,12 @@ class PutLog:
         with self._lock:
             self.keys.extend(keys)
 
+    def put_parts(self, keys: Sequence[str], ptrs: Sequence[Sequence[int]],
+                  sizes: Sequence[Sequence[int]]) -> None:
+        self.inner.put_parts(keys, ptrs, sizes)
+        with self._lock:
+            self.keys.extend(keys)
+
     def take(self) -> dict[str, int]:
         """Puts per component since the last call."""
         with self._lock:
