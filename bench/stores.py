@@ -36,6 +36,11 @@ class _TrackingStore:
         self.put_keys.extend(keys)
         return out
 
+    def put_parts(self, keys: Sequence[str], *args: Any, **kw: Any) -> Any:
+        out = self._inner.put_parts(keys, *args, **kw)  # the engine's offload: page + footer
+        self.put_keys.extend(keys)
+        return out
+
     def forget(self) -> None:
         keys, self.put_keys = self.put_keys, []
         for i in range(0, len(keys), 512):
