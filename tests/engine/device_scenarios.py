@@ -41,12 +41,15 @@ class Rig:
     """Where a scenario runs: ``where`` is the model's (and the pool's) torch
     device, ``device`` the seam injected into the engine (None: the engine
     builds the one ``cfg_device`` names), ``sync`` blocks until the device
-    ran everything issued."""
+    ran everything issued. ``deterministic`` builds the reference model in
+    its float64 mode (a GPU's float32 kernels may round differently with the
+    batch shape; cold runs are single prompts, restores are batches)."""
 
     where: str
     cfg_device: str
     device: Device | None
     sync: Callable[[], None]
+    deterministic: bool = False
 
     def engine(self, model: Any, store: Store, **cfg: Any) -> Engine:
         cfg.setdefault("pool_bytes", 32 << 20)
@@ -63,7 +66,8 @@ class Rig:
 
 
 def model_on(rig: Rig, seed: int = 0) -> HybridModel:
-    return HybridModel(ModelSpec.preset("tiny"), seed=seed, device=rig.where)
+    return HybridModel(ModelSpec.preset("tiny"), seed=seed, device=rig.where,
+                       deterministic=rig.deterministic)
 
 
 def prompts(spec: ModelSpec, n: int, seed: int, length: int = 300) -> list[list[int]]:

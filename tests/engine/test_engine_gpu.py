@@ -39,7 +39,7 @@ pytestmark = [
 
 
 def cuda_rig() -> Rig:
-    return Rig("cuda", "cuda", None, torch.cuda.synchronize)
+    return Rig("cuda", "cuda", None, torch.cuda.synchronize, deterministic=True)
 
 
 @pytest.mark.parametrize("policy", ["overlap", "barrier"])
