@@ -51,8 +51,10 @@ from layerlift.engine.model.hf_layout import (
     HFLayout,
     UnsupportedModelError,
     architecture,
+    decoder_layers,
     derive_layout,
     hf_config,
+    running_layer,
 )
 from layerlift.pools.spec import Component, ModelSpec
 
@@ -107,7 +109,7 @@ class TransformersModel:
         text = hf_config(hf_model).get_text_config(decoder=True)
         self.vocab_size = int(text.vocab_size)
         self.identity = _identity(hf_model, name, revision, weights_digest)
-        self._layers = _decoder_layers(hf_model, len(self.layout.groups))
+        self._layers = decoder_layers(hf_model, len(self.layout.groups))
         self._lock = threading.Lock()
         self._pass: _Pass | None = None
         for i, module in enumerate(self._layers):
@@ -193,7 +195,7 @@ class TransformersModel:
         p = max(self.spec.page_size, self.spec.swa_window)
         dev = self.device
         try:
-            with self._lock, torch.inference_mode():
+            with self._lock, torch.inference_mode(), running_layer(self._layers) as at:
                 self.hf(input_ids=torch.zeros(1, 2, dtype=torch.int64, device=dev),
                         cache=self._prepared_cache(p), use_cache=True,
                         attention_mask=torch.ones(1, p + 2, dtype=torch.int64, device=dev),
@@ -203,7 +205,7 @@ class TransformersModel:
                 architecture(self.hf), f"its forward cannot continue from a cache of {p} tokens "
                 f"filled layer by layer ({type(e).__name__}: {e})",
                 "cache layers whose placeholders engine/model/hf.py can size (their keys, "
-                "values and lengths)") from e
+                "values and lengths)", layer=at[0]) from e
 
     # ---- cache placeholders --------------------------------------------------------
     def _prepared_cache(self, p: int) -> Any:
@@ -333,26 +335,6 @@ def _record_updates(cache_layer: Any, model: TransformersModel, group: tuple[int
         return inner(key_states, value_states, *args, **kwargs)
 
     cache_layer.update = update
-
-
-def _decoder_layers(hf_model: nn.Module, n: int) -> nn.ModuleList:
-    """The decoder's ``layers`` list, one module per cache layer object:
-    ``get_decoder().layers``, else the one ``*.layers`` module list of ``n``
-    modules (some models' ``get_decoder`` returns another module)."""
-    model: Any = hf_model
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    layers = getattr(decoder, "layers", None)
-    if not isinstance(layers, nn.ModuleList) or len(layers) < n:
-        found = [m for name, m in hf_model.named_modules()
-                 if name.rsplit(".", 1)[-1] == "layers" and isinstance(m, nn.ModuleList)
-                 and len(m) == n]
-        layers = found[0] if len(found) == 1 else None
-    if not isinstance(layers, nn.ModuleList) or len(layers) < n:
-        raise UnsupportedModelError(
-            architecture(hf_model), f"{type(hf_model).__name__} has no decoder `layers` list "
-            f"matching its {n} cache layers, so LayerLift cannot hook its layers",
-            "the decoder's layers exposed as `get_decoder().layers`")
-    return layers
 
 
 def _identity(hf_model: nn.Module, name: str | None, revision: str | None,

@@ -26,6 +26,8 @@ and what support would take.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,9 +42,11 @@ __all__ = [
     "HFLayout",
     "UnsupportedModelError",
     "architecture",
+    "decoder_layers",
     "derive_layout",
     "hf_config",
     "refuse_unsupported",
+    "running_layer",
 ]
 
 INEXACT: dict[str, tuple[str, str]] = {
@@ -131,6 +135,48 @@ def architecture(hf_model: nn.Module) -> str:
                type(hf_model).__name__)
 
 
+def decoder_layers(hf_model: nn.Module, n: int) -> nn.ModuleList:
+    """The decoder's ``layers`` list, one module per cache layer object:
+    ``get_decoder().layers``, else the one ``*.layers`` module list of ``n``
+    modules (some models' ``get_decoder`` returns another module). Raises
+    :class:`UnsupportedModelError` when there is none."""
+    model: Any = hf_model
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, nn.ModuleList) or len(layers) < n:
+        found = [m for name, m in hf_model.named_modules()
+                 if name.rsplit(".", 1)[-1] == "layers" and isinstance(m, nn.ModuleList)
+                 and len(m) == n]
+        layers = found[0] if len(found) == 1 else None
+    if not isinstance(layers, nn.ModuleList) or len(layers) < n:
+        raise UnsupportedModelError(
+            architecture(hf_model), f"{type(hf_model).__name__} has no decoder `layers` list "
+            f"matching its {n} cache layers, so LayerLift cannot hook its layers",
+            "the decoder's layers exposed as `get_decoder().layers`")
+    return layers
+
+
+@contextmanager
+def running_layer(layers: nn.ModuleList) -> Iterator[list[int | None]]:
+    """While open, ``at[0]`` is the decoder layer running (``None`` outside
+    every layer), so a forward that fails can be blamed on its layer."""
+    at: list[int | None] = [None]
+    handles = []
+    for i, module in enumerate(layers):
+        def enter(_m: nn.Module, _a: Any, _i: int = i) -> None:
+            at[0] = _i
+
+        def leave(_m: nn.Module, _a: Any, _o: Any) -> None:
+            at[0] = None
+
+        handles += [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
+    try:
+        yield at
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def _standard_classes() -> dict[type, str]:
     from transformers import cache_utils as cu
 
@@ -202,7 +248,7 @@ def _one(arch: str, values: dict[Any, list[int]], what: str, need: str) -> Any:
     return next(iter(values)) if values else None
 
 
-def _probe(hf_model: nn.Module, cache: Any) -> set[int]:
+def _probe(hf_model: nn.Module, cache: Any, layers: nn.ModuleList) -> set[int]:
     """Run two tokens into ``cache``; the decoder layers whose attention wrote
     its cache layer through ``update`` (the only write LayerLift sees)."""
     arch = architecture(hf_model)
@@ -220,14 +266,15 @@ def _probe(hf_model: nn.Module, cache: Any) -> set[int]:
     device = next(hf_model.parameters()).device
     n = len(cache.layers)
     try:
-        hf_model(input_ids=torch.zeros(1, 2, dtype=torch.int64, device=device), cache=cache,
-                 use_cache=True)
+        with running_layer(layers) as at:
+            hf_model(input_ids=torch.zeros(1, 2, dtype=torch.int64, device=device), cache=cache,
+                     use_cache=True)
     except Exception as e:
         raise UnsupportedModelError(
             arch, f"its forward rejects transformers' standard DynamicCache "
             f"({type(e).__name__}: {e})",
             "an adapter for the model's own cache class (or the model moved onto "
-            "transformers' standard cache layers)") from e
+            "transformers' standard cache layers)", layer=at[0]) from e
     if len(cache.layers) != n:
         raise UnsupportedModelError(
             arch, f"its forward adds cache layers as it runs ({n} before, {len(cache.layers)} "
@@ -248,7 +295,12 @@ def derive_layout(hf_model: nn.Module, page_size: int, track_interval: int) -> H
     refuse_unsupported(hf_model)
     arch = architecture(hf_model)
     cache = _new_cache(hf_model)
-    written = _probe(hf_model, cache)
+    try:
+        layers = decoder_layers(hf_model, len(cache.layers))
+    except UnsupportedModelError as no_layers:  # the probe may find a deeper reason first
+        _probe(hf_model, cache, nn.ModuleList())
+        raise no_layers
+    written = _probe(hf_model, cache, layers)
     classes = _standard_classes()
     letters: list[str] = []
     groups: list[tuple[int, ...]] = []
