@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -250,6 +250,7 @@ class StressStats:
     worst_kl: float = 0.0
     wrong: int = 0
     refused: int = 0
+    refusals: list[str] = field(default_factory=list)
 
 
 async def stress(rig: Rig, seed: int, *, rounds: int = 10, pool_bytes: int = 1_000_000,
@@ -296,6 +297,7 @@ async def stress(rig: Rig, seed: int, *, rounds: int = 10, pool_bytes: int = 1_0
                     # The concurrent batches held the pool: a part (or its
                     # recompute) did not fit. A clear error, nothing to compare.
                     stats.refused += 1
+                    stats.refusals.append(str(out))
                     continue
                 if isinstance(out, BaseException):
                     raise out
