@@ -24,7 +24,8 @@ an event recorded on the wrong stream or a stale copy plan gives wrong bytes:
 * ``pinned`` staging starts filled with a poison byte, so rows nobody fetched are
   not zeros;
 * ``hold(gate)`` keeps every non-default stream from starting work until ``gate`` is
-  set (a test orders "the load lands after the forward" with it, never with sleeps).
+  set, at most 30 s (a test orders "the load lands after the forward" with it, never
+  with sleeps).
 
 Tests must call :meth:`SimDevice.synchronize` before reading or zeroing the pool from
 the test thread (as they would ``torch.cuda.synchronize``), and :meth:`close` at the end.
