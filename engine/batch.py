@@ -47,6 +47,7 @@ the cancellation (``task.cancel()``, ``asyncio.wait_for``/``timeout``, a
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import functools
 import logging
@@ -432,8 +433,8 @@ class Batch:
                              f"for {len(self.plans)} requests")
         if not await self._guard(self._after_good_pass()):
             raise RerunRequired(self._external_requests())
-        return await self._guard(self._finish(self._ext_runs, next_token_logprobs,
-                                              timings if timings is not None else Timings()))
+        mine = dataclasses.replace(timings) if timings is not None else Timings()  # not the host's
+        return await self._guard(self._finish(self._ext_runs, next_token_logprobs, mine))
 
     def _restoring(self) -> frozenset[Hashable]:
         return frozenset(p.request_id for p in self.plans if p.restores)

@@ -220,7 +220,12 @@ class Server:
         if self._task is not None:
             # A cancelled aclose cancels the batcher (the engine aborts its
             # batches) and returns once it ended: their threads have returned.
-            await wait_through(self._task, on_cancel=self._task.cancel)
+            task = self._task
+
+            def stop_batcher() -> None:
+                task.cancel()
+
+            await wait_through(task, on_cancel=stop_batcher)
 
     @property
     def prefetch_active(self) -> bool:
