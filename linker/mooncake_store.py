@@ -259,7 +259,14 @@ class MooncakeStore(Store):
             self._ranged(keys, dst_ptrs, sizes, src_offsets)
             return
         with self.open_session(keys):
-            self._ranged(keys, dst_ptrs, sizes, src_offsets)
+            try:
+                self._ranged(keys, dst_ptrs, sizes, src_offsets)
+            except StoreTimeout as exc:
+                # The read may go on inside this session: end the session (and
+                # return) only once it ended. Inside the caller's own session
+                # (the engine's path) the timeout is raised at once instead.
+                exc.wait_finished()
+                raise
 
     def _ranged(
         self,
