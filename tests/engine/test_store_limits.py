@@ -167,3 +167,18 @@ def test_report_is_bounded() -> None:
         report.record_failure(StoreFull(f"full {i}"))
     assert report.failed == 1000 and len(report.errors) == 8
     assert report.errors[-1] == "full 999" and report.failures == {"StoreFull": 1000}
+
+
+@pytest.mark.mooncake
+def test_the_embedded_store_knows_its_capacity() -> None:
+    """The embedded master's only segment is the engine's: its size is the
+    store's capacity, so a prefix larger than it is never offloaded."""
+    from layerlift.engine.stores import open_store
+
+    handle = open_store(EngineConfig(store="embedded", segment_bytes=16 << 20))
+    try:
+        assert handle.store.capacity_bytes == 16 << 20
+    finally:
+        handle.close()
+    with pytest.raises(ValueError, match="at least 16 MiB"):
+        open_store(EngineConfig(store="embedded", segment_bytes=8 << 20))
