@@ -75,19 +75,21 @@ what support would take)``."""
 TESTED_ARCHITECTURES: tuple[str, ...] = (
     "afmoe", "bailing_hybrid", "bamba", "beam", "cohere2", "cohere2_moe", "cwm", "doge", "dots1",
     "exaone4", "exaone_moe", "falcon_h1", "flint", "gemma2", "gemma3_text", "gemma3n_text",
-    "gemma4_text", "gpt_oss", "granite_swa", "granitemoe_swa", "granitemoehybrid",
-    "inkling2_loop_text", "inkling2_text", "inkling_text", "kimi_linear", "kolibri1", "laguna",
-    "lara_mini", "lfm2", "lfm2_moe", "lfm3", "llama4_text", "mamba2", "mellum", "mimo_v2_flash",
-    "ministral", "ministral3", "mistral", "mixtral", "modernbert-decoder", "nemotron_h", "olmo3",
-    "olmo_hybrid", "phi3", "phimoe", "qwen2", "qwen2_moe", "qwen3", "qwen3_5_moe_text",
-    "qwen3_5_text", "qwen3_moe", "qwen3_next", "smollm3", "starcoder2", "vaultgemma", "zamba2",
-    "zaya",
+    "gemma4_text", "gemma4_unified_text", "gpt_oss", "granite_swa", "granitemoe_swa",
+    "granitemoehybrid", "inkling2_loop_text", "inkling2_text", "inkling_text", "kimi_linear",
+    "kolibri1", "laguna", "lara_mini", "lfm2", "lfm2_moe", "lfm3", "llama4_text", "mamba2",
+    "mellum", "mimo_v2_flash", "ministral", "ministral3", "mistral", "mixtral",
+    "modernbert-decoder", "nemotron_h", "olmo3", "olmo_hybrid", "phi3", "phimoe", "qwen2",
+    "qwen2_moe", "qwen3", "qwen3_5", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_5_text",
+    "qwen3_moe", "qwen3_next", "smollm3", "starcoder2", "vaultgemma", "zamba2", "zaya",
 )
 """Every hybrid (recurrent + attention), recurrent-only and sliding-window
 architecture of transformers 5.24 that ``TransformersModel`` accepts, each
 restored exactly against transformers' own cold forward on a tiny seeded
 config by ``tests/engine/model/test_model_hf_archs.py`` (the one list: the
-README prints it from here)."""
+README prints it from here). Multimodal wrappers are listed by their text
+decoder (``gemma3_text`` for ``gemma3``); ``qwen3_5`` and ``qwen3_5_moe``
+run whole, being small."""
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 

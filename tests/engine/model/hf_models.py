@@ -103,7 +103,12 @@ def tiny_kwargs(arch: str) -> dict[str, Any]:
     if arch in CONFIGS:
         return CONFIGS[arch]
     default = CONFIG_MAPPING[arch]()
-    assert default.get_text_config(decoder=True) is default, f"{arch} nests its text config"
+    text = default.get_text_config(decoder=True)
+    if text is not default:  # a multimodal wrapper: shrink its text decoder only
+        nested = text.to_dict()
+        nested.pop("layer_types", None)  # derived again for four layers
+        nested.update({k: v for k, v in _TINY.items() if k in nested})
+        return {"text_config": nested, **_OVERRIDES.get(arch, {})}
     def settable(name: str) -> bool:
         target = getattr(default, "attribute_map", {}).get(name, name)
         if isinstance(getattr(type(default), target, None), property):
