@@ -15,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 import threading
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -195,4 +197,97 @@ async def test_late_put_lands_with_its_own_bytes_stalled_master(
     finally:
         if stopped.is_set():
             os.kill(pid, signal.SIGCONT)
+        client.close()
+
+
+class ReadWatch(FaultyStore):
+    """Sets ``read_timed_out`` when a ranged read raises StoreTimeout."""
+
+    def __init__(self, inner: Store, spec: ModelSpec) -> None:
+        super().__init__(inner, spec)
+        self.read_timed_out = threading.Event()
+
+    def get_ranges(self, keys: Sequence[str], dst_ptrs: Sequence[Sequence[int]],
+                   sizes: Sequence[Sequence[int]], src_offsets: Sequence[Sequence[int]]) -> None:
+        try:
+            super().get_ranges(keys, dst_ptrs, sizes, src_offsets)
+        except StoreTimeout:
+            self.read_timed_out.set()
+            raise
+
+
+@pytest.fixture(scope="module")
+def store_node(stoppable_master: EmbeddedMaster,
+               tmp_path_factory: pytest.TempPathFactory) -> Iterator[subprocess.Popen[bytes]]:
+    """A storage node (``layerlift store-node``, 64 MiB) in its own process:
+    the engine's client contributes no memory, so every read goes to it."""
+    node = subprocess.Popen(
+        [sys.executable, "-m", "layerlift.cli", "store-node",
+         "--master", stoppable_master.master_address,
+         "--metadata", stoppable_master.metadata_url, "--bytes", "64M"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        cwd=tmp_path_factory.mktemp("node"), env={**os.environ, "MC_LOG_LEVEL": "ERROR"},
+    )  # fmt: skip
+    try:
+        assert node.stdout is not None
+        line = node.stdout.readline()
+        assert line.startswith(b"ready"), line
+        yield node
+    finally:
+        os.kill(node.pid, signal.SIGCONT)
+        node.send_signal(signal.SIGTERM)
+        try:
+            node.wait(30)
+        except subprocess.TimeoutExpired:
+            node.kill()
+            node.wait()
+
+
+@pytest.mark.mooncake
+async def test_a_layer_read_from_a_stalled_node_keeps_its_slots(
+        model: HybridModel, stoppable_master: EmbeddedMaster,
+        store_node: subprocess.Popen[bytes]) -> None:
+    """Layer 3's ranged read is held at a gate, the storage node that holds
+    the objects is stopped (SIGSTOP), the gate opens: the read times out but
+    runs on. The batch must not end (freeing the restore slots the read
+    writes into) before the node resumed (SIGCONT) and the read ended; the
+    result is exact and the next prefill restores exactly."""
+    a, b = prompts(model, 9, [300, 260])
+    ref = await cold(model, [a, b])
+    client = MooncakeStore(stoppable_master.config(
+        global_segment_size=0, local_buffer_size=16 << 20, timeout_s=0.5))
+    stopped = False
+    try:
+        store = ReadWatch(client, model.spec)
+        async with Engine(model, engine_cfg(), store=store) as engine:
+            await engine.prefill([a])
+            await offload_and_drop(engine)
+            gate = threading.Event()
+            fault = store.gate_layer(3, gate)
+            task = asyncio.ensure_future(engine.prefill([a, b]))
+            try:
+                assert await anyio.to_thread.run_sync(fault.started.wait, WAIT_S)
+                os.kill(store_node.pid, signal.SIGSTOP)
+                stopped = True
+                gate.set()
+                assert await anyio.to_thread.run_sync(store.read_timed_out.wait, WAIT_S)
+                done, _ = await asyncio.wait({task}, timeout=HOLD_S)
+                assert not done, "the batch ended while a timed-out read still ran"
+            finally:
+                gate.set()
+                if stopped:
+                    os.kill(store_node.pid, signal.SIGCONT)
+                    stopped = False
+            got = await task
+            assert_exact(got, ref)
+            store.clear()
+            await offload_and_drop(engine, expect_ok=False)
+            again = await engine.prefill([a, b])
+            assert_exact(again, ref)
+            assert all(r.restored_tokens > 0 and not r.recomputed_after_failure for r in again)
+            await engine.wait_offloads()
+            assert_quiescent(engine)
+    finally:
+        if stopped:
+            os.kill(store_node.pid, signal.SIGCONT)
         client.close()
