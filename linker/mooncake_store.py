@@ -93,6 +93,12 @@ class MooncakeStore(Store):
     object read within the master's lease TTL (`--default_kv_lease_ttl`) stays.
     `get_ranges` needs a get session: call it inside `open_session(keys)`, or it
     opens and closes one itself around the call.
+
+    A call that times out goes on in the client's worker: its StoreTimeout
+    carries it (`wait_finished()`); a call still queued is cancelled. The
+    store cleans up after its own: a timed-out session start or register that
+    succeeds later is ended or undone when it ends. Memory lent to a put or a
+    read is the caller's to keep until `wait_finished()` returned.
     """
 
     def __init__(self, config: MooncakeConfig) -> None:
