@@ -26,7 +26,7 @@ and what support would take.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -240,10 +240,11 @@ def _states(layer: Any) -> tuple[list[StateTensorSpec], list[tuple[str, int]]]:
     return specs, names
 
 
-def _one(arch: str, values: dict[Any, list[int]], what: str, need: str) -> Any:
+def _one(arch: str, values: dict[Any, list[int]], what: str, need: str,
+         show: Callable[[Any], str] = str) -> Any:
     """The one value every layer has; refuses naming the layers that differ."""
     if len(values) > 1:
-        seen = "; ".join(f"{v} at decoder layers {ls}" for v, ls in values.items())
+        seen = "; ".join(f"{show(v)} at decoder layers {ls}" for v, ls in values.items())
         first_odd = list(values.values())[1][0]
         raise UnsupportedModelError(arch, f"its layers differ in {what} ({seen}) and LayerLift's "
                                     "pools hold one per component", need, layer=first_odd)
@@ -344,7 +345,10 @@ def derive_layout(hf_model: nn.Module, page_size: int, track_interval: int) -> H
     kv_dtype = _one(arch, dtypes, "KV dtype", "one page object per dtype")
     window = _one(arch, windows, "sliding window", "one SWA component per window size")
     state, names = _one(arch, states, "recurrent state layout",
-                        "a per-layer recurrent state layout in the MAMBA slot") or ((), ())
+                        "a per-layer recurrent state layout in the MAMBA slot",
+                        show=lambda key: ", ".join(
+                            f"{t.name} {list(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+                            for t in key[0])) or ((), ())
     dtype = torch.float32 if kv_dtype is None else kv_dtype
     if dtype not in _DTYPE_NAMES:
         raise UnsupportedModelError(arch, f"its KV dtype {dtype} is not one LayerLift pages",
