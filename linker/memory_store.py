@@ -264,12 +264,15 @@ class MemoryStore(Store):
 
     def put(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> None:
         check_batch(keys, ptrs, sizes)
-        self.put_parts(keys, [[p] for p in ptrs], [[n] for n in sizes], method="put")
+        self._put(keys, [[p] for p in ptrs], [[n] for n in sizes], "put")
 
     def put_parts(
-        self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]],
-        *, method: str = "put_parts",
+        self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
     ) -> None:
+        self._put(keys, ptrs, sizes, "put_parts")
+
+    def _put(self, keys: Sequence[str], ptrs: Sequence[Sequence[int]],
+             sizes: Sequence[Sequence[int]], method: str) -> None:
         check_batch(keys, ptrs, sizes)
         for p, n in zip(ptrs, sizes, strict=True):
             check_batch(p, n)

@@ -28,6 +28,7 @@ Contract shared by every backend (the conformance suite in
 from __future__ import annotations
 
 import contextlib
+import ctypes
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, wait
@@ -217,12 +218,34 @@ class Store(ABC):
     ) -> None:
         """Like `put`, but object `keys[i]` is the concatenation of the buffers
         `ptrs[i][j]` of `sizes[i][j]` bytes (a page plus its checksum footer,
-        both zero-copy). The default handles one buffer per object only and
-        raises StoreError otherwise; backends override it."""
+        both zero-copy where the backend supports it: `MemoryStore` and
+        `MooncakeStore` do). This default copies the parts into one host
+        buffer it registers for the call, then `put`s from it; the buffer is
+        kept until the put really ended, even after a StoreTimeout."""
         check_batch(keys, ptrs, sizes)
-        if any(len(p) != 1 for p in ptrs):
-            raise StoreError(f"{type(self).__name__} cannot put an object from several buffers.")
-        self.put(keys, [p[0] for p in ptrs], [s[0] for s in sizes])
+        for p, n in zip(ptrs, sizes, strict=True):
+            check_batch(p, n)
+        if all(len(p) == 1 for p in ptrs):
+            self.put(keys, [p[0] for p in ptrs], [n[0] for n in sizes])
+            return
+        totals = [sum(n) for n in sizes]
+        staging = ctypes.create_string_buffer(max(1, sum(totals)))
+        base = ctypes.addressof(staging)
+        at, starts = base, []
+        for row, lens in zip(ptrs, sizes, strict=True):
+            starts.append(at)
+            for ptr, n in zip(row, lens, strict=True):
+                ctypes.memmove(at, ptr, n)
+                at += n
+        self.register(base, max(1, sum(totals)))
+        try:
+            try:
+                self.put(keys, starts, totals)
+            except StoreTimeout as exc:
+                if not exc.wait_finished():
+                    raise
+        finally:
+            self.unregister(base)
 
     @abstractmethod
     def get(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[bool]:

@@ -233,3 +233,22 @@ def test_get_ranges_arguments_are_checked_alike(store: Store, ns: str, sizes: li
     ptrs = [[int(dst.data_ptr())] * len(sizes[0])] if sizes[0] else [[]]
     with pytest.raises(ValueError, match=match):
         store.get_ranges([f"{ns}/x"], ptrs, sizes, offsets)
+
+
+def test_the_default_put_parts_copies_for_a_backend_without_one() -> None:
+    """A third-party Store without its own multi-buffer put still takes the
+    engine's page + footer objects (the base class copies them into one
+    registered buffer for the call)."""
+
+    class PlainPuts(MemoryStore):
+        def put_parts(self, keys, ptrs, sizes, **kw):  # type: ignore[no-untyped-def]
+            return Store.put_parts(self, keys, ptrs, sizes)
+
+    with PlainPuts() as plain:
+        a = torch.arange(64, dtype=torch.uint8)
+        b = torch.arange(100, 108, dtype=torch.uint8)
+        plain.register(a)
+        plain.register(b)
+        plain.put_parts(["k"], [[int(a.data_ptr()), int(b.data_ptr())]], [[64, 8]])
+        assert plain.object_bytes("k") == bytes(a.tolist() + b.tolist())
+        assert [c.method for c in plain.calls][-3:] == ["register", "put", "unregister"]
