@@ -223,20 +223,20 @@ class Store(ABC):
         buffer it registers for the call, then `put`s from it; the buffer is
         kept until the put really ended, even after a StoreTimeout."""
         check_batch(keys, ptrs, sizes)
-        for p, n in zip(ptrs, sizes, strict=True):
-            check_batch(p, n)
+        for row_ptrs, row_sizes in zip(ptrs, sizes, strict=True):
+            check_batch(row_ptrs, row_sizes)
         if all(len(p) == 1 for p in ptrs):
             self.put(keys, [p[0] for p in ptrs], [n[0] for n in sizes])
             return
-        totals = [sum(n) for n in sizes]
+        totals = [sum(row) for row in sizes]
         staging = ctypes.create_string_buffer(max(1, sum(totals)))
         base = ctypes.addressof(staging)
         at, starts = base, []
         for row, lens in zip(ptrs, sizes, strict=True):
             starts.append(at)
-            for ptr, n in zip(row, lens, strict=True):
-                ctypes.memmove(at, ptr, n)
-                at += n
+            for ptr, size in zip(row, lens, strict=True):
+                ctypes.memmove(at, ptr, size)
+                at += size
         self.register(base, max(1, sum(totals)))
         try:
             try:
