@@ -64,7 +64,8 @@ class BatchRestore:
         # The barrier waits for everything anyway: its best restore reads
         # whole objects in one call (the fair baseline for per-layer overlap).
         load = BatchLoad(stage.pool, stage.store, stage.link, stage.staging_alloc,
-                         whole=stage.scheduler.policy is LoadPolicy.BARRIER)
+                         whole=stage.scheduler.policy is LoadPolicy.BARRIER,
+                         verify=self.ctx.cfg.verify_restores)
         seen: set[str] = set()
         restoring = [r for r in records if r.txn is not None]
         for rec in restoring:

@@ -44,6 +44,10 @@ class EngineConfig:
       ``"auto"`` (per request, restore only when a cost model learned from
       this engine's own load and forward timings says it beats computing;
       the result's ``restore_decision`` says which and why).
+    * ``verify_restores``: check every restored layer slice against the
+      CRC-32 stored with it (``linker/integrity.py``); a mismatch fails that
+      layer, which recomputes. Costs about 1 s of one CPU thread per GB
+      restored here (``bench/results/integrity.json``); off trusts the store.
     * ``branch_checkpoints``: when a prompt leaves a cached one between two
       checkpoint boundaries, also capture the recurrent state at the branch
       page (at most one per request), so later prompts sharing the branch
@@ -71,6 +75,7 @@ class EngineConfig:
     offload: bool = True
     branch_checkpoints: bool = True
     restore: str = "always"
+    verify_restores: bool = True
     extra: dict[str, object] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -77,8 +77,9 @@ class BatchLoad:
 
     def __init__(self, pool: KVPool, store: Store, link: EmulatedLink | None,
                  staging_alloc: Callable[[int], torch.Tensor] | None = None,
-                 *, whole: bool = False) -> None:
+                 *, whole: bool = False, verify: bool = True) -> None:
         self.whole = whole
+        self.verify = verify  # check every slice against its footer CRC
         self.pool = pool
         self.store = store
         self.link = link
@@ -180,9 +181,10 @@ class BatchLoad:
         return [self._job(layer) for layer in range(self.pool.spec.num_layers)]
 
     def _whole_job(self) -> LayerJob:
-        """The best whole-batch restore (the barrier's): one ``get`` of every
-        page object, straight into its page (the object is the page). Layer 0
-        carries it, so a failure fails every layer."""
+        """The best whole-batch restore (the barrier's): one ranged read of
+        every page object, its page straight into the pool page (plus its
+        footer, when verifying). Layer 0 carries it, so a failure fails every
+        layer."""
         comps = [c for c in Component if len(self.items[c])]
         if not comps:
             return LayerJob(layer=0, fetch=_noop)
@@ -211,6 +213,7 @@ class BatchLoad:
                 base = np.asarray(items.indices, dtype=np.int64) * pb
                 ptrs = (base + self.pool.buffer.data_ptr()).tolist()
             ck = self._checks_ptr + self._check_offsets[c]
+            fb = fb if self.verify else 0  # not verifying: the page alone
             for i, p in enumerate(ptrs):
                 dsts.append([p, ck + i * fb] if fb else [p])
                 lens.append([pb, fb] if fb else [pb])
@@ -224,7 +227,7 @@ class BatchLoad:
             """One ranged read of every object whole (page and footer), then
             every layer slice verified against its footer entry."""
             store.get_ranges(keys, dsts, lens, offs)
-            for c, ptrs, expected, ckeys in verify:
+            for c, ptrs, expected, ckeys in (verify if self.verify else []):
                 for j, (offset, size) in enumerate(component_slices(spec, c)):
                     seeds = [slice_seed(k, j) for k in ckeys]
                     _verify(c, [p + offset for p in ptrs], size, expected[:, j], seeds)
@@ -278,6 +281,9 @@ class BatchLoad:
             against its footer entry (StoreIntegrityError). The component's
             first layer reads the whole footers beside its slices; a later
             layer reads its slices alone if they are in, else its own entry."""
+            if not self.verify:
+                store.get_ranges(keys, [[p] for p in ptrs], [[size]] * n, [[offset]] * n)
+                return
             if local == 0:
                 store.get_ranges(keys, [[p, region + r * fb] for p, r in zip(ptrs, rows,
                                                                              strict=True)],

@@ -221,3 +221,25 @@ def test_every_layer_verifies_whatever_order_its_fetches_run(order: str) -> None
             else:
                 assert torch.equal(got, src[c][r])
     load.close_staging()
+
+
+@pytest.mark.parametrize("policy", ["overlap", "barrier"])
+async def test_negative_control_without_verification_the_corruption_is_served(
+        model: HybridModel, policy: str) -> None:
+    """``verify_restores=False``: the same flipped bit is restored and served
+    (the result differs from the cold run): the check is what catches it."""
+    p = prompt(model)
+    ref = await cold(model, p)
+    store = MemoryStore()
+    cfg = EngineConfig(store="memory", pool_bytes=POOL, policy=policy, verify_restores=False)
+    async with Engine(model, cfg, store=store) as engine:
+        await engine.prefill([p])
+        await offload_and_drop(engine)
+        for key in keys_of(store, Component.FULL):  # a high bit: a large, visible error
+            data = bytearray(store.object_bytes(key))
+            for offset, size in component_slices(model.spec, Component.FULL):
+                data[offset : offset + size : 2] = bytes(0x7F for _ in range(0, size, 2))
+            store.replace_object(key, bytes(data))
+        got = (await engine.prefill([p]))[0]
+        assert got.restored_tokens > 0 and not got.recomputed_after_failure
+        assert kl_divergence(ref.next_token_logprobs, got.next_token_logprobs) > 1e-3
