@@ -10,6 +10,7 @@ the snapshot the lane took at issue time.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ from layerlift.linker.integrity import (
     slice_seed,
 )
 from layerlift.linker.scratch import Scratch, scratch_for
-from layerlift.linker.store_base import Store, StoreIntegrityError
+from layerlift.linker.store_base import Store, StoreIntegrityError, StoreTimeout
 from layerlift.overlap.base import LayerJob
 from layerlift.overlap.device import Device, device_of
 from layerlift.overlap.link import EmulatedLink
@@ -102,6 +103,15 @@ class BatchLoad:
         self._footer_rows: dict[Component, dict[str, int]] = {}
         self._footers_read: dict[Component, frozenset[str]] = {}
         self._footers_lock = threading.Lock()
+        # Timed-out reads that still run (see ``_hold``): their pool pages
+        # stay pinned and the buffers above stay alive until they ended.
+        try:
+            self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:  # built outside the loop (tests): a fetch waits instead
+            self._loop = None
+        self._hold_lock = threading.Lock()
+        self._held = 0
+        self._close_pending = False
 
     @property
     def device(self) -> Device | None:
@@ -132,7 +142,15 @@ class BatchLoad:
 
     def close_staging(self) -> None:
         """Unregister the staging arena and the checksum buffer (call once no
-        fetch runs: a timed-out read may still write into them until then)."""
+        fetch runs). A read that timed out and still runs may write into
+        them: then they are released when the last such read ended."""
+        with self._hold_lock:
+            if self._held:
+                self._close_pending = True
+                return
+        self._close_now()
+
+    def _close_now(self) -> None:
         if self._staging is not None:
             self.store.unregister(self._staging_ptr)
             self._staging = None
@@ -222,11 +240,16 @@ class BatchLoad:
             verify.append((c, ptrs, self._expected(c, n * slices).reshape(n, slices),
                            list(items.keys)))
         store = self.store
+        written = [] if self.on_device else [(c, list(self.items[c].indices)) for c in comps]
 
         def fetch() -> None:
             """One ranged read of every object whole (page and footer), then
             every layer slice verified against its footer entry."""
-            store.get_ranges(keys, dsts, lens, offs)
+            try:
+                store.get_ranges(keys, dsts, lens, offs)
+            except StoreTimeout as exc:
+                _hold(self, exc, written)
+                raise
             for c, ptrs, expected, ckeys in (verify if self.verify else []):
                 for j, (offset, size) in enumerate(component_slices(spec, c)):
                     seeds = [slice_seed(k, j) for k in ckeys]
@@ -275,8 +298,16 @@ class BatchLoad:
         alone = self._expected(layer, n)
         seeds = [slice_seed(k, local) for k in keys]
         wanted = frozenset(keys)
+        written = [] if self.on_device else [(component, list(items.indices))]
 
         def fetch() -> None:
+            try:
+                read()
+            except StoreTimeout as exc:
+                _hold(self, exc, written)
+                raise
+
+        def read() -> None:
             """Slice ``layer`` of every object, then every slice verified
             against its footer entry (StoreIntegrityError). The component's
             first layer reads the whole footers beside its slices; a later
@@ -320,6 +351,60 @@ class BatchLoad:
 
 def _noop() -> None:
     return None
+
+
+def _hold(load: BatchLoad, exc: StoreTimeout, pages: list[tuple[Component, list[int]]]) -> None:
+    """Worker thread, inside a fetch that got ``exc``: take over the memory
+    the still-running call writes (a timed-out store call goes on). The fetch
+    reports its failure at once (the layer recomputes) while the pool pages
+    the call writes stay pinned (never moved, freed only deferred) and the
+    load's staging and checksum buffers stay alive until the call ended;
+    then they are released on the event loop. The pin is queued on the loop before the
+    fetch's failure is delivered there, so it runs before anything frees the
+    pages. Without a loop (a load driven by hand) the fetch waits instead."""
+    future = exc.future
+    if future is None:  # cancelled before it started: nothing runs on
+        return
+    loop = load._loop
+    if loop is None:
+        exc.wait_finished()
+        return
+    with load._hold_lock:
+        load._held += 1
+    try:
+        loop.call_soon_threadsafe(_pin_held, load, pages)
+    except RuntimeError:  # the loop is gone: nobody frees anything any more
+        with load._hold_lock:
+            load._held -= 1
+        exc.wait_finished()
+        return
+    exc.owned = True  # the lane need not wait: this load owns the call's memory now
+
+    def ended(_f: object) -> None:
+        try:
+            loop.call_soon_threadsafe(_release_held, load, pages)
+        except RuntimeError:
+            return
+
+    future.add_done_callback(ended)
+
+
+def _pin_held(load: BatchLoad, pages: list[tuple[Component, list[int]]]) -> None:
+    for c, idx in pages:
+        if idx:
+            load.pool.pin(c, torch.tensor(idx, dtype=torch.int64))
+
+
+def _release_held(load: BatchLoad, pages: list[tuple[Component, list[int]]]) -> None:
+    for c, idx in pages:
+        if idx:
+            load.pool.unpin(c, torch.tensor(idx, dtype=torch.int64))
+    load.pool.flush_deferred()
+    with load._hold_lock:
+        load._held -= 1
+        close = load._held == 0 and load._close_pending
+    if close:
+        load._close_now()
 
 
 def _verify(component: Component, ptrs: list[int], size: int, expected: np.ndarray,

@@ -117,7 +117,8 @@ class ComponentLinker(ABC):
         while a load may still write them; the caller unpins every PREPAREd
         slot once its load finished) and returns the transfer trimmed to what
         was adopted (``None`` if nothing). ABORT, after PREPARE only, unpins
-        and frees every slot; the tree is not touched. Raises ``ValueError``
+        and frees every slot (deferred while another pin holds it); the tree
+        is not touched. Raises ``ValueError``
         for keys of another schema or a transfer without device indices."""
         check_keys(self.schema, transfer)
         idx = transfer.device_indices
@@ -128,7 +129,10 @@ class ComponentLinker(ABC):
             return transfer
         if phase is LoadPhase.ABORT:
             self.pool.unpin(self.component, idx)
-            self.pool.free(self.component, idx)
+            # Deferred: a read that timed out and still runs keeps its pages
+            # pinned (engine/loads.py); they are freed once it ended.
+            self.pool.free_deferred(self.component, idx)
+            self.pool.flush_deferred()
             return None
         if insert_result is None:
             raise ValueError("COMMIT needs the tree's InsertResult")

@@ -145,6 +145,13 @@ class MemoryStore(Store):
         """Let stalled calls take effect (in the background, in their order)."""
         self._running.set()
 
+    def wait_idle(self, timeout_s: float | None = None) -> bool:
+        """Wait until no slow or stalled call still runs in the background
+        (False on timeout)."""
+        with self._lock:
+            workers = self._workers
+        return True if workers is None else workers.wait_idle(timeout_s)
+
     def clear_faults(self) -> None:
         """Forget every injected fault (latency stays)."""
         with self._lock:

@@ -59,6 +59,10 @@ class StoreTimeout(StoreUnavailable):
     def __init__(self, message: str, future: Future[Any] | None = None) -> None:
         super().__init__(message)
         self.future = future
+        # Set by a caller that took over the memory lent to the call (it is
+        # released in the call's own completion): whoever would otherwise
+        # wait for the call before returning need not.
+        self.owned = False
 
     def wait_finished(self, timeout_s: float | None = None) -> bool:
         """Block until the timed-out call ended (at most `timeout_s`; None:

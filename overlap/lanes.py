@@ -228,8 +228,8 @@ def _wait_for_timed_out_calls(landing: Landing) -> None:
     call really ended, so whoever waits for this thread may free the memory."""
     for failure in landing.failures:
         wait = getattr(failure.error, "wait_finished", None)
-        if callable(wait):
-            wait()
+        if callable(wait) and not getattr(failure.error, "owned", False):
+            wait()  # (a fetch that took over the call's memory marked it owned)
 
 
 def _deliver(

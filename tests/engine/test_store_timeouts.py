@@ -13,6 +13,7 @@ in-process store and on a real ``mooncake_master`` stopped with SIGSTOP.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import signal
 import subprocess
@@ -61,6 +62,22 @@ def assert_exact(got: Sequence[PrefillResult], ref: Sequence[PrefillResult]) -> 
     assert max(kls) <= KL_TOL, f"results differ from cold runs: KL = {kls}"
 
 
+def pinned(engine: Engine) -> int:
+    """Pages pinned in the engine's pool (restores, offloads, held reads)."""
+    return sum(int((a.pins > 0).sum()) for a in engine.pool.core.chain)
+
+
+async def settle(exc: StoreTimeout | None) -> None:
+    """Wait until a timed-out call really ended, then let the loop run the
+    release it queued (a few turns, no wall-clock sleep)."""
+    assert exc is not None and exc.future is not None
+    future = exc.future
+    await anyio.to_thread.run_sync(lambda: concurrent.futures.wait([future], WAIT_S))
+    assert future.done(), "the timed-out read never ended"
+    for _ in range(20):
+        await asyncio.sleep(0)
+
+
 def engine_cfg() -> EngineConfig:
     return EngineConfig(store="memory", pool_bytes=POOL, layer_wait_timeout_s=WAIT_S)
 
@@ -71,8 +88,8 @@ STALL_AT = ["exists", "open_session", "get_ranges", "put_parts"]
 
 @pytest.mark.parametrize("method", STALL_AT)
 async def test_store_stalls_past_its_timeout_at_one_call(model: HybridModel, method: str) -> None:
-    a, b = prompts(model, 1, [300, 280])
-    ref = await cold(model, [a, b])
+    a, b, c = prompts(model, 1, [300, 280, 320])
+    ref = await cold(model, [a, b, c])
     store = MemoryStore(timeout_s=0.3)
     async with Engine(model, engine_cfg(), store=store) as engine:
         await engine.prefill([a])
@@ -82,14 +99,23 @@ async def test_store_stalls_past_its_timeout_at_one_call(model: HybridModel, met
         try:
             assert await anyio.to_thread.run_sync(store.timed_out.wait, WAIT_S)
             if method == "get_ranges":
-                # the read still writes into A's restore slots: the batch must
-                # not end (and free them) before the call ended
-                done, _ = await asyncio.wait({task}, timeout=HOLD_S)
-                assert not done, "the batch ended while a timed-out read still ran"
+                # The layer recomputes at once; the read still writes into A's
+                # restore slots, which stay pinned while it runs: a prompt
+                # computed meanwhile gets other pages.
+                got = await task
+                (rc,) = await engine.prefill([c])
+                assert_exact([rc], ref[2:])
         finally:
             store.resume()
+        if method == "get_ranges":
+            assert await anyio.to_thread.run_sync(store.wait_idle, WAIT_S)
+            for _ in range(20):  # the release is queued on the loop
+                await asyncio.sleep(0)
+            (rc,) = await engine.prefill([c])  # a device hit on pages the read never touched
+            assert rc.device_hit_tokens > 0
+            assert_exact([rc], ref[2:])
         got = await task
-        assert_exact(got, ref)
+        assert_exact(got, ref[:2])
         if method in ("exists", "open_session", "get_ranges"):
             assert got[0].restored_tokens == 0 or not got[0].recomputed_after_failure
         report = await engine.wait_offloads()
@@ -97,14 +123,50 @@ async def test_store_stalls_past_its_timeout_at_one_call(model: HybridModel, met
         assert set(report.failures) <= {"StoreTimeout"}, report
         assert_quiescent(engine)
         await offload_and_drop(engine, expect_ok=False)
-        assert_exact(await engine.prefill([a, b]), ref)  # puts what failed, if anything
+        assert_exact(await engine.prefill([a, b]), ref[:2])  # puts what failed, if anything
         failed = report.failed
         await offload_and_drop(engine, expect_ok=False)
         assert engine.offloader.report.failed == failed, engine.offloader.report
         again = await engine.prefill([a, b])
-        assert_exact(again, ref)
+        assert_exact(again, ref[:2])
         assert all(r.restored_tokens > 0 and not r.recomputed_after_failure for r in again), \
             [(r.restored_tokens, r.fallback_reason) for r in again]
+
+
+async def test_a_timed_out_read_keeps_its_slots_pinned_until_it_ended(
+        model: HybridModel) -> None:
+    """A reader engine (no offloads of its own, so its pins are the held
+    read's only): layer 0's read stalls past its timeout, the batch
+    recomputes and returns at once, the restore slots the read still writes
+    stay pinned; once the read ended they are released and the engine is
+    quiescent."""
+    a, c = prompts(model, 4, [300, 320])
+    ref = await cold(model, [a, c])
+    store = MemoryStore(timeout_s=0.3)
+    async with Engine(model, engine_cfg(), store=store) as writer:
+        await writer.prefill([a])
+        await writer.wait_offloads()
+    cfg = EngineConfig(store="memory", pool_bytes=POOL, offload=False,
+                       layer_wait_timeout_s=WAIT_S)
+    async with Engine(model, cfg, store=store) as engine:
+        store.stall_when("get_ranges")
+        try:
+            (got,) = await engine.prefill([a])
+            assert got.recomputed_after_failure and store.timed_out.is_set()
+            assert_exact([got], ref[:1])
+            assert pinned(engine) > 0, "the slots were released while the read still ran"
+            (rc,) = await engine.prefill([c])
+            assert_exact([rc], ref[1:])
+        finally:
+            store.resume()
+        assert await anyio.to_thread.run_sync(store.wait_idle, WAIT_S)
+        for _ in range(20):  # the release is queued on the loop
+            await asyncio.sleep(0)
+        assert pinned(engine) == 0
+        assert_quiescent(engine)
+        (rc,) = await engine.prefill([c])
+        assert rc.device_hit_tokens > 0
+        assert_exact([rc], ref[1:])
 
 
 # ---- reproduction 1: a put that times out must not land later with other bytes ----------
@@ -206,12 +268,14 @@ class ReadWatch(FaultyStore):
     def __init__(self, inner: Store, spec: ModelSpec) -> None:
         super().__init__(inner, spec)
         self.read_timed_out = threading.Event()
+        self.timeout: StoreTimeout | None = None
 
     def get_ranges(self, keys: Sequence[str], dst_ptrs: Sequence[Sequence[int]],
                    sizes: Sequence[Sequence[int]], src_offsets: Sequence[Sequence[int]]) -> None:
         try:
             super().get_ranges(keys, dst_ptrs, sizes, src_offsets)
-        except StoreTimeout:
+        except StoreTimeout as exc:
+            self.timeout = exc
             self.read_timed_out.set()
             raise
 
@@ -249,43 +313,54 @@ async def test_a_layer_read_from_a_stalled_node_keeps_its_slots(
         store_node: subprocess.Popen[bytes]) -> None:
     """Layer 3's ranged read is held at a gate, the storage node that holds
     the objects is stopped (SIGSTOP), the gate opens: the read times out but
-    runs on. The batch must not end (freeing the restore slots the read
-    writes into) before the node resumed (SIGCONT) and the read ended; the
-    result is exact and the next prefill restores exactly."""
-    a, b = prompts(model, 9, [300, 260])
-    ref = await cold(model, [a, b])
+    runs on. The batch recomputes and ends at once, but the restore slots
+    the read writes into stay pinned until the node resumed (SIGCONT) and
+    the read ended: a prompt computed meanwhile gets other pages and its
+    later device hit is exact; the next prefill restores exactly."""
+    a, c = prompts(model, 9, [300, 320])
+    ref = await cold(model, [a, c])
     client = MooncakeStore(stoppable_master.config(
         global_segment_size=0, local_buffer_size=16 << 20, timeout_s=0.5))
     stopped = False
     try:
         store = ReadWatch(client, model.spec)
-        async with Engine(model, engine_cfg(), store=store) as engine:
-            await engine.prefill([a])
-            await offload_and_drop(engine)
+        async with Engine(model, engine_cfg(), store=store) as writer:
+            await writer.prefill([a])
+            await writer.wait_offloads()
+        # a reader with no offloads of its own: its pins are the held read's only
+        reader = EngineConfig(store="memory", pool_bytes=POOL, offload=False,
+                              layer_wait_timeout_s=WAIT_S)
+        async with Engine(model, reader, store=store) as engine:
             gate = threading.Event()
             fault = store.gate_layer(3, gate)
-            task = asyncio.ensure_future(engine.prefill([a, b]))
+            task = asyncio.ensure_future(engine.prefill([a]))
             try:
                 assert await anyio.to_thread.run_sync(fault.started.wait, WAIT_S)
                 os.kill(store_node.pid, signal.SIGSTOP)
                 stopped = True
                 gate.set()
                 assert await anyio.to_thread.run_sync(store.read_timed_out.wait, WAIT_S)
-                done, _ = await asyncio.wait({task}, timeout=HOLD_S)
-                assert not done, "the batch ended while a timed-out read still ran"
+                got = await task
+                assert_exact(got, ref[:1])
+                assert pinned(engine) > 0, "A's slots were released while its read still ran"
+                (rc,) = await engine.prefill([c])
+                assert_exact([rc], ref[1:])
             finally:
                 gate.set()
                 if stopped:
                     os.kill(store_node.pid, signal.SIGCONT)
                     stopped = False
-            got = await task
-            assert_exact(got, ref)
+            await settle(store.timeout)
+            (rc,) = await engine.prefill([c])  # a device hit on pages the read never touched
+            assert rc.device_hit_tokens > 0
+            assert_exact([rc], ref[1:])
+            assert pinned(engine) == 0
             store.clear()
-            await offload_and_drop(engine, expect_ok=False)
-            again = await engine.prefill([a, b])
-            assert_exact(again, ref)
-            assert all(r.restored_tokens > 0 and not r.recomputed_after_failure for r in again)
-            await engine.wait_offloads()
+            engine.drop_device_cache()
+            engine.pool.buffer.zero_()
+            (again,) = await engine.prefill([a])
+            assert_exact([again], ref[:1])
+            assert again.restored_tokens > 0 and not again.recomputed_after_failure
             assert_quiescent(engine)
     finally:
         if stopped:
