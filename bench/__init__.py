@@ -22,5 +22,9 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "pools": ("layerlift.bench.pools", "tri-pool admission against static splits (equal bytes)"),
     "fleet-grid": ("layerlift.bench.fleet_grid",
                    "the replay through 1-8 simulated instances per router, at three settings"),
+    "store-full": ("layerlift.bench.store_full",
+                   "a store smaller than the working set: restored fraction against the ideal"),
+    "integrity": ("layerlift.bench.integrity",
+                  "what the per-layer CRC-32 checks cost: verify throughput, footer reads"),
     "report": ("layerlift.bench.results", "regenerate docs/results.md from bench/results/*.json"),
 }

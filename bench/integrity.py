@@ -1,6 +1,7 @@
 """What end-to-end integrity costs (issue 21): CRC-32 per layer slice.
 
-    python -m layerlift.bench.integrity [--json PATH] [--repeats N] [--mooncake]
+    layerlift bench integrity [--json PATH] [--markdown PATH] [--plot PATH] [--repeats N]
+        [--mooncake]
 
 1. ``crc``: the verification of one layer of a restored batch (the hot
    path: ``integrity.mismatches`` over N slices, seeded with their keys) and
@@ -26,7 +27,6 @@ on one thread; zlib releases the GIL, so fetch threads verify in parallel).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
@@ -40,6 +40,8 @@ from typing import Any
 
 import torch
 
+from layerlift.bench.output import add_output_options, write_outputs
+from layerlift.bench.results import render
 from layerlift.linker.integrity import CHECK_BYTES, checksums, mismatches, slice_seed
 
 SIZES = (8 << 10, 32 << 10, 128 << 10, 256 << 10, 1 << 20)
@@ -126,25 +128,24 @@ def mooncake_point(repeats: int) -> dict[str, Any]:
             "bytes_exact": ok}
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json", default="bench/results/integrity.json")
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="layerlift bench integrity",
+                                 description=__doc__.splitlines()[0])
+    add_output_options(ap)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--mooncake", action="store_true")
     args = ap.parse_args(argv)
     out: dict[str, Any] = {
         "what": "CRC-32 per layer slice: verify throughput per CPU thread; footer read cost",
-        "command": "python -m layerlift.bench.integrity" + (" --mooncake" if args.mooncake else ""),
         "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
         "zlib": zlib.ZLIB_RUNTIME_VERSION, "repeats": args.repeats,
         "crc": crc_points(args.repeats),
     }
     if args.mooncake:
         out["mooncake_footer_read"] = mooncake_point(args.repeats)
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
-    print(json.dumps(out, indent=2))
+    print(render(write_outputs("integrity", out, args, argv)))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

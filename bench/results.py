@@ -142,6 +142,39 @@ def _pools(r: Record) -> list[str]:
     return out
 
 
+def _integrity(r: Record) -> list[str]:
+    head = ["slice KiB", "CRC-32 verify GB/s", "torch hash GB/s"]
+    rows = [[f"{c['slice_bytes'] / 1024:.0f}", _f(c["crc_verify_gbps"]),
+             _f(c["torch_hash_gbps"])] for c in r["crc"]]
+    out = [*_table(head, rows), "",
+           f"- per CPU thread ({r.get('cpus', '?')} cores here, zlib {r.get('zlib', '?')}), "
+           f"{r.get('repeats', '?')} repeats"]
+    m = r.get("mooncake_footer_read")
+    if m:
+        out.append(f"- Mooncake loopback, {m['objects']} objects of {m['layers']} layers: a "
+                   f"restore reads {100 * m['design_overhead_per_restore']:.1f} % longer with "
+                   f"the footers (one footer entry per layer would cost "
+                   f"{100 * m['entry_per_layer_overhead']:.1f} %); bytes exact: "
+                   f"{'yes' if m['bytes_exact'] else 'NO'}")
+    return out
+
+
+def _store_full(r: Record) -> list[str]:
+    head = ["store / working set", "restored fraction", "of the ideal", "puts failed",
+            "backed off", "max KL"]
+    ideal = r["ideal"]
+    rows = [["unbounded (ideal)", _f(ideal["restored_fraction"], 3), "1.00",
+             str(ideal["puts_failed"]), str(ideal["backed_off"]),
+             f"{ideal['max_kl_sampled']:.1e}"]]
+    rows += [[_f(x["fraction_of_working_set"]), _f(x["restored_fraction"], 3),
+              _f(x["of_ideal"]), str(x["puts_failed"]), str(x["backed_off"]),
+              f"{x['max_kl_sampled']:.1e}"] for x in r["rows"]]
+    return [*_table(head, rows), "",
+            f"- {r['prompts']} prompts of {r['tokens']} tokens ({r['preset']}), "
+            f"{r['requests']} requests, each on an emptied device: every hit is the store's; "
+            f"working set {r['working_set_bytes'] / 2**20:.0f} MiB"]
+
+
 def _fleet_grid(r: Record) -> list[str]:
     from layerlift.bench.fleet_grid import render as render_grid
 
@@ -221,6 +254,20 @@ def _plot_fleet_grid(r: Record, path: str) -> None:
     plot_grid(r, out.parent, f"{out.stem}-")
 
 
+def _plot_integrity(r: Record, path: str) -> None:
+    labels = [f"{c['slice_bytes'] // 1024} KiB" for c in r["crc"]]
+    series = {"CRC-32 verify": [c["crc_verify_gbps"] for c in r["crc"]],
+              "torch hash": [c["torch_hash_gbps"] for c in r["crc"]]}
+    _plot_bars(path, "Checksum throughput per CPU thread", labels, series, "GB/s")
+
+
+def _plot_store_full(r: Record, path: str) -> None:
+    labels = ["ideal", *(f"{x['fraction_of_working_set']:.2f}" for x in r["rows"])]
+    series = {"restored fraction": [r["ideal"]["restored_fraction"],
+                                    *(x["restored_fraction"] for x in r["rows"])]}
+    _plot_bars(path, "A store smaller than the working set", labels, series, "fraction")
+
+
 def _plot_pools(r: Record, path: str) -> None:
     by = r["admitted_fraction"]["by_phase"]
     series = {k: [v["phase1"], v["phase2"]] for k, v in by.items()}
@@ -237,6 +284,8 @@ KINDS: dict[str, tuple[str, Callable[[Record], list[str]], Callable[[Record, str
     "pools": ("Tri-pool admission", _pools, _plot_pools),
     "fleet-grid": ("Fleet grid (simulated instances behind routers)", _fleet_grid,
                    _plot_fleet_grid),
+    "store-full": ("A store smaller than the working set", _store_full, _plot_store_full),
+    "integrity": ("What end-to-end checksums cost", _integrity, _plot_integrity),
 }
 
 

@@ -1,7 +1,7 @@
 """A store smaller than the working set: hit fraction against the ideal (issue 21).
 
-    python -m layerlift.bench.store_full [--json PATH] [--prompts N] [--tokens T]
-        [--requests R] [--fractions F ...]
+    layerlift bench store-full [--json PATH] [--markdown PATH] [--plot PATH]
+        [--prompts N] [--tokens T] [--requests R] [--fractions F ...]
 
 ``N`` distinct prompts of ``T`` tokens (the working set: what their offloads
 put in the store) are requested ``R`` times in a seeded random order by an
@@ -20,15 +20,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from layerlift import Engine, EngineConfig, HybridModel, ModelSpec
+from layerlift.bench.output import add_output_options, write_outputs
+from layerlift.bench.results import render
 from layerlift.linker.memory_store import MemoryStore
 from layerlift.testing import kl_divergence
 
@@ -92,14 +92,14 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         row.update(fraction_of_working_set=segment / ws,
                    of_ideal=row["restored_fraction"] / max(ideal["restored_fraction"], 1e-9))
         rows.append(row)
-    return {"command": "python -m layerlift.bench.store_full " + " ".join(args.argv),
-            "preset": args.preset, "prompts": args.prompts, "tokens": args.tokens,
+    return {"preset": args.preset, "prompts": args.prompts, "tokens": args.tokens,
             "requests": args.requests, "working_set_bytes": ws, "ideal": ideal, "rows": rows}
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json", default="bench/results/store_full.json")
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="layerlift bench store-full",
+                                 description=__doc__.splitlines()[0])
+    add_output_options(ap)
     ap.add_argument("--preset", default="tiny", choices=ModelSpec.preset_names())
     ap.add_argument("--prompts", type=int, default=48)
     ap.add_argument("--tokens", type=int, default=2048)
@@ -108,13 +108,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kl-samples", type=int, default=6)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    args.argv = argv if argv is not None else __import__("sys").argv[1:]
     logging.basicConfig(level=logging.ERROR)
     out = asyncio.run(main_async(args))
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
-    print(json.dumps(out, indent=2))
+    print(render(write_outputs("store-full", out, args, argv)))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
