@@ -31,8 +31,7 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import anyio
-
+from layerlift.engine.threads import run_owned
 from layerlift.linker.components import ComponentLinker
 from layerlift.linker.contract import LinkerTransferPhase, PoolTransfer
 from layerlift.linker.integrity import footer_bytes, object_bytes, page_footers
@@ -173,7 +172,9 @@ class Offloader:
                  for i in (t.device_indices.tolist() if t.device_indices is not None else [])]
         sizes = [self.pool.page_bytes(c) for c, _ in pages]
         try:
-            await anyio.to_thread.run_sync(self._put, keys, pages, sizes)
+            # Owned: the pages stay pinned (and the node locked) until the put
+            # thread returned, even if this task is cancelled meanwhile.
+            await run_owned(lambda: self._put(keys, pages, sizes))
         except StoreError as exc:
             self.report.record_failure(exc)
             self.failure_log.failed(exc)
@@ -290,7 +291,11 @@ class Offloader:
         return bool(self._tasks)
 
     async def wait(self) -> OffloadReport:
-        """Wait until every submitted offload has landed or failed."""
+        """Wait until every submitted offload has landed or failed.
+
+        Cancelling the caller stops the waiting only: the offloads go on
+        (``asyncio.wait`` never cancels what it waits for), so a put never
+        loses the pins on the pages it is still reading."""
         while self._tasks:
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+            await asyncio.wait(list(self._tasks))
         return self.report
