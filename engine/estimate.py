@@ -18,11 +18,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-import anyio
 import numpy as np
 import torch
 
 from layerlift.engine.costmodel import CostModel, restore_bytes
+from layerlift.engine.threads import run_owned
 from layerlift.linker.components import ComponentLinker
 from layerlift.linker.contract import LinkerTransferPhase, LinkRequest
 from layerlift.linker.restorable import choose_boundary, restorable_boundaries
@@ -115,7 +115,7 @@ async def estimate_prefill(tree: UnifiedRadixTree, linkers: Mapping[Component, C
         keys = [k for t in lookup.values() if t is not None for k in t.keys]
         if keys:
             try:
-                answers = await anyio.to_thread.run_sync(store.exists, keys)
+                answers = await run_owned(lambda: store.exists(keys))
             except StoreError:
                 answers, available = [], False
             if available:

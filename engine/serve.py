@@ -330,8 +330,8 @@ class Server:
         finally:  # however the batcher ends, nobody is left waiting
             for task in running:  # cancelled: the engine aborts its batches
                 task.cancel()
-            if running:
-                await asyncio.gather(*running, return_exceptions=True)
+            if running:  # their threads return before the batcher ends, even if cancelled again
+                await wait_through(asyncio.ensure_future(asyncio.wait(list(running))))
             self._closing = True
             while self._queue:
                 self._fail(self._queue.popleft(), ServerClosed("the server stopped"))
