@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from layerlift.bench.output import add_output_options, write_outputs
-from layerlift.bench.results import render
+from layerlift.bench.results import plot, render
 from layerlift.linker.integrity import CHECK_BYTES, checksums, mismatches, slice_seed
 
 SIZES = (8 << 10, 32 << 10, 128 << 10, 256 << 10, 1 << 20)
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.mooncake:
         out["mooncake_footer_read"] = mooncake_point(args.repeats)
-    print(render(write_outputs("integrity", out, args, argv)))
+    print(render(write_outputs("integrity", out, args, argv, render, plot)))
     return 0
 
 

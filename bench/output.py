@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,11 +38,13 @@ def command_line(name: str, argv: Sequence[str] | None) -> str:
 
 
 def write_outputs(name: str, data: dict[str, Any], args: argparse.Namespace,
-                  argv: Sequence[str] | None) -> dict[str, Any]:
+                  argv: Sequence[str] | None, render: Callable[[dict[str, Any]], str],
+                  plot: Callable[[dict[str, Any], str], None]) -> dict[str, Any]:
     """Stamp ``data`` with the benchmark's name and command, then write what
-    ``args`` asks for (JSON, Markdown, plot). Returns the stamped record."""
-    from layerlift.bench import results
-
+    ``args`` asks for: the JSON record, ``render(record)`` as Markdown,
+    ``plot(record, path)``. Returns the stamped record. (The callers pass
+    :func:`layerlift.bench.results.render` and ``plot``: this module imports
+    no benchmark, so every benchmark can import it.)"""
     meta = dict(data.get("meta", {}))
     meta.setdefault("command", command_line(name, argv))
     record = {"benchmark": name, **data, "meta": meta}
@@ -51,7 +53,7 @@ def write_outputs(name: str, data: dict[str, Any], args: argparse.Namespace,
         Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
     if args.markdown:
         Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.markdown).write_text(results.render(record) + "\n")
+        Path(args.markdown).write_text(render(record) + "\n")
     if args.plot:
-        results.plot(record, args.plot)
+        plot(record, args.plot)
     return record

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from layerlift.bench.output import add_output_options, write_outputs
+from layerlift.bench.results import plot, render
 from layerlift.overlap import (
     CombinedReadiness,
     CpuLane,
@@ -165,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     out = {"grid": rows, "per_layer_overhead_us": worst, "wait_overhead_us": wait_worst,
            "per_request_jobs_overhead_us": stress,
            "max_in_flight": args.max_in_flight, "stream_size": args.stream_size}
-    write_outputs("overhead", out, args, argv)
+    write_outputs("overhead", out, args, argv, render, plot)
     return 0
 
 

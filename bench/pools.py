@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from layerlift.bench.output import add_output_options, write_outputs
-from layerlift.bench.results import render
+from layerlift.bench.results import plot, render
 from layerlift.pools import Component, KVPool, ModelSpec, StaticKVPool, UnifiedKVPool
 
 F, S, M = Component.FULL, Component.SWA, Component.MAMBA
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     out = run(args.requests, args.seed, args.live)
     out["wall_s"] = time.perf_counter() - start
-    record = write_outputs("pools", out, args, argv)
+    record = write_outputs("pools", out, args, argv, render, plot)
     print(render(record))
     return 0
 

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from layerlift.bench.output import add_output_options, write_outputs
+from layerlift.bench.results import plot, render
 from layerlift.bench.stats import efficiency, lower_bound, recurrence
 from layerlift.overlap import CpuLane, LayerJob, LayerReadiness, LoadPolicy, LoadScheduler
 from layerlift.overlap.link import EmulatedLink
@@ -141,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{1e3 * r['bound_s']:>8.1f} {em if em is None else f'{em:.3f}':>9} "
               f"{eb if eb is None else f'{eb:.3f}':>9} "
               f"{es if es is None else f'{es:.3f}':>10}")  # fmt: skip
-    write_outputs("sched", {"profiles": rows}, args, argv)
+    write_outputs("sched", {"profiles": rows}, args, argv, render, plot)
     return 0
 
 

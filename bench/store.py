@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from layerlift.bench.output import add_output_options, write_outputs
+from layerlift.bench.results import plot, render
 from layerlift.linker.master import EmbeddedMaster
 from layerlift.linker.mooncake_config import MooncakeConfig
 from layerlift.linker.mooncake_store import MooncakeStore
@@ -228,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         "timing": "modes rotated per repeat; ranged includes session start/end; "
         "ratios are per-repeat (paired) ratios of GB/s",
     }
-    write_outputs("store", report, args, argv)
+    write_outputs("store", report, args, argv, render, plot)
     return 0
 
 

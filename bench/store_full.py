@@ -28,7 +28,7 @@ import numpy as np
 
 from layerlift import Engine, EngineConfig, HybridModel, ModelSpec
 from layerlift.bench.output import add_output_options, write_outputs
-from layerlift.bench.results import render
+from layerlift.bench.results import plot, render
 from layerlift.linker.memory_store import MemoryStore
 from layerlift.testing import kl_divergence
 
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
     out = asyncio.run(main_async(args))
-    print(render(write_outputs("store-full", out, args, argv)))
+    print(render(write_outputs("store-full", out, args, argv, render, plot)))
     return 0
 
 
