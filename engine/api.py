@@ -189,12 +189,17 @@ class Engine:
             return []
         started = time.perf_counter()
         ctx = self._context()
-        results: list[PrefillResult] = []
-        todo, take = list(prompts), len(prompts)
+        results: dict[int, PrefillResult] = {}
+        todo, take = list(range(len(prompts))), len(prompts)  # prompt indices, in order
+        compute_only: set[int] = set()  # deferred once after a failed restore
         while todo:
             # Prompts left over from a part are looked up again: the parts
             # before them may have put their prefixes on the device.
-            plans = await self._lookup_locked(todo[:take], started)  # the lock passes on
+            part = todo[:take]
+            plans = await self._lookup_locked([prompts[i] for i in part], started)  # holds lock
+            for i, plan in zip(part, plans, strict=True):
+                if i in compute_only and plan.restores:
+                    plan.drop_restore("its restore failed in an earlier part")
             try:
                 self._check_fits(plans)
             except BaseException:
@@ -217,10 +222,17 @@ class Engine:
                 raise
             for plan in rest:
                 release_plan(ctx, plan)
-            todo, take = todo[len(plans) - len(rest):], len(todo)
+            index = dict(zip((id(p) for p in plans), part, strict=True))
+            todo = todo[len(plans) - len(rest):]
+            batch.may_defer = True
             await batch.issue()
-            results += await batch.run()  # COMMIT, then the forward
-        return results
+            got = await batch.run()  # COMMIT, then the forward
+            for plan, result in zip(batch.plans, got, strict=True):
+                results[index[id(plan)]] = result
+            again = [index[id(p)] for p in batch.deferred]  # served next, in order
+            compute_only.update(again)
+            todo, take = again + todo, len(again) + len(todo)
+        return [results[i] for i in range(len(prompts))]
 
     def _check_fits(self, plans: Sequence[LookupPlan]) -> None:
         """``EngineError`` for a prompt whose compute alone exceeds the pool

@@ -151,6 +151,8 @@ class Batch:
         self._forward_idle.set()
         self._forward_stop: threading.Event | None = None
         self._abort_reason: BaseException | None = None
+        self.may_defer = False  # prefill sets it: a recompute that does not fit is deferred
+        self.deferred: list[LookupPlan] = []  # plans taken out of the batch (see _defer)
         ctx.live.add(self)
 
     @property
@@ -296,6 +298,10 @@ class Batch:
     async def _run(self) -> list[PrefillResult]:
         ctx = self.ctx
         for _attempt in range(MAX_FORWARD_ATTEMPTS):
+            if not self.records:  # every request was deferred to a later part
+                await self._end_load()
+                await self.close(None)
+                return []
             runs, deps, stop = build_runs(self.records), self._deps(), threading.Event()
             self._forward_stop = stop
             self._forward_idle.clear()
@@ -457,7 +463,7 @@ class Batch:
         compute pages sized for the longer suffix (waiting, bounded, for the
         room another batch or an offload holds)."""
         ctx = self.ctx
-        for rec in self.records:
+        for rec in list(self.records):
             plan = rec.plan
             if rec.rid not in failed or not plan.restores:
                 continue
@@ -470,6 +476,13 @@ class Batch:
             while rec.compute is None and await ctx.wait_for_room(
                     self, f"request {rec.rid} must be recomputed ({reason})"):
                 rec.compute = alloc_compute(ctx.pool, ctx.tree, plan)
+            if rec.compute is None and self.may_defer:
+                # The room is held by this batch's other requests or by the
+                # plans of the batch looking up behind it (a longer suffix
+                # needs pages the tri-pool cannot place around their pinned
+                # pages and slots): serve this one in a later part instead.
+                self._defer(rec)
+                continue
             if rec.compute is None:
                 raise EngineError(
                     f"request {rec.rid} must be recomputed ({reason}) but its "
@@ -560,6 +573,14 @@ class Batch:
                 raise EngineError(f"the batch's cleanup failed: {problems[0]!r}") from problems[0]
             for problem in problems:
                 error.add_note(f"and during the cleanup: {problem!r}")
+
+    def _defer(self, rec: RequestRecord) -> None:
+        """Take a request whose restore failed out of this batch (its
+        restore is already unpublished, its compute pages freed): the caller
+        serves ``self.deferred`` in a later part."""
+        self.records.remove(rec)
+        self._release(rec)
+        self.deferred.append(rec.plan)
 
     def _release(self, rec: RequestRecord) -> None:
         """Everything the batch holds for one request: its compute pages,

@@ -46,7 +46,9 @@ async def test_stress_exact_on_the_simulated_device(seed: int, count_trims: list
     finally:
         sim.close()
     assert stats.wrong == 0 and stats.worst_kl <= KL_EXACT, stats
-    assert stats.results > stats.refused, stats
+    # Every prompt fits alone: none is refused for room (a recompute that
+    # the batch cannot place is served in a later part instead).
+    assert stats.refused == 0, stats.refusals
     assert sim.relocation_hazards == 0
     _seen["trims"] += count_trims[0]
     _seen["relocations"] += sim.relocations
