@@ -25,7 +25,8 @@ import pytest
 from layerlift import Engine, EngineConfig, HybridModel, ModelSpec
 from layerlift.engine.results import PrefillResult
 from layerlift.linker.memory_store import MemoryStore
-from layerlift.testing import FaultyModel, FaultyStore, assert_quiescent, kl_divergence
+from layerlift.testing import FaultyModel, FaultyStore, assert_quiescent
+from layerlift.testing.reference import assert_exact, cold_prefills, random_prompts
 from layerlift.testing.sanitizer import PoolSanitizer, SanitizerViolation
 
 KL_TOL = 1e-6
@@ -36,23 +37,6 @@ WAIT_S = 30.0
 @pytest.fixture(scope="module")
 def model() -> HybridModel:
     return HybridModel(ModelSpec.preset("tiny"), seed=0)
-
-
-def prompts(model: HybridModel, seed: int, lengths: list[int]) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, model.vocab_size, n, dtype=np.int64) for n in lengths]
-
-
-async def cold(model: HybridModel, batch: list[np.ndarray]) -> list[PrefillResult]:
-    cfg = EngineConfig(store="memory", offload=False, pool_bytes=64 << 20)
-    async with Engine(model, cfg) as engine:
-        return [(await engine.prefill([p]))[0] for p in batch]
-
-
-def assert_exact(got: list[PrefillResult], ref: list[PrefillResult]) -> None:
-    kls = [kl_divergence(r.next_token_logprobs, g.next_token_logprobs)
-           for g, r in zip(got, ref, strict=True)]
-    assert max(kls) <= KL_TOL, f"results differ from cold runs: KL = {kls}"
 
 
 async def cancel_while_held(task: asyncio.Task[Any], cancel: Any, gate: threading.Event) -> None:
@@ -73,9 +57,9 @@ async def test_cancelled_forward_releases_its_pages_only_after_it_returned(
     """Finding 1: a new 3000-token prompt (8 MiB pool) cancelled while its
     forward runs; six later prompts are computed into the pool and hit on
     the device: all exact."""
-    big = prompts(model, 1, [3000])[0]
-    later = prompts(model, 2, [700, 900, 500, 800, 600, 1000])
-    ref = await cold(model, later)
+    big = random_prompts(model, 1, [3000])[0]
+    later = random_prompts(model, 2, [700, 900, 500, 800, 600, 1000])
+    ref = await cold_prefills(model, later)
     san, faulty = PoolSanitizer(), FaultyModel(model)
     cfg = EngineConfig(store="memory", offload=False, pool_bytes=8 << 20)
     async with Engine(san.model(faulty), cfg) as engine:
@@ -114,8 +98,8 @@ async def test_cancelled_wait_offloads_does_not_cut_a_put_short(model: HybridMod
     """Finding 2: ``wait_offloads()`` cancelled while the put runs; the
     pages it reads are reused by another prompt before it ends. The store
     must hold A's bytes under A's keys: a later restore of A is exact."""
-    a, b = prompts(model, 3, [640, 640])
-    ref_a, ref_b = await cold(model, [a, b])
+    a, b = random_prompts(model, 3, [640, 640])
+    ref_a, ref_b = await cold_prefills(model, [a, b])
     san = PoolSanitizer()
     store = FaultyStore(MemoryStore(), model.spec)
     cfg = EngineConfig(store="memory", pool_bytes=4 << 20)
@@ -158,14 +142,14 @@ async def test_engine_close_waits_for_a_running_forward(model: HybridModel) -> N
     engine = Engine(san.model(faulty), EngineConfig(store="memory", pool_bytes=16 << 20))
     await engine.start()
     san.attach(engine.pool)
-    task = asyncio.create_task(engine.prefill(prompts(model, 4, [900])))
+    task = asyncio.create_task(engine.prefill(random_prompts(model, 4, [900])))
     assert await anyio.to_thread.run_sync(faulty.reached.wait, WAIT_S)
     closing = asyncio.create_task(engine.close())
     done, _ = await asyncio.wait({closing}, timeout=HOLD_S)
     assert not done, "close returned while a forward still ran"
     gate.set()
     await asyncio.wait_for(closing, WAIT_S)
-    with pytest.raises(Exception, match="closing|aborted"):
+    with pytest.raises(Exception, match=r"closing|aborted"):
         await task
     san.check()
 
@@ -200,7 +184,7 @@ async def test_prepare_cancelled_while_waiting_for_offloads_leaks_nothing(
     pinned for good. Now the exit aborts every transaction never committed."""
     import layerlift.engine.batch as batch_mod
 
-    a, b, c = prompts(model, 5, [600, 600, 600])
+    a, b, c = random_prompts(model, 5, [600, 600, 600])
     store = FaultyStore(MemoryStore(), model.spec)
     async with Engine(model, EngineConfig(store="memory", pool_bytes=16 << 20),
                       store=store) as engine:
@@ -238,7 +222,7 @@ async def test_prepare_cancelled_while_waiting_for_offloads_leaks_nothing(
         store.clear()
         await engine.wait_offloads()
         assert_quiescent(engine)
-        ref = await cold(model, [a, b])
+        ref = await cold_prefills(model, [a, b])
         got = await engine.prefill([a, b])
         assert all(r.restored_tokens > 0 for r in got)
         assert_exact(got, ref)
@@ -250,7 +234,7 @@ async def test_abort_after_the_load_landed_keeps_the_restore(model: HybridModel)
     """Finding 4: an abort after COMMIT used to unpublish every restore,
     even ones that had landed in full. A restore that landed stays
     published (its bytes are whole): the next prefill hits it on the device."""
-    (a,) = prompts(model, 6, [700])
+    (a,) = random_prompts(model, 6, [700])
     async with Engine(model, EngineConfig(store="memory", pool_bytes=16 << 20)) as engine:
         (ref,) = await engine.prefill([a])
         await engine.wait_offloads()
@@ -287,7 +271,7 @@ async def test_concurrent_prefills_in_a_tight_pool_wait_for_room(model: HybridMo
     batch = [np.concatenate([shared, rng.integers(0, model.vocab_size, int(n), dtype=np.int64)])
              if i % 2 else rng.integers(0, model.vocab_size, int(n) + 512, dtype=np.int64)
              for i, n in enumerate(rng.integers(300, 1400, 8))]
-    ref = await cold(model, batch)
+    ref = await cold_prefills(model, batch)
     async with Engine(model, EngineConfig(store="memory", pool_bytes=64 << 20)) as probe:
         ctx = probe._ctx
         needs = []
@@ -314,9 +298,9 @@ async def test_cancelled_server_aclose_returns_after_the_forward(model: HybridMo
     engine then serves exactly."""
     from layerlift.engine.serve import Server
 
-    (p,) = prompts(model, 7, [800])
-    later = prompts(model, 8, [500, 700])
-    ref = await cold(model, later)
+    (p,) = random_prompts(model, 7, [800])
+    later = random_prompts(model, 8, [500, 700])
+    ref = await cold_prefills(model, later)
     san, faulty = PoolSanitizer(), FaultyModel(model)
     async with Engine(san.model(faulty), EngineConfig(store="memory",
                                                        pool_bytes=16 << 20)) as engine:
@@ -346,8 +330,8 @@ async def test_cancelled_server_aclose_returns_after_the_forward(model: HybridMo
 async def test_engine_close_waits_for_a_running_put(model: HybridModel) -> None:
     """``Engine.close`` while an offload's put is held: close waits for it
     (the pages stay pinned), and the store then holds exact objects."""
-    (p,) = prompts(model, 9, [700])
-    (ref,) = await cold(model, [p])
+    (p,) = random_prompts(model, 9, [700])
+    (ref,) = await cold_prefills(model, [p])
     inner = MemoryStore()
     store = FaultyStore(inner, model.spec)
     san = PoolSanitizer()

@@ -26,6 +26,7 @@ from layerlift.linker.memory_store import MemoryStore
 from layerlift.linker.mooncake_store import MooncakeStore
 from layerlift.pools.hashing import page_hashes
 from layerlift.testing import assert_quiescent, kl_divergence, offload_and_drop
+from layerlift.testing.reference import cold_prefills
 
 KL_TOL = 1e-6
 POOL = 32 << 20
@@ -38,12 +39,6 @@ def model() -> HybridModel:
 
 def prompt(model: HybridModel, seed: int = 3, n: int = 300) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, model.vocab_size, n, dtype=np.int64)
-
-
-async def cold(model: HybridModel, p: np.ndarray) -> PrefillResult:
-    cfg = EngineConfig(store="memory", offload=False, pool_bytes=POOL)
-    async with Engine(model, cfg) as engine:
-        return (await engine.prefill([p]))[0]
 
 
 def exact(got: PrefillResult, ref: PrefillResult) -> None:
@@ -106,7 +101,7 @@ CASES: dict[str, Corrupt] = {
 async def test_a_corrupted_object_is_recomputed_exactly(model: HybridModel, case: str,
                                                         policy: str) -> None:
     p = prompt(model)
-    ref = await cold(model, p)
+    (ref,) = await cold_prefills(model, [p], pool_bytes=POOL)
     store = MemoryStore()
     cfg = EngineConfig(store="memory", pool_bytes=POOL, policy=policy)
     async with Engine(model, cfg, store=store) as engine:
@@ -147,7 +142,7 @@ async def test_a_foreign_object_in_mooncake_is_recomputed(
     """On a real master: one FULL key is overwritten with another object's
     bytes and footer (self-consistent, but not this key's); the restore detects it."""
     p = prompt(model, seed=11)
-    ref = await cold(model, p)
+    (ref,) = await cold_prefills(model, [p], pool_bytes=POOL)
     cfg = EngineConfig(store="memory", pool_bytes=POOL, namespace=namespace)
     async with Engine(model, cfg, store=mc_client) as engine:
         await engine.prefill([p])
@@ -229,7 +224,7 @@ async def test_negative_control_without_verification_the_corruption_is_served(
     """``verify_restores=False``: the same flipped bit is restored and served
     (the result differs from the cold run): the check is what catches it."""
     p = prompt(model)
-    ref = await cold(model, p)
+    (ref,) = await cold_prefills(model, [p], pool_bytes=POOL)
     store = MemoryStore()
     cfg = EngineConfig(store="memory", pool_bytes=POOL, policy=policy, verify_restores=False)
     async with Engine(model, cfg, store=store) as engine:

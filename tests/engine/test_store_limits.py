@@ -11,17 +11,16 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 
 import numpy as np
 import pytest
 
 from layerlift import Engine, EngineConfig, HybridModel, ModelSpec
 from layerlift.engine.offload import FailureLog, OffloadReport
-from layerlift.engine.results import PrefillResult
 from layerlift.linker.memory_store import MemoryStore
 from layerlift.linker.store_base import StoreFull, StoreUnavailable
 from layerlift.testing import FaultyStore, assert_quiescent, kl_divergence, offload_and_drop
+from layerlift.testing.reference import cold_prefills, random_prompts
 
 KL_TOL = 1e-6
 POOL = 32 << 20
@@ -30,17 +29,6 @@ POOL = 32 << 20
 @pytest.fixture(scope="module")
 def model() -> HybridModel:
     return HybridModel(ModelSpec.preset("tiny"), seed=0)
-
-
-def prompts(model: HybridModel, seed: int, lengths: Sequence[int]) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, model.vocab_size, n, dtype=np.int64) for n in lengths]
-
-
-async def cold(model: HybridModel, p: np.ndarray) -> PrefillResult:
-    cfg = EngineConfig(store="memory", offload=False, pool_bytes=POOL)
-    async with Engine(model, cfg) as engine:
-        return (await engine.prefill([p]))[0]
 
 
 async def stored_bytes(model: HybridModel, p: np.ndarray) -> int:
@@ -58,11 +46,11 @@ def puts_of(store: MemoryStore) -> int:
 
 async def test_a_prefix_larger_than_the_store_is_not_offloaded(
         model: HybridModel, caplog: pytest.LogCaptureFixture) -> None:
-    small, big = prompts(model, 1, [256, 1200])
+    small, big = random_prompts(model, 1, [256, 1200])
     need_small, need_big = await stored_bytes(model, small), await stored_bytes(model, big)
     assert need_big > need_small
     store = MemoryStore(capacity_bytes=need_small + (need_big - need_small) // 2)
-    ref = await cold(model, small)
+    (ref,) = await cold_prefills(model, [small], pool_bytes=POOL)
     async with Engine(model, EngineConfig(store="memory", pool_bytes=POOL), store=store) as e:
         await e.prefill([small])
         await offload_and_drop(e)
@@ -89,7 +77,7 @@ async def test_a_full_store_backs_the_node_off(model: HybridModel) -> None:
     not beside it: its put fails with StoreFull; of its next prefills (device
     hits, each would offload again) the next 2 skip the put, the 3rd tries
     once more and fails, and the next 4 skip."""
-    first, second = prompts(model, 2, [600, 600])
+    first, second = random_prompts(model, 2, [600, 600])
     need = await stored_bytes(model, first)
     store = MemoryStore(capacity_bytes=need + need // 2)
     async with Engine(model, EngineConfig(store="memory", pool_bytes=POOL), store=store) as e:
@@ -113,7 +101,7 @@ async def test_an_outage_logs_once_and_counts(model: HybridModel,
     """40 prefills with the store down: one warning (the summary interval is
     30 s), 40 failures counted, at most 8 messages kept; then the store comes
     back: one line says so and the offloads land."""
-    ps = prompts(model, 3, [80] * 41)
+    ps = random_prompts(model, 3, [80] * 41)
     faulty = FaultyStore(MemoryStore(), model.spec)
     async with Engine(model, EngineConfig(store="memory", pool_bytes=POOL), store=faulty) as e:
         faulty.down = True

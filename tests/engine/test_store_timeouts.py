@@ -23,16 +23,15 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 
 import anyio
-import numpy as np
 import pytest
 
 from layerlift import Engine, EngineConfig, HybridModel, ModelSpec
-from layerlift.engine.results import PrefillResult
 from layerlift.linker.master import EmbeddedMaster
 from layerlift.linker.memory_store import MemoryStore
 from layerlift.linker.mooncake_store import MooncakeStore
 from layerlift.linker.store_base import Store, StoreTimeout
-from layerlift.testing import FaultyStore, assert_quiescent, kl_divergence, offload_and_drop
+from layerlift.testing import FaultyStore, assert_quiescent, offload_and_drop
+from layerlift.testing.reference import assert_exact, cold_prefills, random_prompts
 
 KL_TOL = 1e-6
 HOLD_S = 0.5  # how long a broken engine gets to return early (a correct one never does)
@@ -43,23 +42,6 @@ POOL = 32 << 20
 @pytest.fixture(scope="module")
 def model() -> HybridModel:
     return HybridModel(ModelSpec.preset("tiny"), seed=0)
-
-
-def prompts(model: HybridModel, seed: int, lengths: Sequence[int]) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, model.vocab_size, n, dtype=np.int64) for n in lengths]
-
-
-async def cold(model: HybridModel, batch: Sequence[np.ndarray]) -> list[PrefillResult]:
-    cfg = EngineConfig(store="memory", offload=False, pool_bytes=POOL)
-    async with Engine(model, cfg) as engine:
-        return [(await engine.prefill([p]))[0] for p in batch]
-
-
-def assert_exact(got: Sequence[PrefillResult], ref: Sequence[PrefillResult]) -> None:
-    kls = [kl_divergence(r.next_token_logprobs, g.next_token_logprobs)
-           for g, r in zip(got, ref, strict=True)]
-    assert max(kls) <= KL_TOL, f"results differ from cold runs: KL = {kls}"
 
 
 def pinned(engine: Engine) -> int:
@@ -88,8 +70,8 @@ STALL_AT = ["exists", "open_session", "get_ranges", "put_parts"]
 
 @pytest.mark.parametrize("method", STALL_AT)
 async def test_store_stalls_past_its_timeout_at_one_call(model: HybridModel, method: str) -> None:
-    a, b, c = prompts(model, 1, [300, 280, 320])
-    ref = await cold(model, [a, b, c])
+    a, b, c = random_prompts(model, 1, [300, 280, 320])
+    ref = await cold_prefills(model, [a, b, c])
     store = MemoryStore(timeout_s=0.3)
     async with Engine(model, engine_cfg(), store=store) as engine:
         await engine.prefill([a])
@@ -140,8 +122,8 @@ async def test_a_timed_out_read_keeps_its_slots_pinned_until_it_ended(
     recomputes and returns at once, the restore slots the read still writes
     stay pinned; once the read ended they are released and the engine is
     quiescent."""
-    a, c = prompts(model, 4, [300, 320])
-    ref = await cold(model, [a, c])
+    a, c = random_prompts(model, 4, [300, 320])
+    ref = await cold_prefills(model, [a, c])
     store = MemoryStore(timeout_s=0.3)
     async with Engine(model, engine_cfg(), store=store) as writer:
         await writer.prefill([a])
@@ -192,8 +174,8 @@ async def reproduce_late_put(model: HybridModel, store: PutWatch, stop: Callable
     device cache, prefill B (into the pages A's put would read if they were
     released), resume: A must then restore exactly, with no failed layer
     (the put landed with A's bytes) and the report must count it landed."""
-    a, b, warm = prompts(model, 7, [192 + 40, 400, 100])
-    ref = await cold(model, [a, b])
+    a, b, warm = random_prompts(model, 7, [192 + 40, 400, 100])
+    ref = await cold_prefills(model, [a, b])
     async with Engine(model, engine_cfg(), store=store) as engine:
         await engine.prefill([warm])  # a running engine: its scratch arena is registered
         await offload_and_drop(engine)
@@ -317,8 +299,8 @@ async def test_a_layer_read_from_a_stalled_node_keeps_its_slots(
     the read writes into stay pinned until the node resumed (SIGCONT) and
     the read ended: a prompt computed meanwhile gets other pages and its
     later device hit is exact; the next prefill restores exactly."""
-    a, c = prompts(model, 9, [300, 320])
-    ref = await cold(model, [a, c])
+    a, c = random_prompts(model, 9, [300, 320])
+    ref = await cold_prefills(model, [a, c])
     client = MooncakeStore(stoppable_master.config(
         global_segment_size=0, local_buffer_size=16 << 20, timeout_s=0.5))
     stopped = False
