@@ -151,20 +151,7 @@ class FaultyStore(Store):
         """A whole-object read covers every layer of its objects: a fault set
         on any of those layers applies (the lowest layer's first)."""
         self._check_up()
-        comps = {k.split("/")[-3] for k in keys}
-        for layer in range(self.spec.num_layers):
-            if self.spec.layer_slice(layer)[0].value not in comps:
-                continue
-            fault = self._take_fault(layer)
-            if fault is not None:
-                with self._lock:
-                    self.ranged_calls.append(layer)
-                fault.started.set()
-                if fault.gate is not None and not fault.gate.wait(self.timeout_s):
-                    raise StoreIOError(f"injected gate of layer {layer} never opened")
-                if fault.error is not None:
-                    raise fault.error
-                break
+        self._whole_faults(keys)
         keep = [i for i, k in enumerate(keys) if k.split("/")[-3] not in self.skipped]
         if len(keep) == len(keys):
             return self.inner.get(keys, ptrs, sizes)
