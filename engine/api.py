@@ -23,7 +23,13 @@ import torch
 from layerlift.engine.batch import Batch, BatchState, too_big
 from layerlift.engine.compute import compute_bytes
 from layerlift.engine.config import EngineConfig
-from layerlift.engine.context import EngineContext, EngineError, match_plan, release_plan
+from layerlift.engine.context import (
+    EngineContext,
+    EngineError,
+    match_plan,
+    release_plan,
+    release_plans,
+)
 from layerlift.engine.costmodel import CostModel, CostPriors
 from layerlift.engine.estimate import PrefillEstimate, estimate_prefill
 from layerlift.engine.handle import LoadHandle
@@ -203,25 +209,17 @@ class Engine:
             try:
                 self._check_fits(plans)
             except BaseException:
-                for plan in plans:
-                    release_plan(ctx, plan)
-                ctx.lock.release()
+                release_plans(ctx, plans, lock=True)
                 raise
             try:
                 batch, rest = await Batch.prepare(ctx, plans, started)  # exits on failure
-            except EngineError:
-                for plan in plans:
-                    release_plan(ctx, plan)
-                if take == 1:
+            except BaseException as exc:
+                release_plans(ctx, plans)
+                if not isinstance(exc, EngineError) or take == 1:
                     raise
                 take = 1  # the other prompts' device hits held room: try it alone
                 continue
-            except BaseException:
-                for plan in plans:
-                    release_plan(ctx, plan)
-                raise
-            for plan in rest:
-                release_plan(ctx, plan)
+            release_plans(ctx, rest)
             index = dict(zip((id(p) for p in plans), part, strict=True))
             todo = todo[len(plans) - len(rest):]
             batch.may_defer = True
@@ -264,9 +262,7 @@ class Engine:
                         if not decision.restore:
                             plan.drop_restore(decision.reason)
         except BaseException:
-            for plan in plans:
-                release_plan(ctx, plan)
-            ctx.lock.release()
+            release_plans(ctx, plans, lock=True)
             raise
         for plan in plans:
             plan.lookup_time = time.perf_counter() - started
@@ -295,23 +291,16 @@ class Engine:
         started = time.perf_counter() - max((p.lookup_time for p in plans), default=0.0)
         try:
             await _acquire(ctx.lock, self.cfg.layer_wait_timeout_s)
+            batch, rest = await Batch.prepare(ctx, plans, started)  # releases the lock on failure
         except BaseException:
-            for plan in plans:
-                release_plan(ctx, plan)
-            raise
-        try:
-            batch, rest = await Batch.prepare(ctx, plans, started)
-        except BaseException:
-            for plan in plans:
-                release_plan(ctx, plan)
+            release_plans(ctx, plans)
             raise
         if rest:
             err = EngineError(
                 f"plans {[p.request_id for p in rest]} do not fit in the device pool together "
                 f"with plans {[p.request_id for p in batch.plans]}: load them in a later batch")
             await batch.close(err)
-            for plan in rest:
-                release_plan(ctx, plan)
+            release_plans(ctx, rest)
             raise err
         await batch.issue(device_timeout=self.cfg.layer_wait_timeout_s)
         return LoadHandle(batch)

@@ -32,7 +32,7 @@ from layerlift.pools.hashing import page_hashes
 from layerlift.pools.spec import Component
 from layerlift.pools.tree import UnifiedRadixTree
 
-__all__ = ["EngineContext", "EngineError", "match_plan", "release_plan"]
+__all__ = ["EngineContext", "EngineError", "match_plan", "release_plan", "release_plans"]
 
 
 class EngineError(RuntimeError):
@@ -136,6 +136,17 @@ def match_plan(ctx: EngineContext, tokens: Sequence[int] | np.ndarray) -> Lookup
             ctx.pool.pin(c, idx)
             plan.pins.append((c, idx))
     return plan
+
+
+def release_plans(ctx: EngineContext, plans: Sequence[LookupPlan], *,
+                  lock: bool = False) -> None:
+    """Release every plan of ``plans`` (see :func:`release_plan`) and, with
+    ``lock``, the load lock the caller holds: what a caller does with plans
+    that will not be loaded, on every failure path."""
+    for plan in plans:
+        release_plan(ctx, plan)
+    if lock:
+        ctx.lock.release()
 
 
 def release_plan(ctx: EngineContext, plan: LookupPlan) -> None:

@@ -11,7 +11,7 @@ A hybrid model mixes three layer kinds, each with its own device pool
   one slot holds the state of every recurrent layer at one token boundary.
 
 Byte layout (shared by the device pools and the store's page objects, see
-DESIGN.md section 4): a FULL page is ``[layer0 K|V][layer1 K|V]...`` over the
+docs/design.md §4): a FULL page is ``[layer0 K|V][layer1 K|V]...`` over the
 FULL layers only, so a whole page is one contiguous copy and the slice of one
 layer is one contiguous range. SWA pages likewise; a MAMBA slot is
 ``[layer0 s0|s1..][layer1 s0|s1..]...``.
