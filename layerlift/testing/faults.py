@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
+import signal
 import threading
 import zlib
 from collections.abc import Iterator, Sequence
@@ -23,7 +25,11 @@ from layerlift.linker.integrity import CHECK_BYTES, component_slices, slice_seed
 from layerlift.linker.store_base import Store, StoreIOError, StoreUnavailable, TensorLike
 from layerlift.pools.spec import Component, ModelSpec
 
-__all__ = ["FaultyStore", "LayerFault"]
+__all__ = [
+    "FaultyStore",
+    "LayerFault",
+    "ProcessStall",
+]
 
 _GATEABLE = frozenset({"exists", "session_enter", "session_exit", "put"})
 
@@ -285,3 +291,26 @@ class FaultyStore(Store):
 def _write_crc(at: int, ptr: int, size: int, seed: int) -> None:
     crc = zlib.crc32(ctypes.string_at(ptr, size), seed)
     ctypes.memmove(at, crc.to_bytes(CHECK_BYTES, "little"), CHECK_BYTES)
+
+
+class ProcessStall:
+    """Stops (SIGSTOP) and resumes (SIGCONT) a server process, as a GC pause,
+    an overloaded host or a network blip would: its clients' calls hang and
+    go on once it resumes. ``release()`` resumes it if still stopped (for a
+    test's ``finally``)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.stopped = threading.Event()
+
+    def stop(self) -> None:
+        os.kill(self.pid, signal.SIGSTOP)
+        self.stopped.set()
+
+    def resume(self) -> None:
+        os.kill(self.pid, signal.SIGCONT)
+        self.stopped.clear()
+
+    def release(self) -> None:
+        if self.stopped.is_set():
+            self.resume()

@@ -20,6 +20,7 @@ from layerlift.linker.memory_store import MemoryStore
 from layerlift.linker.mooncake_store import MooncakeStore
 from layerlift.overlap.base import LayerLoadError
 from layerlift.testing import FaultyStore, assert_quiescent, kl_divergence, offload_and_drop
+from layerlift.testing.reference import random_prompts
 
 KL_TOL = 1e-6
 
@@ -30,8 +31,7 @@ def model() -> HybridModel:
 
 
 def _prompts(model: HybridModel, seed: int) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, model.vocab_size, n, dtype=np.int64) for n in (300, 233)]
+    return random_prompts(model, seed, (300, 233))
 
 
 async def _host_forward(model: HybridModel, engine: Engine, ext: ExternalForward,

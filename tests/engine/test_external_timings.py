@@ -19,6 +19,7 @@ from layerlift.engine.model.api import ForwardRequest
 from layerlift.engine.results import PrefillResult, Timings
 from layerlift.linker.memory_store import MemoryStore
 from layerlift.testing import assert_quiescent, offload_and_drop
+from layerlift.testing.reference import random_prompts
 
 
 @pytest.fixture(scope="module")
@@ -27,8 +28,7 @@ def model() -> HybridModel:
 
 
 def _prompts(model: HybridModel, seed: int) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, model.vocab_size, n, dtype=np.int64) for n in (300, 233)]
+    return random_prompts(model, seed, (300, 233))
 
 
 async def _external(model: HybridModel, engine: Engine, prompts: list[np.ndarray],

@@ -31,6 +31,7 @@ from layerlift.linker.memory_store import MemoryStore
 from layerlift.linker.mooncake_store import MooncakeStore
 from layerlift.linker.store_base import Store, StoreTimeout
 from layerlift.testing import FaultyStore, assert_quiescent, offload_and_drop
+from layerlift.testing.faults import ProcessStall
 from layerlift.testing.reference import assert_exact, cold_prefills, random_prompts
 
 KL_TOL = 1e-6
@@ -218,18 +219,8 @@ async def test_late_put_lands_with_its_own_bytes_stalled_master(
         model: HybridModel, stoppable_master: EmbeddedMaster) -> None:
     """Reproduction 1 on a real master: ``store_timeout_s=0.5``, the master
     stopped (SIGSTOP) while A's put runs, resumed (SIGCONT) after B."""
-    pid = stoppable_master.pid
-    assert pid is not None
-    stopped = threading.Event()
-
-    def stop() -> None:
-        os.kill(pid, signal.SIGSTOP)
-        stopped.set()
-
-    def resume() -> None:
-        os.kill(pid, signal.SIGCONT)
-        stopped.clear()
-
+    assert stoppable_master.pid is not None
+    stall = ProcessStall(stoppable_master.pid)
     client = MooncakeStore(stoppable_master.config(
         global_segment_size=64 << 20, local_buffer_size=16 << 20, timeout_s=0.5))
     try:
@@ -237,10 +228,9 @@ async def test_late_put_lands_with_its_own_bytes_stalled_master(
         # a namespace of its own: the keys of this test never meet another's
         cfg = engine_cfg()
         object.__setattr__(cfg, "namespace", f"stall-{uuid.uuid4().hex[:8]}")
-        await reproduce_late_put(model, store, stop, resume)
+        await reproduce_late_put(model, store, stall.stop, stall.resume)
     finally:
-        if stopped.is_set():
-            os.kill(pid, signal.SIGCONT)
+        stall.release()
         client.close()
 
 

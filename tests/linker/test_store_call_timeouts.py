@@ -24,6 +24,7 @@ from layerlift.linker.master import EmbeddedMaster
 from layerlift.linker.memory_store import MemoryStore
 from layerlift.linker.mooncake_store import MooncakeStore
 from layerlift.linker.store_base import Store, StoreTimeout, call_bounded
+from layerlift.testing.faults import ProcessStall
 
 SIZE = 4096
 
@@ -53,23 +54,12 @@ def stalled(request: pytest.FixtureRequest) -> Iterator[tuple[Store, Stall, str]
     master: EmbeddedMaster = request.getfixturevalue("stoppable_master")
     store = MooncakeStore(master.config(global_segment_size=32 << 20,
                                         local_buffer_size=16 << 20, timeout_s=0.5))
-    pid = master.pid
-    assert pid is not None
-    stopped = threading.Event()
-
-    def stop() -> None:
-        os.kill(pid, signal.SIGSTOP)
-        stopped.set()
-
-    def resume() -> None:
-        os.kill(pid, signal.SIGCONT)
-        stopped.clear()
-
+    assert master.pid is not None
+    stall = ProcessStall(master.pid)
     try:
-        yield store, Stall(stop, resume), f"stall-{uuid.uuid4().hex[:8]}"
+        yield store, Stall(stall.stop, stall.resume), f"stall-{uuid.uuid4().hex[:8]}"
     finally:
-        if stopped.is_set():
-            os.kill(pid, signal.SIGCONT)
+        stall.release()
         store.close()
 
 
