@@ -299,8 +299,7 @@ class Batch:
         ctx = self.ctx
         for _attempt in range(MAX_FORWARD_ATTEMPTS):
             if not self.records:  # every request was deferred to a later part
-                await self._end_load()
-                await self.close(None)
+                await self.close(None)  # the exit ends the load
                 return []
             runs, deps, stop = build_runs(self.records), self._deps(), threading.Event()
             self._forward_stop = stop
@@ -311,7 +310,7 @@ class Batch:
                 out, timings = await run_owned(
                     functools.partial(run_forward, ctx.model, ctx.pool, runs, deps,
                                       self.started, stop),
-                    on_cancel=functools.partial(self._stop_forward, stop))
+                    on_cancel=functools.partial(self._stop, "batch cancelled during its forward"))
             except (LayerLoadError, LayerWaitTimeout, ForwardStopped) as err:
                 if self.closed or isinstance(err, ForwardStopped):
                     # aborted while the forward ran: the exit owns the rest
@@ -330,11 +329,12 @@ class Batch:
         why = f": {self._abort_reason!r}" if self._abort_reason is not None else ""
         return EngineError(f"the batch was aborted during its forward{why}")
 
-    def _stop_forward(self, stop: threading.Event) -> None:
-        """The batch was cancelled while its forward runs: stop it at the next
-        layer and fail the waits it may block in (its own load's)."""
-        stop.set()
-        self._stop_load("batch cancelled during its forward")
+    def _stop(self, reason: str) -> None:
+        """Cancelled or aborted: stop a running forward at its next layer and
+        the load at its next job (failing the waits the forward may block in)."""
+        if self._forward_stop is not None:
+            self._forward_stop.set()
+        self._stop_load(reason)
 
     async def _after_failed_pass(self, err: LayerLoadError | LayerWaitTimeout) -> None:
         """A layer's wait failed: end the load, unpublish and recompute the
@@ -493,7 +493,7 @@ class Batch:
         self.restore.stop(reason)
 
     async def _end_load(self) -> frozenset[Hashable]:
-        """End the load once (see :meth:`InFlightLoad.end`)."""
+        """End the load once (see :meth:`BatchRestore.end`)."""
         return await self.restore.end(self.records, self._unpin)
 
     # ---- ABORTED / exit -------------------------------------------------------------
@@ -545,9 +545,7 @@ class Batch:
 
         try:
             if error is not None:
-                self._stop_load(f"batch aborted: {error!r}")
-                if self._forward_stop is not None:
-                    self._forward_stop.set()
+                self._stop(f"batch aborted: {error!r}")
             await self._forward_idle.wait()  # the forward's pages are its own until it returns
             try:
                 await self._end_load()
