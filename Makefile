@@ -16,7 +16,7 @@ bench: setup
 lint: setup
 	.venv/bin/ruff check engine overlap pools linker layerlift tests bench examples
 	rm -rf build/importlint && mkdir -p build/importlint/layerlift
-	ln -s $(CURDIR)/layerlift/*.py $(CURDIR)/layerlift/testing build/importlint/layerlift/
+	ln -s $(CURDIR)/layerlift/*.py $(CURDIR)/layerlift/testing $(CURDIR)/layerlift/hosts build/importlint/layerlift/
 	for p in engine overlap pools linker bench; do ln -s $(CURDIR)/$$p build/importlint/layerlift/$$p; done
 	cd build/importlint && ../../.venv/bin/lint-imports ../../pyproject.toml
 
@@ -24,6 +24,6 @@ lint: setup
 # so it checks a tree of symlinks laid out as the installed package.
 typecheck: setup
 	rm -rf build/typecheck && mkdir -p build/typecheck/layerlift
-	ln -s $(CURDIR)/layerlift/*.py $(CURDIR)/layerlift/testing build/typecheck/layerlift/
+	ln -s $(CURDIR)/layerlift/*.py $(CURDIR)/layerlift/testing $(CURDIR)/layerlift/hosts build/typecheck/layerlift/
 	for p in engine overlap pools linker bench; do ln -s $(CURDIR)/$$p build/typecheck/layerlift/$$p; done
 	cd build/typecheck && ../../.venv/bin/mypy --strict -p layerlift
