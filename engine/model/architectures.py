@@ -9,8 +9,11 @@ downloaded.
 Token scale ``k`` (:func:`simulated_spec`): one simulated token stands for
 ``k`` real ones. Per simulated token a page holds the *real* per-token KV
 bytes (so a pool or store of ``X`` bytes stands for ``k * X`` real bytes),
-a recurrent layer's state tensors shrink their leading dimension by ``k``
-(a checkpoint stands for one real checkpoint, at ``1/k`` of its bytes), and
+a recurrent layer's state tensors hold exactly ``1/k`` of their real
+elements (their leading dimensions divided by ``k``, merged where the first
+alone does not divide: a checkpoint stands for one real checkpoint, at
+exactly ``1/k`` of its bytes; a scale that divides no such product is
+refused), and
 the emulated link runs at ``1/k`` of the real rate: a restore of ``n``
 simulated tokens then takes as long as one of ``k * n`` real tokens, and a
 checkpoint as long as a real one. The compute model sees ``k * n`` tokens.
@@ -20,11 +23,13 @@ The SWA window, page size and checkpoint interval are in simulated tokens
 
 from __future__ import annotations
 
+import math
+
 from layerlift.engine.model.compute_model import Architecture as Arch
 from layerlift.engine.model.compute_model import MoE, Recurrent
 from layerlift.pools.spec import MambaSpec, ModelSpec, StateTensorSpec
 
-__all__ = ["ARCHITECTURES", "simulated_spec"]
+__all__ = ["ARCHITECTURES", "real_state_bytes", "simulated_spec"]
 
 # Qwen/Qwen3-Next-80B-A3B-Instruct config.json (= transformers Qwen3NextConfig
 # defaults): hidden_size 2048, 48 layers, layer_types linear x3 + full
@@ -44,7 +49,7 @@ _QWEN3_NEXT = Arch(
     recurrent=Recurrent("gated-deltanet", in_proj=2 * 2048 + 2 * 4096 + 2 * 32, out_proj=4096,
                         scan_flops=7 * 32 * 128 * 128 + 2 * 8192 * 4,
                         state_bytes=8192 * 3 * 2 + 32 * 128 * 128 * 4),
-    q_gate=True, default_gpus=4,
+    q_gate=True, default_gpus=4, weights_bytes=80e9 * 2,  # 80 B parameters, BF16
 )
 
 # nvidia/Nemotron-H-8B-Base-8K config.json (= NemotronHConfig's Mamba-2
@@ -64,7 +69,7 @@ _NEMOTRON_H = Arch(
     recurrent=Recurrent("mamba2", in_proj=2 * 8192 + 2 * 8 * 128 + 128, out_proj=8192,
                         scan_flops=6 * 128 * 64 * 128 + 2 * 10240 * 4,
                         state_bytes=10240 * 3 * 2 + 128 * 64 * 128 * 4),
-    mlp_with_mixer=False, mlp_gated=False,
+    mlp_with_mixer=False, mlp_gated=False, weights_bytes=8.1e9 * 2,  # ~8.1 B parameters, BF16
 )
 
 # openai/gpt-oss-20b config.json: hidden_size 2880, 24 layers alternating
@@ -76,6 +81,7 @@ _GPT_OSS_20B = Arch(
     pattern="SF" * 12, hidden=2880, q_heads=64, kv_heads=8, head_dim=64, window=128,
     mlp_inter=0, moe=MoE(experts=32, active=4, inter=2880), recurrent=None,
     expert_weight_bytes=4.25 / 8,
+    weights_bytes=13e9,  # the MXFP4 checkpoint, ~13 GB (model card: runs within 16 GB)
 )
 
 ARCHITECTURES: dict[str, Arch] = {a.name: a for a in (_QWEN3_NEXT, _NEMOTRON_H, _GPT_OSS_20B)}
@@ -87,7 +93,22 @@ _STATES: dict[str, tuple[tuple[str, tuple[int, ...], str], ...]] = {
     "nemotron-h-8b": (("conv", (10240, 3), "bfloat16"), ("ssm", (128, 64, 128), "float32")),
 }
 
+def _scaled_shape(shape: tuple[int, ...], token_scale: int) -> tuple[int, ...] | None:
+    """``shape`` with exactly ``1/token_scale`` of its elements: the shortest
+    leading block of dimensions whose product ``token_scale`` divides is
+    divided (merged into one dimension), the rest kept; None when
+    ``token_scale`` does not divide the element count."""
+    lead = 1
+    for i, n in enumerate(shape):
+        lead *= n
+        if lead % token_scale == 0:
+            return (lead // token_scale, *shape[i + 1 :])
+    return None
+
+
 def _state(name: str, token_scale: int) -> MambaSpec | None:
+    """The state tensors of ``name`` at ``1/token_scale`` of their real
+    elements, exactly (``ValueError`` for a scale that does not divide one)."""
     import torch
 
     if name not in _STATES:
@@ -95,19 +116,34 @@ def _state(name: str, token_scale: int) -> MambaSpec | None:
     dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32}
     tensors = []
     for tname, shape, dt in _STATES[name]:
-        lead = -(-shape[0] // token_scale)
-        tensors.append(StateTensorSpec(tname, (lead, *shape[1:]), dtypes[dt]))
+        scaled = _scaled_shape(shape, token_scale)
+        if scaled is None:
+            raise ValueError(
+                f"token scale {token_scale} does not divide the {math.prod(shape)} elements of "
+                f"{name}'s {tname} state {shape}: its scaled bytes would not be 1/{token_scale} "
+                "of the real ones; use a power of two up to 512")
+        tensors.append(StateTensorSpec(tname, scaled, dtypes[dt]))
     return MambaSpec(tuple(tensors))
+
+
+def real_state_bytes(name: str) -> int:
+    """Bytes of one real checkpoint of ``name``'s recurrent layers (all
+    state tensors of one layer; 0 for a model without them)."""
+    import torch
+
+    sizes = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+    return sum(math.prod(shape) * sizes[dt].itemsize for _, shape, dt in _STATES.get(name, ()))
 
 
 def simulated_spec(name: str, *, token_scale: int = 1, page_size: int = 16,
                    track_interval: int | None = None) -> ModelSpec:
     """The cache layout of architecture ``name`` at ``token_scale`` (see the
     module docstring): real KV heads, head dim and BF16 KV per token, state
-    tensors with their leading dimension divided by ``token_scale``, the SWA
+    tensors with exactly ``1/token_scale`` of their real elements, the SWA
     window ``window / token_scale`` rounded up to a page. ``page_size`` and
     ``track_interval`` (default: one page) are in simulated tokens.
-    ``ValueError`` for an unknown name or a scale below 1."""
+    ``ValueError`` for an unknown name, a scale below 1, or one that does
+    not divide a state tensor's element count."""
     if name not in ARCHITECTURES:
         raise ValueError(f"unknown architecture {name!r}; choose one of {sorted(ARCHITECTURES)}")
     if token_scale < 1 or page_size < 1:

@@ -34,6 +34,8 @@ from layerlift.pools.spec import Component
 
 __all__ = [
     "DEVICES",
+    "MAX_WEIGHT_SHARE",
+    "UTIL",
     "Architecture",
     "ComputeModel",
     "DeviceProfile",
@@ -105,6 +107,7 @@ class DeviceProfile:
     source: str
     gpus: int = 1
     tp_efficiency: float = 0.8
+    hbm_capacity_bytes: float = 0.0  # per GPU; 0: unknown (no placement check)
 
     def __post_init__(self) -> None:
         if self.peak_flops <= 0 or self.hbm_bytes_per_s <= 0:
@@ -113,14 +116,15 @@ class DeviceProfile:
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"{self.name}: {name} must lie in (0, 1], "
                                  f"got {getattr(self, name)}")
-        if self.launch_s < 0 or self.gpus < 1:
-            raise ValueError(f"{self.name}: launch_s must be >= 0 and gpus >= 1")
+        if self.launch_s < 0 or self.gpus < 1 or self.hbm_capacity_bytes < 0:
+            raise ValueError(f"{self.name}: launch_s and hbm_capacity_bytes must be >= 0 "
+                             "and gpus >= 1")
 
     def with_gpus(self, gpus: int) -> DeviceProfile:
         """The same device, ``gpus`` of them per instance."""
         return DeviceProfile(self.name, self.peak_flops, self.hbm_bytes_per_s, self.util,
                              self.mem_util, self.launch_s, self.source, gpus,
-                             self.tp_efficiency)
+                             self.tp_efficiency, self.hbm_capacity_bytes)
 
     @property
     def flops(self) -> float:
@@ -135,19 +139,35 @@ class DeviceProfile:
         return self.hbm_bytes_per_s * self.mem_util * scale
 
 
-# Published dense BF16 tensor-core peaks (without sparsity) and HBM bandwidth;
-# utilisation 0.5 of peak FLOPs is what large prefill batches reach in
-# SGLang/vLLM reports (MFU 40-60 %), 0.7 of HBM for weight streaming.
+# Published dense BF16 tensor-core peaks (without sparsity), HBM bandwidth and
+# capacity. Utilisation UTIL of peak FLOPs is anchored to one published
+# prefill measurement (docs/roofline.md): NVIDIA NIM's LLM benchmarking page
+# (NIM 1.8.0, Llama-3.3-70B-Instruct, 2 x H100 80GB, FP8, TP2, 5000 input
+# tokens, concurrency 1) reports a TTFT of 406.77 ms: 2 * 70.6e9 * 5000 FLOPs
+# plus attention (~3.3e13) in 0.407 s is 0.46 of the two GPUs' dense FP8 peak
+# (2 x 1979 TFLOPS), TP overhead and request overhead included. 0.7 of HBM
+# for weight streaming (not anchored: the prefill batches here are
+# compute-bound).
+UTIL = 0.45
 DEVICES: dict[str, DeviceProfile] = {
-    "h100": DeviceProfile("h100", 989e12, 3.35e12, 0.5, 0.7, 20e-6,
-                          "NVIDIA H100 SXM datasheet: 989 TFLOPS BF16 dense, 3.35 TB/s HBM3"),
-    "h200": DeviceProfile("h200", 989e12, 4.8e12, 0.5, 0.7, 20e-6,
-                          "NVIDIA H200 SXM datasheet: 989 TFLOPS BF16 dense, 4.8 TB/s HBM3e"),
-    "a100": DeviceProfile("a100", 312e12, 2.039e12, 0.5, 0.7, 20e-6,
-                          "NVIDIA A100 SXM 80GB datasheet: 312 TFLOPS BF16, 2.039 TB/s"),
-    "l40s": DeviceProfile("l40s", 362e12, 0.864e12, 0.5, 0.7, 20e-6,
-                          "NVIDIA L40S datasheet: 362 TFLOPS BF16 dense, 864 GB/s GDDR6"),
+    "h100": DeviceProfile("h100", 989e12, 3.35e12, UTIL, 0.7, 20e-6,
+                          "NVIDIA H100 SXM datasheet: 989 TFLOPS BF16 dense, 3.35 TB/s HBM3, "
+                          "80 GB", hbm_capacity_bytes=80e9),
+    "h200": DeviceProfile("h200", 989e12, 4.8e12, UTIL, 0.7, 20e-6,
+                          "NVIDIA H200 SXM datasheet: 989 TFLOPS BF16 dense, 4.8 TB/s HBM3e, "
+                          "141 GB", hbm_capacity_bytes=141e9),
+    "a100": DeviceProfile("a100", 312e12, 2.039e12, UTIL, 0.7, 20e-6,
+                          "NVIDIA A100 SXM 80GB datasheet: 312 TFLOPS BF16, 2.039 TB/s, 80 GB",
+                          hbm_capacity_bytes=80e9),
+    "l40s": DeviceProfile("l40s", 362e12, 0.864e12, UTIL, 0.7, 20e-6,
+                          "NVIDIA L40S datasheet: 362 TFLOPS BF16 dense, 864 GB/s GDDR6, 48 GB",
+                          hbm_capacity_bytes=48e9),
 }
+
+# Weights may take at most this share of an instance's memory: the rest is
+# the KV/state pool and activations (vLLM's default gpu_memory_utilization
+# is 0.9 of the device, and the cache needs room inside it).
+MAX_WEIGHT_SHARE = 0.8
 
 
 # ---- architectures ----------------------------------------------------------------------
@@ -188,7 +208,8 @@ class Architecture:
     an attention or recurrent layer of a model without ``-`` layers carries
     its own MLP (``mlp_with_mixer``). ``mlp_inter`` is the dense MLP width
     (0 with ``moe``; gated = three matrices, else two: ``mlp_gated``). ``weight_bytes`` per parameter (2 for BF16,
-    about 0.53 for MXFP4 experts)."""
+    about 0.53 for MXFP4 experts); ``weights_bytes`` the whole checkpoint's
+    resident weights (the placement check of :class:`RooflineCompute`)."""
 
     name: str
     source: str
@@ -208,6 +229,7 @@ class Architecture:
     mlp_with_mixer: bool = True
     mlp_gated: bool = True
     default_gpus: int = 1
+    weights_bytes: float = 0.0  # the published checkpoint's resident weights; 0: unknown
 
     @property
     def layers(self) -> str:
@@ -276,10 +298,22 @@ class Architecture:
 # ---- roofline ---------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class RooflineCompute:
-    """:class:`Architecture` on a :class:`DeviceProfile` (see the module docstring)."""
+    """:class:`Architecture` on a :class:`DeviceProfile` (see the module
+    docstring). ``ValueError`` when the architecture's weights do not fit
+    the instance (more than ``MAX_WEIGHT_SHARE`` of its GPUs' memory)."""
 
     arch: Architecture
     device: DeviceProfile
+
+    def __post_init__(self) -> None:
+        a, d = self.arch, self.device
+        room = d.hbm_capacity_bytes * d.gpus * MAX_WEIGHT_SHARE
+        if a.weights_bytes and d.hbm_capacity_bytes and a.weights_bytes > room:
+            need = math.ceil(a.weights_bytes / (d.hbm_capacity_bytes * MAX_WEIGHT_SHARE))
+            raise ValueError(
+                f"{a.name}'s weights ({a.weights_bytes / 1e9:.0f} GB) do not fit {d.gpus} x "
+                f"{d.name} ({d.hbm_capacity_bytes / 1e9:.0f} GB each, at most "
+                f"{MAX_WEIGHT_SHARE:.0%} for weights): use --gpus {need} or more")
 
     @property
     def name(self) -> str:

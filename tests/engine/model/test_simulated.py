@@ -160,3 +160,61 @@ def test_per_token_logprobs_are_refused() -> None:
         SimulatedModel(spec, FAST).forward_batch([req], pool)
     with pytest.raises(ValueError, match="token_scale"):
         SimulatedModel(spec, FAST, token_scale=0)
+
+
+def _forward(model: SimulatedModel, pool: UnifiedKVPool, req: ForwardRequest) -> int:
+    out = model.forward_batch([req], pool)
+    return int(out.next_token_logprobs[0].argmax())
+
+
+def _requests(spec: ModelSpec, n: int, prefix: int
+              ) -> tuple[UnifiedKVPool, ForwardRequest, ForwardRequest, ForwardRequest]:
+    """A cold forward of ``n`` tokens, the one of its first ``prefix``
+    tokens, and the request that continues that one from the same pages and
+    state slot."""
+    cold, pool = one_request(spec, n)
+    head = ForwardRequest(tokens=cold.tokens[:prefix], prefix_len=0,
+                          full_pages=cold.full_pages, swa_pages=cold.swa_pages,
+                          mamba_slot=cold.mamba_slot)
+    tail = ForwardRequest(tokens=cold.tokens[prefix:], prefix_len=prefix,
+                          full_pages=cold.full_pages, swa_pages=cold.swa_pages,
+                          mamba_slot=cold.mamba_slot)
+    return pool, cold, head, tail
+
+
+def test_every_read_page_and_state_element_counts() -> None:
+    """A continuation from intact pages answers like the cold run; one
+    element damaged in a middle prefix page (not the last one), or the last
+    element of a state tensor, changes the answer."""
+    spec = ModelSpec.preset("tiny")
+    model = SimulatedModel(spec, FAST)
+    pool, cold, head, tail = _requests(spec, 96, 64)
+    want = _forward(model, pool, cold)
+    _forward(model, pool, head)
+    assert _forward(model, pool, tail) == want
+    _forward(model, pool, head)
+    k, _ = pool.kv_view(0)  # layer 0 is FULL
+    k[int(cold.full_pages[1]), 3, 0, 5] += 7  # page 1 of the prefix's 4
+    assert _forward(model, pool, tail) != want
+    _forward(model, pool, head)
+    mamba = next(i for i, c in enumerate(spec.kinds) if c is Component.MAMBA)
+    pool.mamba_view(mamba)[-1][cold.mamba_slot].view(-1)[-1] += 3
+    assert _forward(model, pool, tail) != want
+
+
+def test_the_forward_clock_is_split_into_gpu_wait_and_host_time() -> None:
+    spec = ModelSpec.preset("tiny")
+    fit = FittedCompute("t", {c: KindFit(0.010, 0.0) for c in Component}, window=64)
+    clock = FakeClock()
+    model = SimulatedModel(spec, fit, clock=clock, sleep=clock.sleep)
+    req, pool = one_request(spec, 40)
+
+    def before(layer: int) -> None:
+        clock.now += 0.5 if layer == 2 else 0.0
+
+    model.forward_batch([req], pool, before, None)
+    split = model.clock_split()
+    assert split["modeled_s"] == pytest.approx(0.010 * spec.num_layers)
+    assert split["waited_s"] == pytest.approx(0.5)
+    assert split["host_s"] == pytest.approx(2e-3)  # the two overshoots that did not overlap
+    assert split["forwards"] == 1

@@ -8,9 +8,10 @@ import math
 import pytest
 import torch
 
-from layerlift.engine.model.architectures import ARCHITECTURES, simulated_spec
+from layerlift.engine.model.architectures import ARCHITECTURES, real_state_bytes, simulated_spec
 from layerlift.engine.model.compute_model import (
     DEVICES,
+    UTIL,
     Architecture,
     DeviceProfile,
     FittedCompute,
@@ -146,8 +147,8 @@ def test_published_cache_bytes_per_token() -> None:
     conv, ssm = scaled.mamba.tensors
     assert conv.shape == (320, 3) and conv.dtype == torch.bfloat16
     assert ssm.shape == (4, 64, 128) and ssm.dtype == torch.float32
-    assert scaled.layer_bytes(M) == pytest.approx(
-        ARCHITECTURES["nemotron-h-8b"].recurrent.state_bytes / 32, rel=0.01)  # type: ignore[union-attr]
+    assert scaled.layer_bytes(M) * 32 == (
+        ARCHITECTURES["nemotron-h-8b"].recurrent.state_bytes)  # type: ignore[union-attr]
     oss = simulated_spec("gpt-oss-20b", token_scale=32, page_size=4)
     assert oss.swa_window == 4 and oss.layers == "SF" * 12  # 128 real tokens
     with pytest.raises(ValueError, match="unknown architecture"):
@@ -158,3 +159,47 @@ def test_device_profiles_are_published_figures() -> None:
     assert DEVICES["h100"].peak_flops == 989e12 and DEVICES["h200"].hbm_bytes_per_s == 4.8e12
     assert all(0 < d.util <= 1 and d.source for d in DEVICES.values())
     assert math.isclose(DEVICES["a100"].peak_flops, 312e12)
+
+
+SCALES = [2**i for i in range(10)]  # every scale the replay accepts: 512 / block tokens
+
+
+@pytest.mark.parametrize("name", sorted(ARCHITECTURES))
+@pytest.mark.parametrize("k", SCALES)
+def test_scaled_state_bytes_are_exactly_the_real_bytes_over_k(name: str, k: int) -> None:
+    real = simulated_spec(name, token_scale=1)
+    scaled = simulated_spec(name, token_scale=k)
+    if "M" not in real.layers:  # gpt-oss: no recurrent layer, no state
+        assert real_state_bytes(name) == 0
+        return
+    assert scaled.layer_bytes(M) * k == real.layer_bytes(M) == real_state_bytes(name)
+    assert scaled.page_bytes(M) * k == real.page_bytes(M)
+    assert real.state is not None and scaled.state is not None
+    for r, s in zip(real.state.tensors, scaled.state.tensors, strict=True):
+        assert s.numel * k == r.numel and s.dtype == r.dtype
+        assert s.shape[-1] == r.shape[-1]  # trailing dims kept (merged at the front)
+
+
+@pytest.mark.parametrize("name", ["qwen3-next-80b-a3b", "nemotron-h-8b"])
+def test_a_scale_that_does_not_divide_a_state_is_refused(name: str) -> None:
+    with pytest.raises(ValueError, match="does not divide"):
+        simulated_spec(name, token_scale=3)
+
+
+def test_weights_that_do_not_fit_are_refused() -> None:
+    qwen = ARCHITECTURES["qwen3-next-80b-a3b"]
+    with pytest.raises(ValueError, match=r"weights \(160 GB\) do not fit 1 x h100.*--gpus 3"):
+        RooflineCompute(qwen, DEVICES["h100"])
+    RooflineCompute(qwen, DEVICES["h100"].with_gpus(qwen.default_gpus))
+    RooflineCompute(ARCHITECTURES["nemotron-h-8b"], DEVICES["h100"])
+    small = DeviceProfile("small", 1e12, 1e12, 0.5, 0.5, 0.0, "t", hbm_capacity_bytes=16e9)
+    with pytest.raises(ValueError, match="do not fit"):
+        RooflineCompute(ARCHITECTURES["nemotron-h-8b"], small)
+
+
+def test_utilisation_reproduces_its_anchor() -> None:
+    """UTIL is the NIM anchor (docs/roofline.md): Llama-3.3-70B FP8 on
+    2 x H100, 5000 tokens, TTFT 406.77 ms, against 2 x 1979 TFLOPS."""
+    flops = 2 * 70.6e9 * 5000 + 4 * 80 * 8192 * attention_pairs(0, 5000)
+    assert flops / 0.40677 / (2 * 1979e12) == pytest.approx(UTIL, abs=0.015)
+    assert DEVICES["h100"].util == UTIL
