@@ -1,0 +1,303 @@
+"""A stand-in for SGLang's scheduler around one real ``UnifiedRadixCache`` on CPU.
+
+For the ``sglang`` tests and ``layerlift bench sglang`` (and a user's own
+checks): it builds SGLang 0.5.23's real pools for a FULL + SWA + MAMBA layout
+(``SWAKVPool`` over two ``MHATokenToKVPool``, ``SWATokenToKVPoolAllocator``,
+``HybridReqToTokenPool`` with its ``MambaPool``), a real ``UnifiedRadixCache``,
+a linker made by SGLang's own ``create_unified_cache_linker`` and attached as
+SGLang's ``registry.py`` attaches it, then makes the calls SGLang's scheduler
+makes: ``Req.init_next_round_input`` (match, with the linker's lookup),
+``init_load_back``, ``ready_to_load_host_cache``, ``set_consumer``, a forward
+stand-in that reads each layer through the pools' own accessors (which wait
+on the linker's counter), ``finish_external_linker_loads``, ``insert``
+(which queues offloads) and ``check_hicache_events`` (completions).
+
+Its "model" writes bytes that depend on the whole prefix (a page's KV from the
+tokens up to its end, a Mamba state from the tokens up to its boundary), so
+two caches that computed the same prefix hold the same bytes. Not used by the
+linker itself.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from array import array
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["HybridShape", "Restore", "SGLangHost", "model_bytes"]
+
+
+@dataclass(frozen=True, slots=True)
+class HybridShape:
+    """The cache's layout: layer kinds ("F" full, "S" sliding, "M" mamba) in model order."""
+
+    kinds: str = "FSMSMF"
+    page_size: int = 16
+    window: int = 32
+    head_num: int = 2
+    head_dim: int = 16
+    kv_tokens: int = 4096
+    mamba_slots: int = 24
+
+    def layers(self, kind: str) -> list[int]:
+        return [i for i, k in enumerate(self.kinds) if k == kind]
+
+
+def model_bytes(tokens: list[int], layer: int, shape: tuple[int, ...],
+                dtype: torch.dtype) -> torch.Tensor:
+    """The harness model's state after ``tokens`` at ``layer``: seeded by the
+    whole prefix, so equal prefixes give equal bytes and others differ."""
+    seed = zlib.crc32(array("q", tokens).tobytes(), layer * 7919 + 1)
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.rand(shape, generator=gen) * 4 - 2).to(dtype)
+
+
+@dataclass
+class Restore:
+    """What one restore through the linker gave."""
+
+    rid: str
+    hit_tokens: int  # host_hit_length reported by match
+    loaded_tokens: int  # what init_load_back queued
+    ok: bool  # finish_external_linker_loads did not fail the request
+    layers: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # bytes the forward read
+    wait_s: list[float] = field(default_factory=list)  # per layer: when its wait returned
+    forward_s: float = 0.0
+
+
+class SGLangHost:
+    """One SGLang cache with a linker from ``create_unified_cache_linker``."""
+
+    def __init__(self, shape: HybridShape, *, backend: str, config: dict[str, Any] | None,
+                 model_path: str = "dummy") -> None:
+        from sglang.srt.configs.mamba_utils import (
+            Mamba2CacheParams,
+            Mamba2StateDType,
+            Mamba2StateShape,
+        )
+        from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
+        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+        from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
+        from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+        from sglang.srt.mem_cache.unified_cache.components import ComponentType
+        from sglang.srt.mem_cache.unified_cache.linker_factory import create_unified_cache_linker
+        from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+        from sglang.srt.runtime_context import publish
+        from sglang.srt.server_args import ServerArgs
+
+        self.shape = s = shape
+        self.server_args = ServerArgs(model_path=model_path, page_size=s.page_size,
+                                      mamba_radix_cache_strategy="extra_buffer")
+        self.server_args._mamba_cache_chunk_size = s.page_size
+        publish(self.server_args, role="scheduler")
+        state = Mamba2StateShape.create(tp_world_size=1, intermediate_size=16, n_groups=1,
+                                        num_heads=1, head_dim=16, state_size=2, conv_kernel=4)
+        mamba_ids = s.layers("M")
+        self.req_pool = HybridReqToTokenPool(
+            size=8, mamba_size=s.mamba_slots, mamba_spec_state_size=8, max_context_len=s.kv_tokens,
+            device="cpu", enable_memory_saver=False, mamba_layer_ids=mamba_ids,
+            cache_params=Mamba2CacheParams(shape=state, layers=mamba_ids, dtype=Mamba2StateDType(
+                conv=torch.float32, temporal=torch.float32)),
+            enable_mamba_extra_buffer=True)
+        self.kv = SWAKVPool(size=s.kv_tokens, size_swa=s.kv_tokens, page_size=s.page_size,
+                            dtype=torch.bfloat16, head_num=s.head_num, head_dim=s.head_dim,
+                            swa_attention_layer_ids=s.layers("S"),
+                            full_attention_layer_ids=s.layers("F"), device="cpu")
+        self.alloc = SWATokenToKVPoolAllocator(
+            size=s.kv_tokens, size_swa=s.kv_tokens, page_size=s.page_size, dtype=torch.bfloat16,
+            device="cpu", kvcache=self.kv, need_sort=False)
+        self.params = CacheInitParams(
+            disable=False, req_to_token_pool=self.req_pool, token_to_kv_pool_allocator=self.alloc,
+            page_size=s.page_size, sliding_window_size=s.window, enable_mamba_extra_buffer=True,
+            tree_components=(ComponentType.FULL, ComponentType.SWA, ComponentType.MAMBA))
+        self.cache = UnifiedRadixCache(self.params)
+        # As sglang/srt/mem_cache/registry.py attaches a linker:
+        self.linker = create_unified_cache_linker(
+            self.server_args, self.params, backend=backend, config=config,
+            components=set(self.cache.components), forward_stream=None)
+        self.cache.init_cache_linker(self.linker)
+        self.kv.register_layer_transfer_counter(self.linker.layer_done_counter)
+        self._rid = 0
+
+    # ---- the producer side: compute, insert, offload ------------------------------
+
+    def _req(self, tokens: list[int]) -> Any:
+        from sglang.srt.managers.schedule_batch import Req
+        from sglang.srt.sampling.sampling_params import SamplingParams
+
+        sampling = SamplingParams(max_new_tokens=1)
+        sampling.normalize(None)
+        self._rid += 1
+        return Req(rid=f"r{self._rid}", origin_input_text="", vocab_size=1 << 20,
+                   origin_input_ids=array("q", tokens), sampling_params=sampling)
+
+    def _write_kv(self, tokens: list[int], slots: torch.Tensor, start: int) -> None:
+        """The model's KV for pages ``[start, len)`` into every attention layer."""
+        p = self.shape.page_size
+        swa_slots = self.alloc.translate_loc_from_full_to_swa(slots)
+        for layer in [*self.shape.layers("F"), *self.shape.layers("S")]:
+            idx, is_swa = self.kv.layers_mapping[layer]
+            pool = self.kv.swa_kv_pool if is_swa else self.kv.full_kv_pool
+            rows = swa_slots if is_swa else slots
+            for page in range(start // p, len(tokens) // p):
+                at = rows[page * p:(page + 1) * p]
+                prefix = tokens[:(page + 1) * p]
+                k = pool.k_buffer[idx]
+                pool.k_buffer[idx][at] = model_bytes(prefix, 2 * layer, (p, *k.shape[1:]), k.dtype)
+                pool.v_buffer[idx][at] = model_bytes(prefix, 2 * layer + 1, (p, *k.shape[1:]),
+                                                     k.dtype)
+
+    def _write_mamba(self, tokens: list[int], slot: int) -> None:
+        cache = self.req_pool.mamba_pool.mamba_cache
+        for layer, i in self.req_pool.mamba_map.items():
+            for n, state in enumerate((cache.temporal, *cache.conv)):
+                state[i, slot] = model_bytes(tokens, 100 * layer + n, tuple(state.shape[2:]),
+                                             state.dtype)
+
+    def compute(self, tokens: list[int], checkpoints: list[int]) -> None:
+        """Prefill ``tokens`` as the model would (the device prefix the tree
+        already holds is reused) and insert it, with a Mamba checkpoint at each
+        of ``checkpoints`` (token counts, page multiples; the last is usually
+        ``len(tokens)``). The inserts queue the linker's offloads."""
+        from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+
+        key = RadixKey(array("q", tokens))
+        match = self.cache.match_prefix(MatchPrefixParams(key=key))
+        d = match.device_prefix_len
+        prefix = self.cache.tree_core.collect_full_device_indices(
+            match.last_device_node, self.cache.root_node_handle())[:d]
+        n = len(tokens)
+        new = self.alloc.alloc_extend(
+            torch.tensor([d]), torch.tensor([d]), torch.tensor([n]), torch.tensor([n]),
+            torch.tensor([int(prefix[-1]) if d else -1]), n - d)
+        if new is None:
+            raise RuntimeError("the harness cache is full")
+        value = torch.cat([prefix.to(torch.int64), new.to(torch.int64)])
+        self._write_kv(tokens, value, d)
+        for c in sorted(checkpoints):
+            slot = self.req_pool.mamba_allocator.alloc(1)
+            if slot is None:
+                raise RuntimeError("the harness has no Mamba slot left")
+            self._write_mamba(tokens[:c], int(slot[0]))
+            result = self.cache.insert(InsertParams(
+                key=RadixKey(array("q", tokens[:c])), value=value[:c], mamba_value=slot))
+            if result.mamba_exist:
+                self.req_pool.mamba_allocator.free(slot)
+
+    def settle_offloads(self, timeout_s: float = 30.0) -> int:
+        """Poll completions as the scheduler does each step, until no offload
+        is pending; returns how many were committed. RuntimeError past ``timeout_s``."""
+        wrapper = self.cache.linker
+        total = len(wrapper.pending_offloads)
+        deadline = time.monotonic() + timeout_s
+        while wrapper.pending_offloads:
+            self.cache.check_hicache_events()
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{len(wrapper.pending_offloads)} offload(s) still pending")
+            time.sleep(0.002)
+        return total
+
+    # ---- the consumer side: match, load back, forward, finish ---------------------
+
+    def _forward(self, req: Any, restore: Restore, tail: torch.Tensor) -> None:
+        """The forward stand-in: layer by layer, read the request's loaded slots
+        through the pools' accessors (each waits on the linker's counter)."""
+        started = time.perf_counter()
+        swa_tail = self.alloc.translate_loc_from_full_to_swa(tail)
+        w_pages = -(-self.shape.window // self.shape.page_size) * self.shape.page_size
+        for layer, kind in enumerate(self.shape.kinds):
+            if kind == "M":
+                state = self.req_pool.mamba2_layer_cache(layer)
+                slot = int(req.kv.mamba_pool_idx)
+                got = [state.temporal[slot].clone(), *(c[slot].clone() for c in state.conv)]
+            else:
+                k = self.kv.get_key_buffer(layer)
+                v = self.kv.get_value_buffer(layer)
+                rows = swa_tail[-w_pages:] if kind == "S" else tail
+                got = [k[rows].clone(), v[rows].clone()]
+            restore.wait_s.append(time.perf_counter() - started)
+            restore.layers[layer] = got
+        restore.forward_s = time.perf_counter() - started
+
+    def restore(self, tokens: list[int]) -> Restore:
+        """One request for ``tokens`` (the last token is the one to compute)
+        through SGLang's admission path; a request whose load landed inserts
+        its restored prefix into the tree, one whose load failed is released."""
+        from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams, InsertParams
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+        from sglang.srt.mem_cache.unified_cache.components import ComponentType
+
+        SWA = ComponentType.SWA
+        req = self._req(tokens)
+        self.req_pool.alloc([req])
+        req.init_next_round_input(self.cache)
+        hit = int(req.host_hit_length)
+        loaded, req.last_node = self.cache.init_load_back(InitLoadBackParams(
+            best_match_node=req.best_match_node, host_hit_length=hit, req=req))
+        restore = Restore(req.rid, hit, int(loaded), ok=False)
+        if not loaded:
+            self._release(req, None)
+            return restore
+        tail = self.cache.linker.private_load_indices[req.rid].clone()
+        index = self.cache.ready_to_load_host_cache()
+        self.linker.layer_done_counter.set_consumer(index)
+        self._forward(req, restore, tail)
+        failed = self.cache.finish_external_linker_loads([req])
+        self.linker.layer_done_counter.set_consumer(-1)
+        restore.ok = not failed
+        if restore.ok:
+            n = req.prefix_len + int(loaded)
+            params = InsertParams(
+                key=RadixKey(array("q", tokens[:n])), value=tail, prev_prefix_len=req.prefix_len,
+                mamba_value=req.kv.mamba_pool_idx.unsqueeze(0))
+            # What SWA's prepare_for_caching_req passes: the SWA pages before the
+            # loaded window were never loaded and enter the tree as tombstones.
+            params.set_evicted_seqlen(SWA, req.kv.get_evicted_seqlen(SWA))
+            result = self.cache.insert(params)
+            if result.mamba_exist:
+                self.req_pool.mamba_allocator.free(req.kv.mamba_pool_idx.unsqueeze(0))
+            req.kv.mamba_pool_idx = None
+            self._release(req, None)
+        else:
+            self._release(req, tail)
+        return restore
+
+    def _release(self, req: Any, tail: torch.Tensor | None) -> None:
+        """Give back what the request held: its private slots (a failed load),
+        its Mamba slot, its row, its node lock."""
+        if tail is not None:
+            self.alloc.free(tail)
+        if req.kv.mamba_pool_idx is not None:
+            self.req_pool.mamba_allocator.free(req.kv.mamba_pool_idx.unsqueeze(0))
+            req.kv.mamba_pool_idx = None
+        self.req_pool.free(req)
+
+    def expected(self, tokens: list[int], start: int = 0) -> dict[int, list[torch.Tensor]]:
+        """What the forward must read after restoring ``tokens`` from token
+        ``start`` on (the bytes the harness model gives that prefix), in
+        ``Restore.layers``' form."""
+        p = self.shape.page_size
+        out: dict[int, list[torch.Tensor]] = {}
+        cache = self.req_pool.mamba_pool.mamba_cache
+        w = -(-self.shape.window // p)
+        for layer, kind in enumerate(self.shape.kinds):
+            if kind == "M":
+                out[layer] = [model_bytes(tokens, 100 * layer + n, tuple(s.shape[2:]), s.dtype)
+                              for n, s in enumerate((cache.temporal, *cache.conv))]
+                continue
+            pages = range(start // p, len(tokens) // p)
+            if kind == "S":
+                pages = pages[-w:]
+            k = self.kv.full_kv_pool.k_buffer[0]
+            shape = (p, *k.shape[1:])
+            out[layer] = [torch.cat([model_bytes(tokens[:(q + 1) * p], 2 * layer + h, shape, k.dtype)
+                                     for q in pages]) for h in (0, 1)]
+        return out
+
+    def close(self) -> None:
+        self.cache.linker.close()

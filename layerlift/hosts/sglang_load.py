@@ -1,0 +1,287 @@
+"""One layer-wise load batch inside SGLang, and the counter SGLang's pools wait on.
+
+A :class:`BatchLoad` is what one ``start_layer_wise_loading`` started: one
+:class:`~layerlift.overlap.base.LayerJob` per layer (every request's slice of
+that layer in one ranged read, footer entries included), issued in layer order
+by LayerLift's :class:`~layerlift.overlap.scheduler.LoadScheduler` on a
+:class:`~layerlift.overlap.lanes.CpuLane`, into host staging
+(``sglang_staging``). A job verifies every slice against its CRC-32 (the
+object's key and the layer are in the seed) and only then copies it into
+SGLang's slots, under the batch's *gate*.
+
+Promises (each a test in ``tests/hosts/sglang_host``):
+
+- A layer whose slice is corrupt, foreign, truncated or missing, or whose read
+  failed, never reaches the slots: its slots (and those of every layer that
+  did not land) are zeroed, and :meth:`BatchLoad.finish` returns False, so
+  SGLang aborts the batch's loading requests and inserts nothing of them.
+- Bounded: every wait of the forward (``wait_until``) and ``finish`` return
+  by ``started + bound_s`` (plus one layer copy in progress), whatever the
+  store does; a stalled load ends as failed, never as a hang.
+- Once ``finish`` (or a failed wait) closed the gate, nothing writes into the
+  batch's slots again: a read that returns later lands in staging only, and
+  staging is released only when the last such read ended.
+
+Like SGLang's own counter, a failed layer does not raise into the forward
+(that would take the scheduler down): the forward goes on over zeroed slots,
+and the verdict comes from ``finish``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from layerlift.linker.integrity import CHECK_BYTES, mismatches, slice_seed
+from layerlift.linker.store_base import Store, StoreError, StoreIntegrityError, StoreTimeout
+from layerlift.overlap.base import LayerJob, LayerLoadCancelled, LayerLoadError, LayerWaitTimeout
+from layerlift.overlap.readiness import LayerReadiness
+
+from .sglang_layout import PoolLayout
+from .sglang_staging import Region, hand_over
+
+__all__ = ["BatchLoad", "LoadCounter", "LoadItem", "LoopThread"]
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadItem:
+    """One pool's part of one request's load: store keys and the first row of each unit."""
+
+    rid: str
+    layout: PoolLayout
+    keys: tuple[str, ...]
+    rows: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.keys) * self.layout.object_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class _Slice:
+    item: LoadItem
+    position: int  # the layer's index in the item's footer
+    offset: int  # the slice's offset in each object
+    size: int
+    stage: int  # staging address of the first key's slice; the rest follow
+    footers: int  # staging address of the first key's footer entry
+
+
+class LoopThread:
+    """An asyncio loop on its own daemon thread (LayerLift's scheduler runs there)."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], Any]) -> Future[Any]:
+        async def run() -> Any:
+            return await fn()
+
+        return asyncio.run_coroutine_threadsafe(run(), self.loop)
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(5.0)
+
+
+class BatchLoad:
+    """One batch of loads (see the module docstring). Built on the scheduler
+    thread; its jobs run on lane threads; ``wait_layer`` on the forward's
+    thread; ``finish`` on the scheduler thread."""
+
+    def __init__(self, index: int, requests: Sequence[tuple[Sequence[LoadItem], Region]],
+                 num_layers: int, store: Store, bound_s: float) -> None:
+        self.index = index
+        self.items = tuple(item for items, _ in requests for item in items)
+        self.regions = tuple(region for _, region in requests)
+        self.store = store
+        self.started = time.perf_counter()
+        self.deadline = time.monotonic() + bound_s
+        self.readiness = LayerReadiness(num_layers, default_timeout=bound_s)
+        self.plan: list[list[_Slice]] = [[] for _ in range(num_layers)]
+        for items, region in requests:
+            base = region.ptr
+            for item in items:
+                n = len(item.keys)
+                for j, (offset, size) in enumerate(item.layout.slices):
+                    stage = base + n * (offset + CHECK_BYTES * j)
+                    slc = _Slice(item, j, offset, size, stage, stage + n * size)
+                    self.plan[item.layout.layers[j].layer].append(slc)
+                base += item.nbytes
+        self.landed = [not s for s in self.plan]
+        self.ready_at: list[float | None] = [self.started if not s else None for s in self.plan]
+        self.error: BaseException | None = None
+        self.quiet = threading.Event()
+        self._gate = threading.Lock()
+        self._stopped = False
+        self._zeroed = False
+        self._session = contextlib.ExitStack()
+        self._session_lock = threading.Lock()
+        self._session_tried = False
+
+    def jobs(self) -> list[LayerJob]:
+        return [LayerJob(layer, self._fetcher(layer), sum(len(s.item.keys) * s.size for s in sl))
+                for layer, sl in enumerate(self.plan) if sl]
+
+    def _fetcher(self, layer: int) -> Callable[[], None]:
+        return lambda: self._fetch(layer)
+
+    def _open_session(self) -> None:
+        """One read session over the batch's keys for its per-layer reads (the
+        first job opens it; a job that runs before it is open reads in a session
+        of its own, which the store opens)."""
+        with self._session_lock:
+            if self._session_tried:
+                return
+            self._session_tried = True
+            keys = list(dict.fromkeys(k for item in self.items for k in item.keys))
+            try:
+                self._session.enter_context(self.store.open_session(keys))
+            except StoreError as exc:  # the reads then fail (or open their own sessions)
+                _log.debug("LayerLift: the batch's read session did not open: %s", exc)
+
+    def _fetch(self, layer: int) -> None:
+        """Lane thread: read, verify, then copy one layer (see module docstring)."""
+        self._open_session()
+        slices = self.plan[layer]
+        keys: list[str] = []
+        dst, sizes, offsets = [], [], []
+        for s in slices:
+            footer_at = s.item.layout.page_bytes + CHECK_BYTES * s.position
+            for i, key in enumerate(s.item.keys):
+                keys.append(key)
+                dst.append([s.stage + i * s.size, s.footers + i * CHECK_BYTES])
+                sizes.append([s.size, CHECK_BYTES])
+                offsets.append([s.offset, footer_at])
+        try:
+            self.store.get_ranges(keys, dst, sizes, offsets)
+        except StoreTimeout as exc:
+            for region in self.regions:
+                hand_over(exc, region)
+            raise
+        for s in slices:
+            n = len(s.item.keys)
+            expected = np.ctypeslib.as_array((ctypes.c_uint32 * n).from_address(s.footers))
+            bad = mismatches([s.stage + i * s.size for i in range(n)], s.size, expected,
+                             [slice_seed(k, s.position) for k in s.item.keys])
+            if bad:
+                raise StoreIntegrityError(
+                    f"layer {layer}: {len(bad)} {s.item.layout.name} slice(s) failed their "
+                    f"checksum (corrupt, foreign or truncated object), e.g. {s.item.keys[bad[0]]}")
+        with self._gate:
+            if self._stopped:
+                raise LayerLoadCancelled(layer, None, frozenset(),
+                                         f"layer {layer} read after its load was stopped")
+            for s in slices:
+                parts = s.item.layout.layers[s.position].parts
+                src = s.stage
+                for row in s.item.rows:
+                    for part in parts:
+                        ctypes.memmove(part.ptr(row), src, part.nbytes)
+                        src += part.nbytes
+            self.landed[layer] = True
+            self.ready_at[layer] = time.perf_counter()
+
+    def wait_layer(self, layer: int) -> None:
+        """Forward thread: return once ``layer`` landed, or (failed, or past the
+        bound) once the batch is stopped and its unlanded slots zeroed."""
+        if self.landed[layer]:
+            return
+        remaining = self.deadline - time.monotonic()
+        try:
+            self.readiness.wait(layer, timeout=max(remaining, 1e-3))
+            if self.landed[layer]:
+                return
+        except (LayerLoadError, LayerWaitTimeout) as exc:
+            self.error = self.error or exc
+        self.stop()
+
+    def stop(self) -> None:
+        """Close the gate (no copy into the slots from now on) and zero the
+        slots of every layer that did not land. Idempotent."""
+        with self._gate:
+            self._stopped = True
+            if self._zeroed:
+                return
+            self._zeroed = True
+            for layer, slices in enumerate(self.plan):
+                if self.landed[layer]:
+                    continue
+                for s in slices:
+                    for part in s.item.layout.layers[s.position].parts:
+                        for row in s.item.rows:
+                            ctypes.memset(part.ptr(row), 0, part.nbytes)
+
+    def finish(self) -> bool:
+        """Scheduler thread: wait (at most until the bound) for the batch to
+        settle, close the gate, and return True only when every layer landed
+        verified."""
+        self.quiet.wait(max(0.0, self.deadline - time.monotonic()))
+        self.stop()
+        failed = self.readiness.failed_requests()
+        if self.error is None and failed:
+            self.error = LayerLoadError(-1, None, failed, "a layer failed")
+        return all(self.landed) and self.error is None and not failed
+
+    def on_quiet(self) -> None:
+        """Every job returned: end the read session and give the staging back
+        (a read that timed out keeps its own hold until it ends)."""
+        self.quiet.set()
+        for region in self.regions:
+            region.release()
+        threading.Thread(target=self._session.close, name="layerlift-session-end",
+                         daemon=True).start()
+
+
+class LoadCounter:
+    """The ``layer_done_counter`` of :class:`LayerLiftLinker`: what SGLang's KV
+    pools and Mamba pool call before reading layer ``l`` (``wait_until``), and
+    what the model runner points at the batch in flight (``set_consumer``)."""
+
+    def __init__(self) -> None:
+        self.consumer_index = -1
+        self._batches: dict[int, BatchLoad] = {}
+        self._lock = threading.Lock()
+
+    def add(self, batch: BatchLoad) -> None:
+        with self._lock:
+            self._batches[batch.index] = batch
+
+    def set_consumer(self, index: int) -> None:
+        self.consumer_index = index
+
+    def wait_until(self, threshold: int) -> None:
+        """Block until layer ``threshold`` of the consumer batch landed or the
+        batch was stopped (bounded; see :class:`BatchLoad`). Never raises."""
+        batch = self._batches.get(self.consumer_index)
+        if batch is None or not 0 <= threshold < len(batch.landed):
+            return
+        batch.wait_layer(threshold)
+
+    def take(self, index: int) -> BatchLoad | None:
+        with self._lock:
+            return self._batches.pop(index, None)
+
+    def batches(self) -> list[BatchLoad]:
+        with self._lock:
+            return list(self._batches.values())
+
+    def reset(self) -> None:
+        with self._lock:
+            self._batches.clear()
+        self.consumer_index = -1
