@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from layerlift.bench import trace as tr
+from layerlift.bench.hostcost import HostCostStore
 from layerlift.bench.routers import Router
 from layerlift.engine.api import Engine
 from layerlift.engine.config import EngineConfig
@@ -118,19 +119,26 @@ def _pct(xs: Sequence[float], q: float) -> float:
 
 async def run_fleet(model: Model, configs: Sequence[EngineConfig], store: Store,
                     serve_cfg: ServeConfig, router: Router,
-                    reqs: Sequence[tr.ScaledRequest]) -> tuple[list[Served], dict[str, Any]]:
+                    reqs: Sequence[tr.ScaledRequest],
+                    view: Callable[[Store], Store] | None = None
+                    ) -> tuple[list[Served], dict[str, Any]]:
     """Replay ``reqs`` open-loop through one instance per config (all on
-    ``store``), routed by ``router``. Returns every request's
-    :class:`Served` (in ``reqs`` order) and details: the instance of each
-    request, requests per instance, whether prefetch ran, and the event
-    loop's lag (seconds: arrivals and probe, p50/p99/max)."""
+    ``store``; instance ``i`` sees it through ``view(store)`` when given, e.g.
+    a :class:`~layerlift.bench.hostcost.HostCostStore` of its own NIC),
+    routed by ``router``. Returns every request's :class:`Served` (in
+    ``reqs`` order) and details: the instance of each request, requests per
+    instance, whether prefetch ran, the event loop's lag (seconds: arrivals
+    and probe, p50/p99/max) and the views' charged host work (summed)."""
     if not configs:
         raise ValueError("a fleet needs at least one instance")
     lag = _Lag()
+    views: list[Store] = []
     async with contextlib.AsyncExitStack() as stack:
         inst = []
         for i, cfg in enumerate(configs):
-            eng = await stack.enter_async_context(Engine(model, cfg, store=store))
+            mine = view(store) if view is not None else store
+            views.append(mine)
+            eng = await stack.enter_async_context(Engine(model, cfg, store=mine))
             srv = await stack.enter_async_context(Server(eng, serve_cfg))
             inst.append(Instance(i, eng, srv))
         stop = asyncio.Event()
@@ -142,7 +150,12 @@ async def run_fleet(model: Model, configs: Sequence[EngineConfig], store: Store,
             stop.set()
             await probe
         prefetch = all(x.server.prefetch_active for x in inst)
+    charged: dict[str, float] = {}
+    for v in views:
+        for key, val in (v.charged.as_dict().items() if isinstance(v, HostCostStore) else ()):
+            charged[key] = charged.get(key, 0.0) + val
     details = {
+        "host_cost": charged,
         "instance_of": [i for _, i in out],
         "requests_per_instance": [x.served for x in inst],
         "prefetch_active": prefetch,

@@ -46,16 +46,17 @@ import math
 import sys
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
 
 from layerlift.bench import trace as tr
 from layerlift.bench.fleet import NETWORKS, run_fleet
+from layerlift.bench.hostcost import HostCostStore, HostRates, measure_rates
 from layerlift.bench.routers import ROUTERS, make_router
 from layerlift.engine.api import Engine
 from layerlift.engine.config import EngineConfig
@@ -68,7 +69,7 @@ from layerlift.engine.model.simulated import SimulatedModel
 from layerlift.engine.serve import ServeConfig, Served
 from layerlift.linker.memory_store import MemoryStore
 from layerlift.linker.store_base import Store
-from layerlift.overlap.link import parse_link
+from layerlift.overlap.link import EmulatedLink, parse_link
 from layerlift.pools.spec import Component, ModelSpec
 from layerlift.testing.kl import KL_EXACT, kl_divergence
 
@@ -206,7 +207,7 @@ def build_setting(args: argparse.Namespace) -> Setting:
                        _priors(compute, model, args.links[0], 256), info)
     arch = ARCHITECTURES[args.arch]
     if tr.TRACE_BLOCK_TOKENS % args.block_tokens:
-        raise SystemExit(f"error: --block-tokens must divide {tr.TRACE_BLOCK_TOKENS} "
+        raise ValueError(f"--block-tokens must divide {tr.TRACE_BLOCK_TOKENS} "
                          "for a simulated architecture")
     k = tr.TRACE_BLOCK_TOKENS // args.block_tokens
     page = args.block_tokens
@@ -216,7 +217,7 @@ def build_setting(args: argparse.Namespace) -> Setting:
                           track_interval=args.track_blocks * args.block_tokens)
     gpus = args.gpus or arch.default_gpus
     if args.device not in DEVICES:
-        raise SystemExit(f"error: --device {args.device} is not a GPU profile "
+        raise ValueError(f"--device {args.device} is not a GPU profile "
                          f"({', '.join(DEVICES)}); cpu-measured needs --arch reference")
     device = DEVICES[args.device].with_gpus(gpus)
     compute = RooflineCompute(arch, device)
@@ -232,9 +233,26 @@ def build_setting(args: argparse.Namespace) -> Setting:
                    _priors(compute, model, link, 14000 // k), info)
 
 
+def _view(setting: Setting, link: str | None,
+          rates: HostRates | None) -> Callable[[Store], Store] | None:
+    """Each instance's view of the shared store: the host work of the
+    bytes the token scale leaves out, and puts on the NIC's egress
+    (``bench/hostcost.py``); None when host costs are not charged."""
+    if rates is None:
+        return None
+    parsed = parse_link(link) if link else None
+
+    def view(store: Store) -> Store:
+        egress = EmulatedLink(parsed.gbps, parsed.latency_us) if parsed else None
+        return HostCostStore(store, token_scale=setting.token_scale, rates=rates,
+                             ingress_gbps=parsed.gbps if parsed else None, egress=egress)
+    return view
+
+
 async def _replay_one(run: Run, reqs: Sequence[tr.ScaledRequest], setting: Setting,
-                      args: argparse.Namespace, pool_bytes: int,
-                      stores: _Stores) -> tuple[dict[str, Any], list[Served], dict[str, Any]]:
+                      args: argparse.Namespace, pool_bytes: int, stores: _Stores,
+                      rates: HostRates | None
+                      ) -> tuple[dict[str, Any], list[Served], dict[str, Any]]:
     if run.policy == "device-only":
         store: Store = MemoryStore(timeout_s=60.0)
         link, kind, offload = None, "memory", False
@@ -249,8 +267,14 @@ async def _replay_one(run: Run, reqs: Sequence[tr.ScaledRequest], setting: Setti
     serve_cfg = ServeConfig(max_batch_tokens=args.batch_tokens,
                             prefetch=run.policy == "overlap+prefetch")
     router = make_router(args.router, setting.priors)
+    split = getattr(setting.model, "clock_split", None)
+    before = split() if split is not None else None
     served, fleet = await run_fleet(setting.model, [cfg] * args.instances, store, serve_cfg,
-                                    router, reqs)
+                                    router, reqs, None if run.policy == "device-only"
+                                    else _view(setting, link, rates))
+    if split is not None and before is not None:
+        after = split()
+        fleet["forward_clock"] = {k: after[k] - before[k] for k in after}
     return _summary(served, args.slo_ms / 1e3), served, fleet
 
 
@@ -273,7 +297,11 @@ def _summary(served: Sequence[Served], slo_s: float) -> dict[str, Any]:
         "within_slo_fraction": sum(t <= slo_s for t in ttft) / len(ttft),
         "served_from_cache_fraction": (tokens["device_hit"] + tokens["restored"]) / total,
         "tokens": tokens,
-        "prompt_tokens_per_s": total / wall if wall > 0 else 0.0,
+        # the arrival rate the trace offers (requests arrive open-loop): the
+        # same for every policy that keeps up, not a measured capacity
+        "offered_tokens_per_s": total / wall if wall > 0 else 0.0,
+        "prompt_tokens_per_s": total / wall if wall > 0 else 0.0,  # old name, same value
+        "served_s": wall,
     }
 
 
@@ -294,7 +322,7 @@ async def _cold(model: Model, prompts: Sequence[np.ndarray]) -> list[torch.Tenso
 
 def _sample(args: argparse.Namespace, vocab_size: int
             ) -> tuple[list[tr.ScaledRequest], dict[str, Any]]:
-    path = Path(args.trace) if args.trace else tr.default_trace_path(REPO)
+    path = Path(args.trace) if args.trace else tr.default_trace_path()
     trace = tr.load_trace(path)
     if args.sample == "families":
         picked = tr.sample_families(trace, args.requests, args.seed)
@@ -332,14 +360,44 @@ def _details(run: Run, served: Sequence[Served], fleet: dict[str, Any],
                                for s in served),
         "requests_per_instance": fleet["requests_per_instance"],
         "loop_lag": fleet["loop_lag"],
+        "host_cost": fleet["host_cost"],
+        "forward_clock": fleet.get("forward_clock"),
     }
     if run.policy == "overlap+prefetch":
         out["prefetch_supported"] = fleet["prefetch_active"]
     return out
 
 
+class NothingToRestore(ValueError):
+    """The replay cannot compare the policies: nothing would be evicted."""
+
+
+def pool_note(pool: int, ws: int, fraction: float, instances: int) -> str | None:
+    """What a raised pool means for the comparison (None when it was not
+    raised). Raises :class:`NothingToRestore` when one instance's pool holds
+    the whole working set: nothing is evicted, so no policy restores
+    anything and every policy serves the same device hits."""
+    asked = int(fraction * ws)
+    if pool <= asked:
+        return None
+    mib = 2**20
+    if pool >= ws and instances == 1:
+        raise NothingToRestore(
+            f"the pool must hold two of the longest requests ({pool / mib:.1f} MiB), which is "
+            f"more than the replay's whole working set ({ws / mib:.1f} MiB): nothing would be "
+            "evicted, so no policy would restore anything; sample more requests (--requests) "
+            "or run a fleet (--instances)")
+    return (f"the pool was raised from {fraction:.2f} of the working set ({asked / mib:.1f} "
+            f"MiB) to {pool / ws:.2f} of it ({pool / mib:.1f} MiB) to hold two of the longest "
+            "requests: less is evicted than asked, so fewer tokens are restored and the "
+            "store-backed policies differ less from device-only than at the asked fraction")
+
+
 async def run_replay(args: argparse.Namespace) -> dict[str, Any]:
-    """Run every policy of ``args`` (parsed by :func:`build_parser`)."""
+    """Run every policy of ``args`` (parsed by :func:`build_parser`).
+    Raises :class:`NothingToRestore` (see :func:`pool_note`), ``ValueError``
+    for a setting that cannot run (weights that do not fit), and what
+    :func:`~layerlift.bench.trace.load_trace` raises."""
     setting = build_setting(args)
     model, spec = setting.model, setting.model.spec
     args.links = setting.links
@@ -348,8 +406,15 @@ async def run_replay(args: argparse.Namespace) -> dict[str, Any]:
     floor = 2 * max(request_bytes(spec, max(len(r.tokens) for r in reqs)),
                     request_bytes(spec, args.batch_tokens))
     pool = max(int(args.pool_fraction * ws), floor)
+    note = pool_note(pool, ws, args.pool_fraction, args.instances)
     scaling.update(working_set_bytes=ws, pool_bytes=pool, pool_fraction=args.pool_fraction,
-                   effective_pool_fraction=pool / ws, batch_tokens=args.batch_tokens)
+                   effective_pool_fraction=pool / ws, batch_tokens=args.batch_tokens,
+                   pool_raised=pool > int(args.pool_fraction * ws), pool_note=note)
+    if note and args.progress:
+        print(f"note: {note}", file=sys.stderr, flush=True)
+    rates = measure_rates() if args.host_costs == "charged" else None
+    scaling["host_rates"] = None if rates is None else {
+        "crc_s_per_byte": rates.crc_s_per_byte, "copy_s_per_byte": rates.copy_s_per_byte}
     rng = np.random.default_rng(args.seed + 1)
     kl_idx = sorted(rng.choice(len(reqs), min(args.kl_samples, len(reqs)), replace=False).tolist())
     stores = _Stores(segment_bytes=2 * ws + (64 << 20))
@@ -357,10 +422,16 @@ async def run_replay(args: argparse.Namespace) -> dict[str, Any]:
     details: dict[str, dict[str, Any]] = {}
     ttfts: dict[str, list[float]] = {}
     kept: dict[str, list[torch.Tensor]] = {}
+    runs = _runs(args)
     try:
-        for run in _runs(args):
+        for i, run in enumerate(runs):
+            if args.progress:
+                print(f"[{i + 1}/{len(runs)}] {run.name}: {len(reqs)} requests on "
+                      f"{args.instances} instance(s), about {scaling['replay_span_s']:.0f} s "
+                      "of arrivals ...", file=sys.stderr, flush=True)
             t0 = time.perf_counter()
-            summary, served, fleet = await _replay_one(run, reqs, setting, args, pool, stores)
+            summary, served, fleet = await _replay_one(run, reqs, setting, args, pool, stores,
+                                                       rates)
             policies[run.name] = summary
             ttfts[run.name] = [s.ttft_s for s in served]
             kept[run.name] = [served[i].result.next_token_logprobs for i in kl_idx]
@@ -368,7 +439,7 @@ async def run_replay(args: argparse.Namespace) -> dict[str, Any]:
             if args.progress:
                 print(f"  {run.name}: p90 {summary['ttft_p90_s'] * 1e3:.0f} ms, cache "
                       f"{summary['served_from_cache_fraction']:.3f} "
-                      f"({details[run.name]['wall_s']:.0f} s)", file=sys.stderr)
+                      f"({details[run.name]['wall_s']:.0f} s)", file=sys.stderr, flush=True)
     finally:
         stores.close()
     cold = await _cold(model, [reqs[i].tokens for i in kl_idx])
@@ -394,7 +465,7 @@ def format_markdown(out: dict[str, Any]) -> str:
     ideal = out["ideal_hit_fraction"]
     lines = [
         "| policy | TTFT p50 ms | p90 ms | p99 ms | queue p90 ms | within SLO | device hit | "
-        "restored | computed | from cache | / ideal | prompt tok/s | max KL |",
+        "restored | computed | from cache | / ideal | offered tok/s | max KL |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, p in out["policies"].items():
@@ -405,7 +476,8 @@ def format_markdown(out: dict[str, Any]) -> str:
             f"{p['ttft_p99_s'] * 1e3:.1f} | {p['queue_p90_s'] * 1e3:.1f} | "
             f"{_f(p.get('within_slo_fraction'))} | {t['device_hit']} | "
             f"{t['restored']} | {t['computed']} | {frac:.3f} | {frac / ideal:.2f} | "
-            f"{p['prompt_tokens_per_s']:.0f} | {out['details'][name]['max_kl']:.1e} |")
+            f"{p.get('offered_tokens_per_s', p['prompt_tokens_per_s']):.0f} | "
+            f"{out['details'][name]['max_kl']:.1e} |")
     s = out["scaling"]
     lines.append("")
     lines.append(
@@ -414,7 +486,11 @@ def format_markdown(out: dict[str, Any]) -> str:
         f" ({s['trace_span_s']:.0f} s of trace in {s['replay_span_s']:.1f} s), preset "
         f"{s['preset']}, pool {s['pool_bytes'] / 2**20:.1f} MiB = "
         f"{s['effective_pool_fraction']:.2f} of the working set; ideal hit fraction "
-        f"{ideal:.3f}; KL over {out['kl_samples']} sampled requests per policy.")
+        f"{ideal:.3f}; KL over {out['kl_samples']} sampled requests per policy. Offered tok/s: "
+        "the prompt tokens the trace offers per second of the replay (open-loop arrivals), "
+        "not a measured capacity.")
+    if s.get("pool_note"):
+        lines.append(f"Note: {s['pool_note']}.")
     st, fl = out.get("setting"), out.get("fleet")
     if st is not None and fl is not None:
         sim = " (simulated)" if st["simulated"] else ""
@@ -423,6 +499,17 @@ def format_markdown(out: dict[str, Any]) -> str:
             f"{st['token_scale']}, link {', '.join(st['links'])}; {fl['instances']} instance(s), "
             f"router {fl['router']}; SLO: TTFT <= {fl['slo_ms']:g} ms.")
     for name, d in out["details"].items():
+        hc, fc = d.get("host_cost") or {}, d.get("forward_clock")
+        if hc:
+            lines.append(
+                f"`{name}`: host work charged for the bytes the token scale leaves out: "
+                f"{hc['read_host_s']:.2f} s on {hc['read_bytes'] / 2**20:.1f} MiB read, "
+                f"{hc['put_host_s']:.2f} s on {hc['put_bytes'] / 2**20:.1f} MiB put.")
+        if fc:
+            lines.append(
+                f"`{name}`: forwards' wall time: {fc['modeled_s']:.2f} s modeled GPU, "
+                f"{fc['waited_s']:.2f} s blocked on restores, {fc['host_s']:.2f} s host "
+                f"({fc['forwards']:.0f} forwards).")
         if "prefetch_supported" in d and not d["prefetch_supported"]:
             lines.append(f"`{name}`: the engine has no cross-batch prefetch yet; "
                          "this row ran as plain overlap (prefetch_supported: false).")
@@ -484,8 +571,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "model or the simulated one: TTFT, queueing, tokens by source.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--trace", default=None,
-                    help="trace jsonl (default: ../shared/traces/conversation_trace.jsonl "
-                         "next to the repository)")
+                    help="trace jsonl or jsonl.gz (default: the bundled Mooncake conversation "
+                         "trace, bench/data/conversation_trace.jsonl.gz)")
     ap.add_argument("--requests", type=int, default=200, help="about this many requests")
     ap.add_argument("--sample", choices=["families", "window"], default="families")
     ap.add_argument("--start-request", type=int, default=0, help="first request (window)")
@@ -529,8 +616,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--json", default=None, help="write the results as JSON here")
     ap.add_argument("--markdown", default=None, help="write a Markdown table here")
     ap.add_argument("--plot", default=None, help="write the TTFT CDF (PNG) here")
+    ap.add_argument("--host-costs", choices=["charged", "off"], default="charged",
+                    help="charged: the CRC check and copies of the bytes the token scale leaves "
+                         "out are charged at this machine's rates, and offload puts go through "
+                         "an emulated egress NIC (bench/hostcost.py); off: neither")
     ap.add_argument("--quiet", dest="progress", action="store_false",
-                    help="no per-policy line on stderr")
+                    help="no progress lines on stderr")
     return ap
 
 
@@ -543,21 +634,36 @@ def calibrate(preset: str, path: str | Path) -> None:
              {"preset": preset, "threads": torch.get_num_threads(), "samples": len(samples)})
 
 
+def _fail(message: str) -> NoReturn:
+    """One line on stderr and exit status 2 (bad input or a run that cannot compare)."""
+    print(f"layerlift bench replay: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _check(args: argparse.Namespace) -> None:
+    if args.requests < 1 or args.block_tokens < 1 or args.time_scale <= 0:
+        _fail("--requests and --block-tokens must be >= 1, --time-scale > 0")
+    if args.pool_fraction <= 0:
+        _fail("--pool-fraction must be positive")
+    if args.instances < 1 or args.gpus < 0 or args.track_blocks < 1 or args.slo_ms <= 0:
+        _fail("--instances and --track-blocks must be >= 1, --gpus >= 0, --slo-ms > 0")
+    if args.trace is not None and not Path(args.trace).is_file():
+        _fail(f"--trace {args.trace}: no such file; give a trace .jsonl (or .jsonl.gz), or "
+              "leave --trace out for the bundled one (bench/data/conversation_trace.jsonl.gz)")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.requests < 1 or args.block_tokens < 1 or args.time_scale <= 0:
-        raise SystemExit("error: --requests and --block-tokens must be >= 1, --time-scale > 0")
-    if args.pool_fraction <= 0:
-        raise SystemExit("error: --pool-fraction must be positive")
-    if args.instances < 1 or args.gpus < 0 or args.track_blocks < 1 or args.slo_ms <= 0:
-        raise SystemExit("error: --instances and --track-blocks must be >= 1, --gpus >= 0, "
-                         "--slo-ms > 0")
+    _check(args)
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     if args.model == "simulated" and args.arch == "reference" and \
             not Path(args.calibration).exists():
         calibrate(args.preset, args.calibration)
-    out = asyncio.run(run_replay(args))
+    try:
+        out = asyncio.run(run_replay(args))
+    except ValueError as exc:  # a bad trace, a placement that cannot run, nothing to restore
+        _fail(str(exc))
     cmd = "layerlift bench replay " + " ".join(sys.argv[1:] if argv is None else argv)
     out["meta"] = {"command": cmd.strip(), "wall_s": time.perf_counter() - t0,
                    "torch_threads": torch.get_num_threads(), "kl_tol": KL_EXACT}

@@ -18,7 +18,8 @@ import numpy as np
 from layerlift.bench.report import STRATEGIES
 from layerlift.bench.stores import Point
 
-__all__ = ["KL_TOL", "Samples", "efficiency", "lower_bound", "recurrence", "summarize"]
+__all__ = ["KL_TOL", "Samples", "efficiency", "lower_bound", "paired_ratio_ci", "percentile_ci",
+           "recurrence", "summarize", "verdict"]
 
 KL_TOL = 1e-9
 
@@ -124,3 +125,63 @@ def summarize(label: str, link: str, pt: Point, repeats: int, warmup: int,
         "max_kl": smp.max_kl,
         "kl_ok": smp.max_kl <= KL_TOL,
     }
+
+
+# ---- repeated replays: intervals from paired per-request resampling ------------------
+def _boot_index(sizes: Sequence[int], n_boot: int, seed: int) -> np.ndarray:
+    """``[n_boot, sum(sizes)]`` indices into the concatenated groups, each
+    row resampling every group within itself (a stratified bootstrap)."""
+    rng = np.random.default_rng(seed)
+    cols, start = [], 0
+    for n in sizes:
+        cols.append(start + rng.integers(0, n, size=(n_boot, n)))
+        start += n
+    return np.concatenate(cols, axis=1)
+
+
+def _groups(groups: Sequence[Sequence[float]]) -> tuple[np.ndarray, list[int]]:
+    sizes = [len(g) for g in groups]
+    if not sizes or min(sizes) < 1:
+        raise ValueError("need at least one non-empty group of samples")
+    return np.concatenate([np.asarray(g, dtype=np.float64) for g in groups]), sizes
+
+
+def percentile_ci(groups: Sequence[Sequence[float]], q: float, *, n_boot: int = 2000,
+                  seed: int = 0, level: float = 0.95) -> tuple[float, float, float]:
+    """Percentile ``q`` of the pooled groups (one group per repeat) and its
+    ``level`` bootstrap interval (resampling within each group)."""
+    x, sizes = _groups(groups)
+    boot = np.percentile(x[_boot_index(sizes, n_boot, seed)], q, axis=1)
+    a = (1 - level) / 2
+    return (float(np.percentile(x, q)), float(np.quantile(boot, a)),
+            float(np.quantile(boot, 1 - a)))
+
+
+def paired_ratio_ci(num: Sequence[Sequence[float]], den: Sequence[Sequence[float]], q: float,
+                    *, n_boot: int = 2000, seed: int = 0,
+                    level: float = 0.95) -> tuple[float, float, float]:
+    """``pct(num, q) / pct(den, q)`` over the pooled groups and its ``level``
+    bootstrap interval. Group ``g`` of both holds the same requests in the
+    same order (one repeat, two configurations): each bootstrap row draws
+    the same requests for both (paired), within each group. ``ValueError``
+    for groups that do not pair up or a percentile of 0 in ``den``."""
+    a, sizes = _groups(num)
+    b, sizes_b = _groups(den)
+    if sizes != sizes_b:
+        raise ValueError(f"paired groups need equal sizes, got {sizes} and {sizes_b}")
+    point_den = float(np.percentile(b, q))
+    if point_den <= 0:
+        raise ValueError("the denominator's percentile is not positive")
+    idx = _boot_index(sizes, n_boot, seed)
+    ratios = np.percentile(a[idx], q, axis=1) / np.percentile(b[idx], q, axis=1)
+    lo = (1 - level) / 2
+    return (float(np.percentile(a, q)) / point_den, float(np.quantile(ratios, lo)),
+            float(np.quantile(ratios, 1 - lo)))
+
+
+def verdict(lo: float, hi: float, one: float = 1.0) -> str:
+    """How a ratio's interval reads: "no measurable difference" when it
+    spans ``one``, else "lower" or "higher"."""
+    if lo <= one <= hi:
+        return "no measurable difference"
+    return "lower" if hi < one else "higher"

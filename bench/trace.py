@@ -22,6 +22,7 @@ The ideal hit fraction counts every token of a block seen before as a hit
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 from collections.abc import Iterable, Sequence
@@ -31,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 __all__ = [
-    "TRACE_BLOCK_TOKENS", "ScaledRequest", "TraceRequest", "default_trace_path",
+    "DEFAULT_TRACE", "TRACE_BLOCK_TOKENS", "ScaledRequest", "TraceRequest", "default_trace_path",
     "ideal_hit_fraction", "load_trace", "sample_families", "sample_window", "scale",
 ]
 
@@ -61,28 +62,35 @@ class ScaledRequest:
     block_sizes: tuple[int, ...]
 
 
-def default_trace_path(repo_root: Path) -> Path:
-    """``../shared/traces/conversation_trace.jsonl`` next to the repository."""
-    return repo_root.parent / "shared" / "traces" / "conversation_trace.jsonl"
+DEFAULT_TRACE = Path(__file__).resolve().parent / "data" / "conversation_trace.jsonl.gz"
+
+
+def default_trace_path() -> Path:
+    """The trace that ships with the project (``bench/data/``, see its README)."""
+    return DEFAULT_TRACE
 
 
 def load_trace(path: str | Path) -> list[TraceRequest]:
-    """Parse a trace jsonl. ``ValueError`` names the line of a malformed record."""
+    """Parse a trace jsonl (gzip-compressed when its name ends in ``.gz``).
+    ``FileNotFoundError`` for a missing file; ``ValueError`` names the line
+    of a malformed record."""
     out: list[TraceRequest] = []
-    with Path(path).open() as fh:
-        for i, line in enumerate(fh):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-                req = TraceRequest(i, float(rec["timestamp"]), int(rec["input_length"]),
-                                   int(rec.get("output_length", 0)),
-                                   tuple(int(h) for h in rec["hash_ids"]))
-            except (KeyError, TypeError, ValueError) as exc:
-                raise ValueError(f"{path}:{i + 1}: not a trace record ({exc})") from None
-            if not req.hash_ids or req.input_length < 1:
-                raise ValueError(f"{path}:{i + 1}: a request needs hash_ids and input_length > 0")
-            out.append(req)
+    p = Path(path)
+    raw = p.read_bytes()
+    text = (gzip.decompress(raw) if p.suffix == ".gz" else raw).decode()
+    for i, line in enumerate(text.splitlines()):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            req = TraceRequest(i, float(rec["timestamp"]), int(rec["input_length"]),
+                               int(rec.get("output_length", 0)),
+                               tuple(int(h) for h in rec["hash_ids"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{path}:{i + 1}: not a trace record ({exc})") from None
+        if not req.hash_ids or req.input_length < 1:
+            raise ValueError(f"{path}:{i + 1}: a request needs hash_ids and input_length > 0")
+        out.append(req)
     return out
 
 

@@ -94,18 +94,26 @@ def test_ideal_hit_fraction_on_a_hand_made_trace() -> None:
     assert tr.block_hit_fraction(reqs) == pytest.approx(3 / 7)
 
 
-def test_tiny_replay_end_to_end(tmp_path: Path) -> None:
+def test_tiny_replay_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Two instances (one alone would hold this small sample whole, see the
+    refusal below), every policy, progress and the raised pool on stderr."""
     out = tmp_path / "replay.json"
     code = main(["--trace", str(SMALL), "--requests", "8", "--seed", "3", "--block-tokens", "32",
-                 "--time-scale", "1000000",
+                 "--time-scale", "1000000", "--instances", "2",
                  "--policies", "device-only,overlap,overlap+prefetch,overlap+auto",
-                 "--kl-samples", "3", "--pool-fraction", "0.3", "--json", str(out), "--quiet"])
+                 "--kl-samples", "3", "--pool-fraction", "0.3", "--json", str(out)])
     assert code == 0
+    err = capsys.readouterr().err
+    assert "[1/4] device-only: " in err and "[4/4] overlap+auto: " in err
+    assert "note: the pool was raised from 0.30 of the working set" in err
     got = json.loads(out.read_text())
+    assert got["scaling"]["pool_raised"] and "less is evicted" in got["scaling"]["pool_note"]
+    assert got["scaling"]["host_rates"]["crc_s_per_byte"] > 0
     assert {"policies", "ideal_hit_fraction", "max_kl", "scaling"} <= set(got)
     assert list(got["policies"]) == ["device-only", "overlap", "overlap+prefetch", "overlap+auto"]
     keys = {"ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "queue_p90_s", "within_slo_fraction",
-            "served_from_cache_fraction", "tokens", "prompt_tokens_per_s"}
+            "served_from_cache_fraction", "tokens", "prompt_tokens_per_s",
+            "offered_tokens_per_s", "served_s"}
     total = None
     for p in got["policies"].values():
         assert set(p) == keys
@@ -120,6 +128,43 @@ def test_tiny_replay_end_to_end(tmp_path: Path) -> None:
     assert got["details"]["overlap"]["branch_checkpoints"] is True
     assert 0 < got["ideal_hit_fraction"] < 1
     assert got["scaling"]["block_tokens"] == 32 and got["scaling"]["requests"] >= 8
+    put = got["details"]["overlap"]["host_cost"]
+    assert put["put_bytes"] > 0 and put["put_host_s"] == 0.0  # token scale 1: nothing missing
+
+
+def test_a_replay_where_nothing_can_be_restored_is_refused(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["--trace", str(SMALL), "--requests", "8", "--block-tokens", "32",
+              "--policies", "barrier,overlap", "--pool-fraction", "0.3"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert "nothing would be evicted, so no policy would restore anything" in err
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--trace", "/nonexistent.jsonl"], "--trace /nonexistent.jsonl: no such file"),
+    (["--model", "simulated", "--arch", "qwen3-next-80b-a3b", "--gpus", "1",
+      "--block-tokens", "8"], "do not fit 1 x h100"),
+    (["--model", "simulated", "--arch", "nemotron-h-8b", "--block-tokens", "48"],
+     "--block-tokens must divide 512"),
+    (["--requests", "0"], "--requests and --block-tokens must be >= 1"),
+])
+def test_bad_input_is_one_line_and_status_2(args: list[str], says: str,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and says in err and "Traceback" not in err
+
+
+def test_the_trace_ships_with_the_project() -> None:
+    path = tr.default_trace_path()
+    assert path.is_file() and path.is_relative_to(Path(tr.__file__).resolve().parent)
+    trace = tr.load_trace(path)
+    assert len(trace) == 12031 and trace[0].input_length == 6758
 
 
 def test_simulated_fleet_replay(tmp_path: Path) -> None:

@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
-from layerlift.bench.stats import Samples, efficiency, lower_bound, recurrence, summarize
+from layerlift.bench.stats import (
+    Samples,
+    efficiency,
+    lower_bound,
+    paired_ratio_ci,
+    percentile_ci,
+    recurrence,
+    summarize,
+    verdict,
+)
 from layerlift.bench.stores import Point
 
 # (a, c, recurrence F_L, lower bound) in seconds; worked out by hand.
@@ -74,3 +84,33 @@ def test_summarize_charges_the_overhead_to_both() -> None:
     assert out["efficiency_model"] == pytest.approx(8 / 9)
     assert out["speedup"] == pytest.approx(barrier / overlap)
     assert out["restore_ok"] and out["kl_ok"]
+
+
+def test_paired_ratio_of_a_scaled_copy_is_exact() -> None:
+    rng = np.random.default_rng(0)
+    base = [rng.exponential(1.0, 40).tolist() for _ in range(3)]
+    double = [[2 * x for x in g] for g in base]
+    point, lo, hi = paired_ratio_ci(double, base, 50)
+    assert point == pytest.approx(2.0) and lo == pytest.approx(2.0) and hi == pytest.approx(2.0)
+    assert verdict(lo, hi) == "higher"
+
+
+def test_identical_distributions_read_as_no_measurable_difference() -> None:
+    rng = np.random.default_rng(1)
+    a = [rng.exponential(1.0, 60).tolist() for _ in range(3)]
+    b = [rng.exponential(1.0, 60).tolist() for _ in range(3)]
+    point, lo, hi = paired_ratio_ci(a, b, 90)
+    assert lo < point < hi and lo < 1.0 < hi
+    assert verdict(lo, hi) == "no measurable difference"
+    shifted = [[0.5 * x for x in g] for g in a]
+    assert verdict(*paired_ratio_ci(shifted, b, 50)[1:]) == "lower"
+
+
+def test_percentile_interval_holds_the_point_and_pairs_are_checked() -> None:
+    groups = [[1.0, 2.0, 3.0, 4.0], [2.0, 3.0, 4.0, 5.0]]
+    point, lo, hi = percentile_ci(groups, 50)
+    assert point == pytest.approx(3.0) and lo <= point <= hi
+    with pytest.raises(ValueError, match="equal sizes"):
+        paired_ratio_ci([[1.0, 2.0]], [[1.0]], 50)
+    with pytest.raises(ValueError, match="non-empty"):
+        percentile_ci([], 50)
