@@ -45,5 +45,7 @@ def test_bad_arguments_and_measured_rates() -> None:
                       egress=None)
     with pytest.raises(ValueError, match="host rates"):
         HostRates(-1.0, 0.0)
-    r = measure_rates(1 << 20, repeats=1)
+    r = measure_rates(1 << 20, 64 << 10, repeats=1)
     assert r.crc_s_per_byte > 0 and r.copy_s_per_byte > 0
+    with pytest.raises(ValueError, match="slice_bytes"):
+        measure_rates(1024, 4096)
