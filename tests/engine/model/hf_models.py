@@ -1,8 +1,9 @@
 """Tiny transformers models for the adapter's tests (seeded random weights,
-nothing downloaded)."""
+nothing downloaded), and their float64 copies for the adapter-fidelity oracle."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -11,7 +12,7 @@ from torch import nn
 from layerlift.engine.model.hf import TransformersModel
 from layerlift.pools.spec import Component
 
-__all__ = ["CONFIGS", "build", "cold_logprobs", "tiny_kwargs"]
+__all__ = ["CONFIGS", "build", "build_float64", "cold_logprobs", "tiny_kwargs"]
 
 _COMMON: dict[str, Any] = dict(vocab_size=128, hidden_size=64, num_hidden_layers=4,
                                num_attention_heads=4, num_key_value_heads=2)
@@ -158,6 +159,41 @@ def build(arch: str, seed: int = 0) -> TransformersModel:
     model = TransformersModel(hf_model(arch, seed), name=f"tiny-{arch}", revision=f"s{seed}")
     rerandomise_recurrent(model, seed + 1)
     return model
+
+
+# Routers whose forward computes in float32 whatever the model's dtype (it casts
+# its input with ``.float()``): the float64 copy keeps their weights float32.
+_FLOAT32_ROUTERS = ("Inkling2TopKRouter", "Inkling2LoopTopKRouter")
+
+
+def build_float64(arch: str, seed: int = 0) -> tuple[TransformersModel, list[float]]:
+    """``build(arch, seed)`` computing in float64: the same weights (the
+    float32 values widened), experts run eagerly (``grouped_mm`` has no
+    float64 kernel), routers of ``_FLOAT32_ROUTERS`` left in float32.
+
+    For cold prefills only: its spec still pages float32 (LayerLift pages no
+    float64), which a cold prefill never reads back (it continues from its
+    own cache between chunks; what it writes into the pool is rounded there
+    and unused), while a restore would start from float32 pages. Returns the
+    model and a list to which every call of a float32 router appends its
+    smallest gap between the k-th and the (k+1)-th expert score.
+    """
+    model = build(arch, seed)
+    hf: Any = model.hf
+    hf.set_experts_implementation("eager")
+    hf.double()
+    margins: list[float] = []
+    for module in hf.modules():
+        if type(module).__name__ in _FLOAT32_ROUTERS:
+            module.float()
+            module.register_forward_hook(functools.partial(_record_margin, margins))
+    return model, margins
+
+
+def _record_margin(margins: list[float], router: Any, args: Any, output: Any) -> None:
+    scores = router.score_fn(output[0]) + router.e_score_correction_bias  # what topk ranks
+    top = scores.topk(router.top_k + 1, dim=-1).values
+    margins.append(float((top[:, -2] - top[:, -1]).min()))
 
 
 @torch.no_grad()
