@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from layerlift.bench.args import BenchParser, int_at_least
 from layerlift.bench.output import add_output_options, write_outputs
 from layerlift.bench.results import plot, render
 from layerlift.linker.integrity import CHECK_BYTES, checksums, mismatches, slice_seed
@@ -128,13 +129,18 @@ def mooncake_point(repeats: int) -> dict[str, Any]:
             "bytes_exact": ok}
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="layerlift bench integrity",
-                                 description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    ap = BenchParser("layerlift bench integrity", __doc__.splitlines()[0])
     add_output_options(ap)
-    ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--mooncake", action="store_true")
-    args = ap.parse_args(argv)
+    ap.add_argument("--repeats", type=int_at_least(1), default=7,
+                    help="repeats per measurement (the median is reported)")
+    ap.add_argument("--mooncake", action="store_true",
+                    help="also time the footer reads against a real Mooncake master on loopback")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     out: dict[str, Any] = {
         "what": "CRC-32 per layer slice: verify throughput per CPU thread; footer read cost",
         "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from layerlift.bench.args import BenchParser, int_at_least
 from layerlift.bench.output import add_output_options, write_outputs
 from layerlift.bench.results import plot, render
 from layerlift.overlap import (
@@ -137,16 +138,19 @@ async def run_grid(max_in_flight: int, stream_size: int) -> list[dict[str, Any]]
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="layerlift bench overhead",
-                                     description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    parser = BenchParser("layerlift bench overhead", __doc__.splitlines()[0])
     add_output_options(parser)
-    parser.add_argument("--max-in-flight", type=int, default=8,
+    parser.add_argument("--max-in-flight", type=int_at_least(1), default=8,
                         help="end_to_end scheduler bound (default: the engine's, 8)")
-    parser.add_argument("--stream-size", type=int, default=64,
+    parser.add_argument("--stream-size", type=int_at_least(1), default=64,
                         help="layers per worker call (default: the engine's, 64; 1 = one "
                              "hand-off per layer)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     torch.set_num_threads(1)
     rows = asyncio.run(run_grid(args.max_in_flight, args.stream_size))
     print(

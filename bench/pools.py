@@ -30,6 +30,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
+from layerlift.bench.args import BenchParser, int_at_least
 from layerlift.bench.output import add_output_options, write_outputs
 from layerlift.bench.results import plot, render
 from layerlift.pools import Component, KVPool, ModelSpec, StaticKVPool, UnifiedKVPool
@@ -160,13 +161,17 @@ def run(requests: int, seed: int, live: int) -> dict[str, object]:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="layerlift bench pools", description=__doc__.split("\n\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    ap = BenchParser("layerlift bench pools", __doc__.split("\n\n")[0])
     add_output_options(ap)
-    ap.add_argument("--requests", type=int, default=1000, help="requests per phase")
-    ap.add_argument("--live", type=int, default=40, help="live request budget")
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
+    ap.add_argument("--requests", type=int_at_least(1), default=1000, help="requests per phase")
+    ap.add_argument("--live", type=int_at_least(1), default=40, help="live request budget")
+    ap.add_argument("--seed", type=int_at_least(0), default=0, help="request seed")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     start = time.perf_counter()
     out = run(args.requests, args.seed, args.live)
     out["wall_s"] = time.perf_counter() - start

@@ -379,20 +379,34 @@ def build_page(results: Path) -> str:
     return "\n".join(out)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``layerlift bench report``: write (or ``--check``) the results page."""
-    ap = argparse.ArgumentParser(prog="layerlift bench report",
-                                 description=__doc__.split("\n\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    from layerlift.bench.args import BenchParser
+
+    ap = BenchParser("layerlift bench report", __doc__.split("\n\n")[0])
     ap.add_argument("--results", type=Path, default=Path("bench/results"),
-                    help="folder of benchmark JSON records (default: bench/results)")
+                    help="folder of benchmark JSON records (default: bench/results, relative "
+                         "to the current directory: run it from the repository's root)")
     ap.add_argument("--out", type=Path, default=Path("docs/results.md"),
                     help="the page to write (default: docs/results.md)")
     ap.add_argument("--check", action="store_true",
                     help="write nothing; exit 1 if --out differs from what the JSON gives")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``layerlift bench report``: write (or ``--check``) the results page."""
+    ap = build_parser()
     args = ap.parse_args(argv)
+    if not args.results.is_dir():
+        ap.error(f"argument --results: there is no folder {str(args.results)!r} here, so "
+                 f"there is no results page to {'check' if args.check else 'build'}; run it "
+                 "from the repository's root or pass --results and --out")
     page = build_page(args.results)
     if args.check:
-        if not args.out.exists() or args.out.read_text() != page:
+        if not args.out.exists():
+            ap.error(f"argument --out: there is no page {str(args.out)!r} to check; run "
+                     "`layerlift bench report` to write it, or pass --out")
+        if args.out.read_text() != page:
             print(f"{args.out} is stale: run `layerlift bench report`")
             return 1
         return 0

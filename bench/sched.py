@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from layerlift.bench.args import BenchParser, int_at_least
 from layerlift.bench.output import add_output_options, write_outputs
 from layerlift.bench.results import plot, render
 from layerlift.bench.stats import efficiency, lower_bound, recurrence
@@ -111,19 +112,28 @@ def _profile_from(path: str, index: int) -> tuple[list[float], list[float]]:
     return list(point["layer_load_s"]), list(point["layer_compute_s"])
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="layerlift bench sched",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    ap.add_argument("--profile", default=None, help="TTFT JSON to take the profile from")
-    ap.add_argument("--point", type=int, default=0, help="index of the point in --profile")
-    ap.add_argument("--repeats", type=int, default=9)
+def build_parser() -> argparse.ArgumentParser:
+    ap = BenchParser("layerlift bench sched", __doc__, raw_description=True)
+    ap.add_argument("--profile", default=None, metavar="PATH",
+                    help="a `layerlift bench ttft --json` record to take the per-layer profile "
+                         "from (default: the profile measured on the 2-core CPU machine)")
+    ap.add_argument("--point", type=int_at_least(0), default=0,
+                    help="index of the point in --profile")
+    ap.add_argument("--repeats", type=int_at_least(1), default=9, help="repeats per profile")
     add_output_options(ap)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
     if args.profile:
-        a0, c = _profile_from(args.profile, args.point)
+        try:
+            a0, c = _profile_from(args.profile, args.point)
+        except (OSError, ValueError, KeyError, IndexError, TypeError) as exc:
+            ap.error(f"argument --profile: cannot take point {args.point} of {args.profile!r} "
+                     f"({type(exc).__name__}: {exc}); give a `layerlift bench ttft --json` "
+                     "record and a point index it has")
     else:
         a0, c = [x / 1e3 for x in MEASURED_A_MS], [x / 1e3 for x in MEASURED_C_MS]
     rows = []

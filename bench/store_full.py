@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from layerlift import Engine, EngineConfig, HybridModel, ModelSpec
+from layerlift.bench.args import BenchParser, float_above, int_at_least
 from layerlift.bench.output import add_output_options, write_outputs
 from layerlift.bench.results import plot, render
 from layerlift.linker.memory_store import MemoryStore
@@ -96,18 +97,33 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             "requests": args.requests, "working_set_bytes": ws, "ideal": ideal, "rows": rows}
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="layerlift bench store-full",
-                                 description=__doc__.splitlines()[0])
+def _fraction(text: str) -> float:
+    value = float_above(0)(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = BenchParser("layerlift bench store-full", __doc__.splitlines()[0])
     add_output_options(ap)
-    ap.add_argument("--preset", default="tiny", choices=ModelSpec.preset_names())
-    ap.add_argument("--prompts", type=int, default=48)
-    ap.add_argument("--tokens", type=int, default=2048)
-    ap.add_argument("--requests", type=int, default=144)
-    ap.add_argument("--fractions", type=float, nargs="+", default=[0.5])
-    ap.add_argument("--kl-samples", type=int, default=6)
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
+    presets = ModelSpec.preset_names()
+    ap.add_argument("--preset", default="tiny", choices=presets, help="model preset")
+    ap.add_argument("--prompts", type=int_at_least(1), default=48,
+                    help="distinct prompts (the working set)")
+    ap.add_argument("--tokens", type=int_at_least(1), default=2048, help="tokens per prompt")
+    ap.add_argument("--requests", type=int_at_least(1), default=144,
+                    help="requests, drawn from the prompts")
+    ap.add_argument("--fractions", type=_fraction, nargs="+", default=[0.5],
+                    help="store sizes as fractions of the working set's bytes, each in (0, 1]")
+    ap.add_argument("--kl-samples", type=int_at_least(0), default=6,
+                    help="restored requests checked against a cold recompute (KL)")
+    ap.add_argument("--seed", type=int_at_least(0), default=0, help="prompt and request seed")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
     out = asyncio.run(main_async(args))
     print(render(write_outputs("store-full", out, args, argv, render, plot)))

@@ -57,10 +57,11 @@ import numpy as np
 import torch
 
 from layerlift.bench.models import build_model
-from layerlift.bench.netns_link import emulated_twin, is_netns, rate_gbps, run_netns_link
+from layerlift.bench.netns_link import emulated_twin, is_netns, run_netns_link
 from layerlift.bench.report import STRATEGIES, format_markdown, format_table, write_plot
 from layerlift.bench.stats import KL_TOL, Samples, summarize
 from layerlift.bench.stores import LinkStores, Point, pool_bytes, store_bytes
+from layerlift.bench.ttft_args import DEFAULT_EMULATED, build_parser, links, resolve_grid
 from layerlift.engine.api import Engine
 from layerlift.engine.config import EngineConfig
 from layerlift.engine.results import PrefillResult
@@ -69,13 +70,8 @@ from layerlift.pools.spec import ModelSpec
 from layerlift.testing.kl import kl_divergence
 from layerlift.testing.netns import netns_available
 
-__all__ = ["DEFAULT_EMULATED", "main", "run_bench"]
+__all__ = ["DEFAULT_EMULATED", "build_parser", "main", "run_bench"]
 
-# Chosen on the 2-core CPU machine (torch 1 thread) for preset "small", suffix 64, batch 1:
-# the suffix forward takes ~130-150 ms there, the restore of P = 512 / 1024 / 2048 tokens
-# moves ~8 / 13 / 21 MB, so 0.1 GB/s puts Σa at ~0.6x / 1x / 1.5x of Σc (within 2x).
-# On a GPU the forward is far faster: pass a faster link there (e.g. emulated:25,5).
-DEFAULT_EMULATED = "emulated:0.1,10"
 CORES_NOTE = (
     "note: on this machine the real Mooncake links (loopback TCP, and TCP between namespace "
     "hosts) and the forward share {cores} CPU core(s); the emulated link models a NIC that "
@@ -238,20 +234,7 @@ def _record(smp: Samples, results: dict[str, list[PrefillResult]]) -> None:
 
 
 # ---------------------------------------------------------------------------- CLI
-QUICK = dict(preset=["small"], prefix=[512, 1024, 2048], suffix=[64], batch=[1],
-             repeats=3, warmup=1)
-# ~9 min on the 2-core box (recompute of 4096 x 2 tokens dominates); medium, longer
-# suffixes and batch 4 are available through the options.
-FULL = dict(preset=["small"], prefix=[512, 1024, 2048, 4096], suffix=[64],
-            batch=[1, 2], repeats=5, warmup=1)
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.replace(" ", "").split(",") if x]
-
-
-def _strs(text: str) -> list[str]:
-    return [x for x in text.replace(" ", "").split(",") if x]
+_links = links  # the link list's parser (bench/replay.py uses it too)
 
 
 def link_label(link: str) -> str:
@@ -260,88 +243,6 @@ def link_label(link: str) -> str:
         return "mooncake-tcp-cluster"
     emulated = parse_link(link)
     return emulated.label if emulated is not None else "mooncake-tcp-loopback"
-
-
-def _links(text: str) -> list[str]:
-    """'mooncake,emulated:2,10,emulated:1' -> ['mooncake', 'emulated:2,10', 'emulated:1'].
-
-    ``netns:RATE`` runs the engines on a namespace host behind a link throttled to RATE
-    (bench/netns_link.py); ``cluster:HOST:PORT`` (internal: what runs on that host)
-    connects to an existing master whose storage node holds the segment.
-    """
-    out: list[str] = []
-    for part in _strs(text):
-        if is_netns(part):
-            rate_gbps(part)  # validates
-            out.append(part)
-        elif part.startswith("cluster:") or part == "mooncake" or part.startswith("emulated:"):
-            out.append(part)
-        elif out and out[-1].startswith("emulated:") and out[-1].count(",") == 0:
-            out[-1] += "," + part  # the latency of the previous emulated link
-        else:
-            raise ValueError(f"bad link list {text!r}: use e.g. 'mooncake,emulated:2,10'")
-    for link in out:
-        if not (is_netns(link) or link.startswith("cluster:")):
-            parse_link(link)  # validates
-    return out
-
-
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="layerlift bench ttft",
-        description="TTFT of recompute vs barrier restore vs overlap restore (p50/p90).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--preset", type=_strs, default=None,
-                    help=f"model preset(s), comma separated; one of {ModelSpec.preset_names()} "
-                         f"(default {','.join(FULL['preset'])})")  # type: ignore[arg-type]
-    ap.add_argument("--model", type=_strs, default=None,
-                    help="model(s) instead of --preset: a preset, hf:<arch> (a tiny transformers "
-                         "config: hf:lara_mini, hf:nemotron_h, hf:gpt_oss, hf:lfm2) or hf:<dir>")
-    ap.add_argument("--prefix", type=_ints, default=None, help="prefix lengths (restored tokens)")
-    ap.add_argument("--suffix", type=_ints, default=None, help="suffix lengths (computed tokens)")
-    ap.add_argument("--batch", type=_ints, default=None, help="batch sizes")
-    ap.add_argument("--repeats", type=int, default=None, help="measured repeats per point")
-    ap.add_argument("--warmup", type=int, default=None, help="warm-up repeats per point")
-    ap.add_argument("--links", type=_links, default=None,
-                    help=f"link modes (default 'mooncake,{DEFAULT_EMULATED}'); netns:RATE "
-                         "(e.g. netns:1gbit, needs root) runs the engines on a namespace host "
-                         "behind a tbf-throttled link to a master and a storage node on two "
-                         "other hosts, and adds the emulated link at the same rate beside it")
-    ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    ap.add_argument("--quick", action="store_true",
-                    help="small grid (small preset, P 512/1024/2048, S 64, B 1, 3 repeats)")
-    ap.add_argument("--seed", type=int, default=0, help="prompt seed")
-    ap.add_argument("--threads", type=int, default=None,
-                    help="torch CPU threads (default: 1 on cpu, leaving a core to the link "
-                         "and keeping timings stable on a shared 2-core machine)")
-    ap.add_argument("--json", default=None, help="write the results as JSON here")
-    ap.add_argument("--markdown", default=None, help="write a Markdown table here")
-    ap.add_argument("--plot", default=None, help="write a PNG plot here (needs matplotlib)")
-    ap.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
-    return ap
-
-
-def _grid(args: argparse.Namespace) -> None:
-    base = QUICK if args.quick else FULL
-    if args.model is not None:
-        args.preset = args.model
-    for key in ("preset", "prefix", "suffix", "batch", "repeats", "warmup"):
-        if getattr(args, key) is None:
-            setattr(args, key, base[key])
-    if args.links is None:
-        args.links = ["mooncake", DEFAULT_EMULATED]
-    for link in [x for x in args.links if is_netns(x)]:  # the emulated link at the same rate
-        twin = emulated_twin(link)
-        if twin not in args.links:
-            args.links.insert(args.links.index(link) + 1, twin)
-    if args.repeats < 1 or args.warmup < 0:
-        raise SystemExit("error: --repeats must be >= 1 and --warmup >= 0")
-    for p in args.preset:
-        spec = build_model(p).spec
-        for n in args.prefix:
-            if n <= 0 or n % spec.track_interval:
-                raise SystemExit(f"error: prefix {n} must be a positive multiple of preset {p}'s "
-                                 f"track_interval ({spec.track_interval}) to be restorable whole")
 
 
 async def run_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -377,8 +278,9 @@ async def _run_netns(link: str, points: list[Point],
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    _grid(args)
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    resolve_grid(args, ap)
     import os
 
     if args.threads is None and args.device == "cpu":

@@ -5,17 +5,21 @@
     layerlift store-node --master H:P ...   a Mooncake client contributing a segment
     layerlift bench NAME [options]          one benchmark (``layerlift bench --help``)
     layerlift bench report                  regenerate docs/results.md from the JSON
+    layerlift --version                     the installed version
+
+Errors in the options are one line on stderr with exit status 2.
 """
 
 from __future__ import annotations
 
 import importlib
-import os
+import importlib.metadata
 import sys
 from collections.abc import Callable, Sequence
 from typing import cast
 
 from layerlift.bench import BENCHMARKS
+from layerlift.linker.mooncake_env import apply_defaults
 
 __all__ = ["main"]
 
@@ -26,7 +30,7 @@ def _bench_usage() -> str:
     return "\n".join(lines)
 
 
-USAGE = f"""usage: layerlift <command> [options]
+USAGE = f"""usage: layerlift <command> [options]   (layerlift --version: the version)
 
 commands:
   master        run a private mooncake_master on loopback until Ctrl-C
@@ -41,30 +45,46 @@ Every benchmark takes --json PATH, --markdown PATH and --plot PATH
 
 
 def _bench(args: list[str]) -> int:
-    if not args or args[0] in ("-h", "--help"):
-        print(f"usage: layerlift bench NAME [options]\n\n{_bench_usage()}",
-              file=sys.stdout if args else sys.stderr)
-        return 0 if args else 2
+    if not args:
+        print(f"layerlift bench: error: name a benchmark: {', '.join(BENCHMARKS)} "
+              "(see layerlift bench --help)", file=sys.stderr)
+        return 2
+    if args[0] in ("-h", "--help"):
+        print(f"usage: layerlift bench NAME [options]\n\n{_bench_usage()}")
+        return 0
     if args[0] not in BENCHMARKS:
-        print(f"layerlift bench: unknown benchmark {args[0]!r}; choose from "
+        print(f"layerlift bench: error: unknown benchmark {args[0]!r}; choose from "
               f"{', '.join(BENCHMARKS)}", file=sys.stderr)
         return 2
     module = importlib.import_module(BENCHMARKS[args[0]][0])
     run = cast(Callable[[Sequence[str]], int], module.main)
-    return run(args[1:])
+    return run(args[1:])  # a usage error raises SystemExit(2) (argparse's convention)
+
+
+def version() -> str:
+    """The installed distribution's version ("unknown" when not installed)."""
+    try:
+        return importlib.metadata.version("layerlift")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point; returns the exit status."""
-    # Quiet Mooncake's glog output; must happen before mooncake is imported.
-    # Mooncake 0.3.13 sets glog's level from MC_LOG_LEVEL (TRACE/INFO/WARNING/ERROR,
-    # default INFO) and so overrides GLOG_minloglevel: set both.
-    os.environ.setdefault("GLOG_minloglevel", "2")
-    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    """Entry point; returns the exit status (2 for a usage error)."""
+    # Mooncake's quiet defaults (errors only, 2 setup tries) unless the user
+    # set them; must happen before mooncake is imported (linker/mooncake_env.py).
+    apply_defaults()
     args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] in ("-h", "--help", "help"):
+    if not args:
+        print("layerlift: error: name a command: master, store-node or bench "
+              "(see layerlift --help)", file=sys.stderr)
+        return 2
+    if args[0] in ("-h", "--help", "help"):
         print(USAGE, end="")
-        return 0 if args else 2
+        return 0
+    if args[0] in ("-V", "--version"):
+        print(f"layerlift {version()}")
+        return 0
     if args[0] == "master":
         from layerlift.linker.master import main as master_main
 
@@ -75,7 +95,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return store_node_main(args[1:])
     if args[0] == "bench":
         return _bench(args[1:])
-    print(f"layerlift: unknown command {args[0]!r}\n\n{USAGE}", file=sys.stderr, end="")
+    print(f"layerlift: error: unknown command {args[0]!r}; choose master, store-node or "
+          "bench (see layerlift --help)", file=sys.stderr)
     return 2
 
 

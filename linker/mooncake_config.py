@@ -1,17 +1,21 @@
-"""Mooncake client settings (`MooncakeConfig`) and the meaning of Mooncake's
-return codes (`code_error`)."""
+"""Mooncake client settings (`MooncakeConfig`), the meaning of Mooncake's
+return codes (`code_error`) and the reachability check run before a client
+connects (`check_reachable`)."""
 
 from __future__ import annotations
 
 import re
+import socket
+import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from layerlift.linker.store_base import StoreError, StoreFull, StoreIOError, StoreUnavailable
 
 __all__ = [
-    "ERROR_NAMES", "EXISTS", "LEASED", "MIN_SEGMENT_BYTES", "MISSING", "NO_SPACE", "UNAVAILABLE_CODES", "MooncakeConfig",
-    "code_error",
+    "ERROR_NAMES", "EXISTS", "LEASED", "MIN_SEGMENT_BYTES", "MISSING", "NO_SPACE",
+    "UNAVAILABLE_CODES", "MooncakeConfig", "check_reachable", "code_error",
 ]
 
 _HOST_PORT = re.compile(r"^(?P<host>[A-Za-z0-9._-]+|\[[0-9A-Fa-f:]+\]):(?P<port>\d{1,5})$")
@@ -45,11 +49,19 @@ class MooncakeConfig:
       pool; 0 makes it a pure client that only reads and writes others' memory.
     - `local_buffer_size`: bytes of the client's staging buffer (used for
       memory that is not registered).
-    - `timeout_s`: bound on every store call; `setup_timeout_s`: bound on the
-      initial connection. Mooncake 0.3.13's `setup` holds the GIL while it
-      retries a master that does not answer (MC_STORE_CLIENT_SETUP_RETRIES,
-      default 20, ~4.5 s each), so against a dead master the bound only takes
-      effect after those ~90 s; lower that variable to fail sooner.
+    - `timeout_s`: bound on every store call.
+    - `connect_timeout_s`: bound on the reachability check run before the
+      client connects (`check_reachable`: resolve the master's host, open a
+      TCP connection to its RPC port; the same for an HTTP metadata server).
+      A name that does not resolve, a refused port or no answer fails within
+      it, as StoreUnavailable naming the address.
+    - `setup_timeout_s`: bound on Mooncake's own `setup` once the master
+      answered. Mooncake 0.3.13's `setup` holds the GIL for its whole run, so
+      the bound cannot cut it short: a master that accepts connections but
+      does not answer (stopped, overloaded) keeps the interpreter for
+      Mooncake's RPC timeout (30 s) per try (MC_STORE_CLIENT_SETUP_RETRIES
+      tries; `layerlift.linker.mooncake_store` defaults it to 2), and the
+      StoreTimeout then says how long it took.
     - `workers`: threads that run the blocking Mooncake calls.
     - `capacity_bytes`: the cluster's total segment bytes, when known (an
       embedded master: this client's segment); None: unknown.
@@ -69,6 +81,7 @@ class MooncakeConfig:
     global_segment_size: int = 512 << 20
     local_buffer_size: int = 64 << 20
     timeout_s: float = 10.0
+    connect_timeout_s: float = 5.0
     setup_timeout_s: float = 30.0
     workers: int = 4
     capacity_bytes: int | None = None
@@ -119,9 +132,9 @@ class MooncakeConfig:
                 or self.capacity_bytes < 0):
             raise ValueError(f"capacity_bytes must be None or bytes >= 0, got "
                              f"{self.capacity_bytes!r}.")
-        for name in ("timeout_s", "setup_timeout_s"):
+        for name in ("timeout_s", "connect_timeout_s", "setup_timeout_s"):
             value = getattr(self, name)
-            if not isinstance(value, int | float) or not value > 0:
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}.")
         if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 1:
             raise ValueError(f"workers must be an integer >= 1, got {self.workers!r}.")
@@ -130,6 +143,75 @@ class MooncakeConfig:
     def rdma_device_list(self) -> str:
         """The comma-separated device list Mooncake's `setup` expects ("" for tcp)."""
         return ",".join(self.rdma_devices)
+
+    def endpoints(self) -> list[tuple[str, str]]:
+        """What the client must reach, as (what, "HOST:PORT"): the master's RPC
+        port, and the HTTP metadata server's when one is configured."""
+        out = [("the Mooncake master", self.master_address)]
+        url = _METADATA_URL.match(self.metadata_server)
+        if url is not None:
+            host_port = self.metadata_server.removeprefix("http://").removesuffix("/metadata")
+            out.append(("the Mooncake metadata server", host_port))
+        return out
+
+
+def _resolve(host: str, port: int, timeout_s: float) -> list[tuple[int, tuple[object, ...]]]:
+    """getaddrinfo bounded by `timeout_s`: it runs in a daemon thread (it
+    releases the GIL; a slow resolver is left to finish there). Raises
+    OSError for a name that does not resolve, TimeoutError past the bound."""
+    box: list[object] = []
+    done = threading.Event()
+
+    def work() -> None:
+        try:
+            box.append(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM))
+        except OSError as exc:
+            box.append(exc)
+        done.set()
+
+    threading.Thread(target=work, name="mooncake-resolve", daemon=True).start()
+    if not done.wait(timeout_s):
+        raise TimeoutError(f"resolving {host!r} took over {timeout_s:g} s")
+    if isinstance(box[0], OSError):
+        raise box[0]
+    return [(family, addr) for family, _, _, _, addr in box[0]]  # type: ignore[attr-defined]
+
+
+def check_reachable(what: str, address: str, timeout_s: float) -> None:
+    """Resolve `address` ("HOST:PORT") and open (then close) a TCP connection
+    to it, all within `timeout_s` seconds. Returns None when something
+    listens there; raises StoreUnavailable (one sentence naming `what`, the
+    address and the reason) when the name does not resolve, the connection is
+    refused, or nothing answers in time. Blocking; sends no data."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    deadline = time.monotonic() + timeout_s
+    bound = f"connect_timeout_s={timeout_s:g}"
+    try:
+        addrs = _resolve(host, int(port), timeout_s)
+    except OSError as exc:
+        reason = (f"no answer from the resolver within {timeout_s:g} s ({bound})"
+                  if isinstance(exc, TimeoutError)
+                  else f"the name {host!r} does not resolve ({exc.strerror or exc})")
+        raise StoreUnavailable(f"Cannot reach {what} at {address}: {reason}.") from None
+    errors: list[str] = []
+    for family, addr in addrs:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as sock:
+                sock.settimeout(left)
+                sock.connect(addr)
+            return
+        except TimeoutError:
+            errors.append(f"no answer within {timeout_s:g} s ({bound})")
+        except OSError as exc:
+            errors.append(exc.strerror or str(exc))
+    reason = "; ".join(dict.fromkeys(errors)) or f"no answer within {timeout_s:g} s ({bound})"
+    raise StoreUnavailable(
+        f"Cannot reach {what} at {address}: {reason.lower()}; is it running there, and is "
+        "its port open to this machine?")
 
 
 # Mooncake ErrorCode values (mooncake-store/include/types.h) this backend names in messages.

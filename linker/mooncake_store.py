@@ -7,10 +7,15 @@ the client itself can hang when the master is gone (a hung call then raises
 `StoreTimeout`, which carries the still-running call's future; its thread is
 left to finish and never blocks interpreter exit).
 
-Mooncake logs through glog to stderr. This module never touches `os.environ`;
-set `MC_LOG_LEVEL=ERROR` before the first client starts to quiet it (Mooncake
-0.3.13 sets glog's level from MC_LOG_LEVEL, default INFO, overriding
-`GLOG_minloglevel`; the `layerlift` CLI sets both).
+Before a client is made, `check_reachable` resolves the master's address
+and opens a TCP connection to it within `config.connect_timeout_s`: a name
+that does not resolve or a port where nothing listens fails there, in one
+sentence naming the address, instead of inside Mooncake's `setup` (which
+holds the GIL while it retries, ~90 s by default).
+
+Importing this module sets Mooncake's log level to errors only and its
+setup retries to 2, unless the user set them (`mooncake_env.py`), and each
+client's `setup` drops the two lines Mooncake prints on every start.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -32,8 +38,10 @@ from layerlift.linker.mooncake_config import (
     MISSING,
     UNAVAILABLE_CODES,
     MooncakeConfig,
+    check_reachable,
     code_error,
 )
+from layerlift.linker.mooncake_env import apply_defaults, setup_log_filter
 from layerlift.linker.store_base import (
     Store,
     StoreError,
@@ -52,6 +60,8 @@ __all__ = ["MooncakeConfig", "MooncakeStore"]  # MooncakeConfig re-exported
 
 _log = logging.getLogger(__name__)
 _T = TypeVar("_T")
+
+apply_defaults()  # before mooncake is imported: see mooncake_env.py
 
 def _release(client: Any, registered: dict[int, int], pool: DaemonPool, timeout_s: float) -> None:
     """Finalizer body: once no call runs, unregister buffers and close the client.
@@ -86,7 +96,10 @@ class MooncakeStore(Store):
     """`Store` over a Mooncake Store client (see `Store` for the shared contract).
 
     Thread-safe. Every call is bounded by `config.timeout_s` (StoreTimeout);
-    the connection by `config.setup_timeout_s`. A master that is gone shows as
+    before connecting, the master (and an HTTP metadata server) must answer a
+    TCP connect within `config.connect_timeout_s` (else StoreUnavailable
+    naming it); Mooncake's `setup` is waited for `config.setup_timeout_s`
+    (see `MooncakeConfig`: it holds the GIL). A master that is gone shows as
     StoreUnavailable (error -900) or StoreTimeout. `close()` waits for calls in
     flight (bounded), unregisters buffers, then closes the client; stores that
     are never closed are closed at interpreter exit. `remove` is best effort: an
@@ -109,6 +122,8 @@ class MooncakeStore(Store):
                 "MooncakeStore needs the Mooncake client: install LayerLift with the "
                 "'cpu' extra (pip install 'layerlift[cpu]') or the 'cuda' extra on a GPU machine."
             ) from exc
+        for what, address in config.endpoints():
+            check_reachable(what, address, config.connect_timeout_s)
         self.config = config
         self.timeout_s = config.timeout_s
         self.capacity_bytes = config.capacity_bytes
@@ -132,24 +147,31 @@ class MooncakeStore(Store):
 
     def _setup(self) -> None:
         c = self.config
-        rc = self._call(
-            "setup",
-            lambda: self._client.setup(
-                c.local_hostname,
-                c.metadata_server,
-                c.global_segment_size,
-                c.local_buffer_size,
-                c.protocol,
-                c.rdma_device_list,
-                c.master_address,
-            ),
-            timeout_s=c.setup_timeout_s,
-        )
+        started = time.monotonic()
+        try:
+            rc = self._call("setup", self._quiet_setup, timeout_s=c.setup_timeout_s)
+        except StoreTimeout as exc:
+            took = time.monotonic() - started
+            if exc.future is not None:  # it may still connect: close that client then
+                exc.future.add_done_callback(self._orphan_close())
+            raise StoreTimeout(
+                f"Mooncake setup with the master at {c.master_address} did not finish within "
+                f"setup_timeout_s={c.setup_timeout_s:g} s (it held the interpreter for "
+                f"{took:.0f} s): the master accepts connections but does not answer.",
+                exc.future) from None
         if rc != 0:
             raise StoreUnavailable(
                 f"Could not connect to the Mooncake master at {c.master_address} with metadata "
                 f"server {c.metadata_server} (setup returned {rc}); is mooncake_master running?"
             )
+
+    def _quiet_setup(self) -> int:
+        c = self.config
+        with setup_log_filter():
+            rc: int = self._client.setup(
+                c.local_hostname, c.metadata_server, c.global_segment_size,
+                c.local_buffer_size, c.protocol, c.rdma_device_list, c.master_address)
+        return rc
 
     def _call(self, what: str, fn: Callable[[], _T], timeout_s: float | None = None) -> _T:
         """Run `fn` on a worker thread; wait at most `timeout_s` (default: the
@@ -358,6 +380,17 @@ class MooncakeStore(Store):
                              len(started))
 
         return end
+
+    def _orphan_close(self) -> Callable[[Future[Any]], None]:
+        """Done callback of a timed-out setup: nobody will use or close this
+        client, so a setup that succeeded after all is closed at once."""
+        client = self._client
+
+        def close(future: Future[Any]) -> None:
+            if not future.cancelled() and future.exception() is None and future.result() == 0:
+                client.close()
+
+        return close
 
     def _orphan_unregister(self, ptr: int) -> Callable[[Future[Any]], None]:
         """Done callback of a timed-out register: the caller gave up (and may

@@ -58,9 +58,11 @@ def test_bench_ttft_tiny_grid(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert out_md.read_text().startswith("# LayerLift TTFT benchmark")
 
 
-def test_bench_rejects_bad_prefix() -> None:
-    with pytest.raises(SystemExit):
+def test_bench_rejects_bad_prefix(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
         main(["bench", "ttft", "--preset", "tiny", "--prefix", "50", "--links", "emulated:1"])
+    assert exc.value.code == 2
+    assert "checkpoint interval" in capsys.readouterr().err
 
 
 def test_console_script_master_help() -> None:
