@@ -23,6 +23,7 @@ from __future__ import annotations
 import time
 import zlib
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,6 +68,9 @@ class Restore:
     layers: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # bytes the forward read
     wait_s: list[float] = field(default_factory=list)  # per layer: when its wait returned
     forward_s: float = 0.0
+    settled_s: float = 0.0  # from the start of the load to finish's verdict
+    tail: torch.Tensor | None = None  # the request's loaded FULL slots
+    mamba_slot: int | None = None
 
 
 class SGLangHost:
@@ -179,13 +183,16 @@ class SGLangHost:
             raise RuntimeError("the harness cache is full")
         value = torch.cat([prefix.to(torch.int64), new.to(torch.int64)])
         self._write_kv(tokens, value, d)
+        protected = d  # what the tree already holds of this request (not to be freed)
         for c in sorted(checkpoints):
             slot = self.req_pool.mamba_allocator.alloc(1)
             if slot is None:
                 raise RuntimeError("the harness has no Mamba slot left")
             self._write_mamba(tokens[:c], int(slot[0]))
             result = self.cache.insert(InsertParams(
-                key=RadixKey(array("q", tokens[:c])), value=value[:c], mamba_value=slot))
+                key=RadixKey(array("q", tokens[:c])), value=value[:c], mamba_value=slot,
+                prev_prefix_len=protected))
+            protected = c
             if result.mamba_exist:
                 self.req_pool.mamba_allocator.free(slot)
 
@@ -224,10 +231,13 @@ class SGLangHost:
             restore.layers[layer] = got
         restore.forward_s = time.perf_counter() - started
 
-    def restore(self, tokens: list[int]) -> Restore:
+    def restore(self, tokens: list[int],
+                before_start: Callable[[], None] | None = None) -> Restore:
         """One request for ``tokens`` (the last token is the one to compute)
         through SGLang's admission path; a request whose load landed inserts
-        its restored prefix into the tree, one whose load failed is released."""
+        its restored prefix into the tree, one whose load failed is released.
+        ``before_start`` runs between ``init_load_back`` and the start of the
+        layer-wise load (a test's fault point)."""
         from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams, InsertParams
         from sglang.srt.mem_cache.radix_cache import RadixKey
         from sglang.srt.mem_cache.unified_cache.components import ComponentType
@@ -244,16 +254,25 @@ class SGLangHost:
             self._release(req, None)
             return restore
         tail = self.cache.linker.private_load_indices[req.rid].clone()
+        restore.tail = tail
+        restore.mamba_slot = int(req.kv.mamba_pool_idx)
+        if before_start is not None:
+            before_start()
+        started = time.perf_counter()
         index = self.cache.ready_to_load_host_cache()
         self.linker.layer_done_counter.set_consumer(index)
         self._forward(req, restore, tail)
         failed = self.cache.finish_external_linker_loads([req])
+        restore.settled_s = time.perf_counter() - started
         self.linker.layer_done_counter.set_consumer(-1)
         restore.ok = not failed
         if restore.ok:
             n = req.prefix_len + int(loaded)
+            device = self.cache.tree_core.collect_full_device_indices(
+                req.last_node, self.cache.root_node_handle())[:req.prefix_len]
             params = InsertParams(
-                key=RadixKey(array("q", tokens[:n])), value=tail, prev_prefix_len=req.prefix_len,
+                key=RadixKey(array("q", tokens[:n])), prev_prefix_len=req.prefix_len,
+                value=torch.cat([device.to(torch.int64), tail.to(torch.int64)]),
                 mamba_value=req.kv.mamba_pool_idx.unsqueeze(0))
             # What SWA's prepare_for_caching_req passes: the SWA pages before the
             # loaded window were never loaded and enter the tree as tombstones.

@@ -1,0 +1,133 @@
+"""LayerLiftLinker inside SGLang 0.5.23's real cache code, on CPU, over a real mooncake_master.
+
+Each test builds real SGLang pools for a FULL + SWA + MAMBA model (layers
+F S M S M F, 16-token pages, a 32-token window), a real UnifiedRadixCache and
+a linker made by SGLang's own dynamic loader, then makes the scheduler's calls
+(``layerlift.hosts.sglang_harness``). Two caches share one store: what the
+second restores must be byte-identical to what the first computed and offloaded.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import pytest
+from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+from sglang_testkit import PAGE, SHAPE, assert_restored, page_hashes, tokens
+
+from layerlift.hosts.sglang import LayerLiftLinker
+from layerlift.hosts.sglang_harness import SGLangHost
+
+pytestmark = [pytest.mark.sglang, pytest.mark.mooncake]
+
+
+def lookup(host: SGLangHost, toks: list[int]) -> list[int]:
+    """The linker's restorable set for ``toks``'s pages, asked as SGLang's
+    components ask (KV: every page; SWA: the trailing window; MAMBA: the last page)."""
+    hashes = page_hashes(toks)
+    w = -(-SHAPE.window // PAGE)
+    return host.linker.lookup("probe", [
+        PoolTransfer(name=PoolName.KV, keys=hashes),
+        PoolTransfer(name=PoolName.SWA, keys=hashes[-w:], hit_policy=PoolHitPolicy.TRAILING_PAGES),
+        PoolTransfer(name=PoolName.MAMBA, keys=hashes[-1:],
+                     hit_policy=PoolHitPolicy.TRAILING_PAGES)])
+
+
+def test_the_dynamic_loader_builds_a_layerlift_linker(make_host: Any) -> None:
+    host = make_host()
+    assert isinstance(host.linker, LayerLiftLinker)
+    assert not inspect.isabstract(LayerLiftLinker)
+    assert set(host.linker.pools) == {PoolName.KV, PoolName.SWA, PoolName.MAMBA}
+    assert host.cache.linker.layer_done_counter is host.linker.layer_done_counter
+    # The fingerprint names the model and its layout; the object format is in every key.
+    assert host.linker.key_schema.prefix.startswith("test-")
+    assert ".l2/" in host.linker.key_schema.prefix
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"colour": "blue"}, "unknown linker_extra_config fields"),
+    ({"master_address": None}, "exactly one of master_address"),
+    ({"load_timeout_s": 0}, "load_timeout_s must be a positive"),
+])
+def test_a_bad_linker_config_is_refused_with_a_sentence(make_host: Any, extra: dict[str, Any],
+                                                        message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        make_host(**extra)
+
+
+def test_a_second_cache_restores_what_the_first_offloaded_byte_for_byte(make_host: Any) -> None:
+    a, b = make_host(), make_host(segment_mib=0)
+    toks = tokens(6)
+    a.compute(toks, [3 * PAGE, 6 * PAGE])
+    assert a.settle_offloads() >= 2
+    assert b.restore(toks[:PAGE]).hit_tokens == 0  # a 1-page prompt matches nothing (len - 1)
+    r = b.restore([*toks, 7])
+    assert (r.hit_tokens, r.loaded_tokens, r.ok) == (6 * PAGE, 6 * PAGE, True)
+    assert_restored(b, r, toks)
+    # The restored prefix is in b's tree now: the next request hits the device.
+    again = b.restore([*toks, 8])
+    assert again.hit_tokens == 0 and again.loaded_tokens == 0
+
+
+def test_lookup_is_the_exact_sparse_set_of_checkpointed_boundaries(make_host: Any) -> None:
+    a, b = make_host(), make_host(segment_mib=0)
+    toks = tokens(8, seed=2)
+    a.compute(toks, [2 * PAGE, 5 * PAGE, 8 * PAGE])
+    a.settle_offloads()
+    # Mamba state exists only at the checkpoints: the FULL pages alone would allow 1..8.
+    assert lookup(b, toks) == [2, 5, 8]
+    assert lookup(b, toks[: 7 * PAGE]) == [2, 5]
+    assert lookup(b, tokens(8, seed=3)) == []
+
+
+@pytest.mark.parametrize("pages, hit", [(4, 2), (5, 5), (6, 5), (8, 8)])
+def test_a_restore_converges_to_the_largest_checkpoint_at_or_below_it(
+        make_host: Any, pages: int, hit: int) -> None:
+    a, b = make_host(), make_host(segment_mib=0)
+    toks = tokens(8, seed=4)
+    a.compute(toks, [2 * PAGE, 5 * PAGE, 8 * PAGE])
+    a.settle_offloads()
+    r = b.restore([*toks[:pages * PAGE], 9])
+    assert (r.hit_tokens, r.ok) == (hit * PAGE, True)
+    assert_restored(b, r, toks[: pages * PAGE])
+
+
+def test_branches_restore_their_own_bytes_and_the_branch_point(make_host: Any) -> None:
+    a, b = make_host(), make_host(segment_mib=0)
+    shared = tokens(3, seed=5)
+    left, right = tokens(6, seed=6, start=shared), tokens(6, seed=7, start=shared)
+    a.compute(left, [3 * PAGE, 6 * PAGE])
+    a.compute(right, [6 * PAGE])  # shares the first 3 pages on a's device
+    a.settle_offloads()
+    r = b.restore([*right, 1])
+    assert (r.hit_tokens, r.ok) == (6 * PAGE, True)
+    assert_restored(b, r, right)
+    # A third branch only shares the branch point, where the checkpoint is.
+    other = tokens(5, seed=8, start=shared)
+    c = make_host(segment_mib=0)
+    r = c.restore([*other, 1])
+    assert (r.hit_tokens, r.ok) == (3 * PAGE, True)
+    assert_restored(c, r, other[: 3 * PAGE])
+
+
+def test_a_restore_on_top_of_a_device_prefix_loads_only_the_tail(make_host: Any) -> None:
+    a, b = make_host(), make_host(segment_mib=0)
+    toks = tokens(6, seed=9)
+    a.compute(toks, [2 * PAGE, 6 * PAGE])
+    a.settle_offloads()
+    first = b.restore([*toks[:2 * PAGE], 1])
+    assert (first.hit_tokens, first.ok) == (2 * PAGE, True)
+    r = b.restore([*toks, 1])
+    assert (r.hit_tokens, r.loaded_tokens, r.ok) == (4 * PAGE, 4 * PAGE, True)
+    assert_restored(b, r, toks, start=2 * PAGE)
+
+
+def test_another_model_or_layout_never_matches(make_host: Any) -> None:
+    a = make_host()
+    toks = tokens(4, seed=10)
+    a.compute(toks, [4 * PAGE])
+    a.settle_offloads()
+    other = make_host(segment_mib=0, model="another-model")
+    r = other.restore([*toks, 1])
+    assert r.hit_tokens == 0
