@@ -43,6 +43,13 @@ class _Entry:
         return None
 
 
+def check_layer(layer: int, num_layers: int) -> None:
+    """``ValueError`` unless ``layer`` is a layer index in ``[0, num_layers)``."""
+    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < num_layers:
+        raise ValueError(f"layer {layer!r} is not a layer of this model: it has "
+                         f"{num_layers} layers, numbered 0 to {num_layers - 1}")
+
+
 def _resolve(fut: asyncio.Future[None]) -> None:
     if not fut.done():
         fut.set_result(None)
@@ -77,6 +84,15 @@ class LayerReadiness:
     def num_layers(self) -> int:
         return len(self._entries)
 
+    def _index(self, layer: int) -> int:
+        """``layer`` if it names a layer of this readiness, else ``ValueError``
+        (a negative index would silently mean a layer from the end)."""
+        check_layer(layer, len(self._entries))
+        return layer
+
+    def _entry(self, layer: int) -> _Entry:
+        return self._entries[self._index(layer)]
+
     # ---- producer side -------------------------------------------------------------
 
     def mark_done(self, layer: int, event: DeviceEvent | None = None) -> None:
@@ -87,7 +103,7 @@ class LayerReadiness:
         `wait` makes the caller's stream wait on it; call `mark_landed` once it
         completed.
         """
-        e = self._entries[layer]
+        e = self._entry(layer)
         with self._lock:
             if e.done:
                 return
@@ -99,7 +115,7 @@ class LayerReadiness:
 
     def mark_landed(self, layer: int) -> None:
         """The device copy recorded by `mark_done(layer, event)` completed. Idempotent."""
-        e = self._entries[layer]
+        e = self._entry(layer)
         with self._lock:
             if not e.done:
                 raise RuntimeError(f"mark_landed({layer}) before mark_done({layer})")
@@ -123,7 +139,7 @@ class LayerReadiness:
         err = exc if isinstance(exc, LayerLoadError) else LayerLoadError(layer, exc, reqs)
         waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
         with self._lock:
-            for e in self._entries[layer:]:
+            for e in self._entries[self._index(layer):]:
                 e.errors.append(err)
                 waiters += self._wake(e)
         self._notify_loops(waiters)
@@ -175,7 +191,7 @@ class LayerReadiness:
         Never synchronises the host with the GPU. Safe from any thread but the event
         loop's (it blocks).
         """
-        e = self._entries[layer]
+        e = self._entry(layer)
         if not (e.done and not e.errors):
             self._wait_slow(e, layer, self._timeout if timeout is None else timeout, requests)
         if e.event is not None:
@@ -218,7 +234,7 @@ class LayerReadiness:
             raise LayerWaitTimeout(layer, total) from None
 
     async def _ready(self, layer: int, requests: frozenset[RequestId] | None) -> None:
-        e = self._entries[layer]
+        e = self._entry(layer)
         loop = asyncio.get_running_loop()
         while True:
             with self._lock:
@@ -238,13 +254,13 @@ class LayerReadiness:
 
     def done(self, layer: int, *, requests: frozenset[RequestId] | None = None) -> bool:
         """True when `wait(layer, requests=requests)` would return without blocking."""
-        e = self._entries[layer]
+        e = self._entry(layer)
         with self._lock:
             return e.done and e.error_for(requests) is None
 
     def failed(self, layer: int, *, requests: frozenset[RequestId] | None = None) -> bool:
         """True when `wait(layer, requests=requests)` would raise `LayerLoadError`."""
-        e = self._entries[layer]
+        e = self._entry(layer)
         with self._lock:
             return e.error_for(requests) is not None
 
@@ -252,7 +268,7 @@ class LayerReadiness:
         self, layer: int, *, requests: frozenset[RequestId] | None = None
     ) -> LayerLoadError | None:
         """The first failure of `layer` affecting `requests`, or None."""
-        e = self._entries[layer]
+        e = self._entry(layer)
         with self._lock:
             return e.error_for(requests)
 
