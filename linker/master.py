@@ -11,15 +11,15 @@ The master runs in its own process group with its output in a log file. It is
 stopped on `stop()`, on leaving the `with` block (also on exceptions and
 KeyboardInterrupt) and, on Linux, killed by the kernel if the Python parent
 dies abruptly (PR_SET_PDEATHSIG). That signal fires when the *thread* that
-started the master exits: start it from a long-lived thread (the main thread),
-not from a short-lived worker thread.
+forked the master exits, so the master is forked from a keeper thread that
+lives as long as it does (``linker/child.py``): ``start()`` may run in any
+thread, a short-lived worker included.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import importlib.util
 import os
 import shutil
@@ -34,11 +34,11 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
+from layerlift.linker.child import spawn_child
 from layerlift.linker.mooncake_config import MooncakeConfig
 from layerlift.linker.store_base import StoreUnavailable
 
 _BINARY = "mooncake_master"
-_PR_SET_PDEATHSIG = 1
 
 
 def find_master_binary() -> str:
@@ -66,15 +66,6 @@ def free_port(host: str = "127.0.0.1") -> int:
         sock.bind((host, 0))
         port: int = sock.getsockname()[1]
         return port
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    """preexec_fn: ask the kernel to SIGKILL the child when the parent thread dies."""
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(1)
 
 
 def _port_open(host: str, port: int) -> bool:
@@ -185,14 +176,15 @@ class EmbeddedMaster:
         command = self.command()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "wb")  # noqa: SIM115 — closed in stop()
-        parent = os.getpid()
-        self._proc = subprocess.Popen(
+        # From a keeper thread of its own: start() often runs in a worker
+        # thread, whose exit would fire the parent-death signal (linker/child.py).
+        self._proc = spawn_child(
             command,
+            name="mooncake_master",
             stdin=subprocess.DEVNULL,
             stdout=self._log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=(lambda: _die_with_parent(parent)) if sys.platform == "linux" else None,
         )
         try:
             self._wait_ready()

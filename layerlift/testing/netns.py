@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import itertools
 import os
 import re
@@ -38,6 +37,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import IO
+
+from layerlift.linker.child import spawn_child
 
 __all__ = [
     "PREFIX",
@@ -53,7 +54,6 @@ PREFIX = "ll-"
 SUBNET = "198.18.0"
 _NAME = re.compile(rf"^{PREFIX}(?P<pid>\d+)-")
 _RATE = re.compile(r"^\d+(\.\d+)?(bit|kbit|mbit|gbit|bps|kbps|mbps|gbps)$")
-_PR_SET_PDEATHSIG = 1
 _instances = itertools.count()  # next() is atomic under the GIL
 
 
@@ -130,14 +130,6 @@ def netns_available() -> tuple[bool, str]:
         return False, f"'ip netns add' failed: {made.stderr.strip()}"
     _ip("netns", "delete", probe, check=False)
     return True, ""
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    """preexec_fn: the kernel SIGKILLs the child when the thread that started it dies."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent_pid:
-        os._exit(1)
 
 
 class NetnsHosts:
@@ -271,20 +263,19 @@ class NetnsHosts:
         cwd: str | os.PathLike[str] | None = None,
     ) -> subprocess.Popen[bytes]:
         """Start `argv` inside host `label` in its own process group. It is killed
-        on ``close()`` and, on Linux, when the thread that started it exits."""
+        on ``close()`` and, on Linux, when this process dies (``spawn_child``)."""
         with self._lock:
             if self._closed or not self._started:
                 raise RuntimeError("NetnsHosts are not running (start() them first).")
-            parent = os.getpid()
-            proc = subprocess.Popen(
+            proc = spawn_child(
                 ["ip", "netns", "exec", self.hosts[label].netns, *argv],
+                name=f"netns-{label}",
                 env=dict(env) if env is not None else None,
                 stdin=stdin,
                 stdout=stdout,
                 stderr=stderr,
                 cwd=cwd,
                 start_new_session=True,
-                preexec_fn=lambda: _die_with_parent(parent),
             )
             self._procs.append(proc)
             return proc
