@@ -47,6 +47,7 @@ the cancellation (``task.cancel()``, ``asyncio.wait_for``/``timeout``, a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import enum
 import functools
@@ -77,7 +78,7 @@ from layerlift.engine.results import PrefillResult, Timings
 from layerlift.engine.threads import run_owned, wait_through
 from layerlift.linker.transaction import TransactionState
 from layerlift.overlap.base import LayerLoadError, LayerWaitTimeout, ReadinessView
-from layerlift.overlap.readiness import LayerReadiness
+from layerlift.overlap.readiness import LayerReadiness, check_layer
 from layerlift.pools.base import KVPool
 
 __all__ = ["Batch", "BatchState", "RerunRequired"]
@@ -180,6 +181,7 @@ class Batch:
                         # batch or an offload holds the room: wait for them.
                         if await ctx.wait_for_room(batch, f"prompt {rest[0].request_id} "
                                                    "does not fit in the device pool now"):
+                            batch._check_open()
                             continue
                         raise too_big(ctx.pool, rest[0])
                     break
@@ -195,13 +197,19 @@ class Batch:
         boundary, reason = plan.boundary, plan.fallback_reason
         rec = RequestRecord(plan)
         self.records.append(rec)  # in the books before any await: the exit cleans up
+        plan.taken = True
         rec.txn = ctx.restore.prepare(plan)
         if rec.txn is not None:
             rec.status = RequestStatus.RESTORING
         rec.compute = alloc_compute(ctx.pool, ctx.tree, plan)
         if rec.compute is None and ctx.offloader.pending:
-            # Offloads in flight pin pages and lock nodes; they end on their own.
-            await ctx.offloader.wait()
+            # Offloads in flight pin pages and lock nodes; they end on their own,
+            # but a put to a stalled store may take long: wait a bounded time,
+            # then go on without the room they hold.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(ctx.cfg.layer_wait_timeout_s):
+                    await ctx.offloader.wait()
+            self._check_open()  # aborted meanwhile (Engine.close): the exit owns the record
             rec.compute = alloc_compute(ctx.pool, ctx.tree, plan)
         if rec.compute is None and rec.txn is not None:
             txn, rec.txn, rec.status = rec.txn, None, RequestStatus.COMPUTING
@@ -210,6 +218,7 @@ class Batch:
             rec.compute = alloc_compute(ctx.pool, ctx.tree, plan)
         if rec.compute is None:  # not in this batch: the caller serves it in a later one
             self.records.pop()
+            plan.taken = False
             plan.boundary, plan.fallback_reason = boundary, reason
             return False
         return True
@@ -229,8 +238,10 @@ class Batch:
         if self.restore.loads_anything:
             self.load_issued = time.perf_counter() - self.started  # before a layer can land
             failed = await self.restore.start()
+            self._check_open()
             if failed is not None:
                 await self._drop_before_commit(f"store session failed: {failed}")
+                self._check_open()
         if self.restore.task is None:
             self.restore.release_lock()  # nothing in flight
         try:
@@ -241,6 +252,10 @@ class Batch:
                 f"another batch kept the device for {device_timeout} s: a step-by-step "
                 "handle must be forwarded or aborted before the next load") from None
         self._holds_device = True
+        if self._exit_task is not None and self._exit_task.done():  # its release has passed
+            self._holds_device = False
+            self.ctx.device.release()
+        self._check_open()
 
     async def _drop_before_commit(self, reason: str) -> None:
         """Nothing was published: every restore becomes a recompute."""
@@ -262,8 +277,14 @@ class Batch:
         readiness = self.restore.readiness
         try:
             refused = self.restore.commit(self.records)
-            for rid, exc in refused.items():  # the forward sees it at layer 0: recompute
-                readiness.mark_failed(0, exc, [rid])
+            for rec in self.records:
+                if rec.rid in refused:  # computed from its device hit instead, at once
+                    self._switch_to_compute(rec, f"the tree refused its restore: "
+                                                 f"{refused[rec.rid]}")
+                    if rec.compute is None:
+                        raise EngineError(
+                            f"request {rec.rid}: the tree refused its restore "
+                            f"({refused[rec.rid]}) and its recompute does not fit in the pool")
             for rec in self.records:
                 if rec.published:
                     rec.pin_restore(self.ctx.pool)
@@ -301,6 +322,10 @@ class Batch:
             if not self.records:  # every request was deferred to a later part
                 await self.close(None)  # the exit ends the load
                 return []
+            # Checked with no await before the forward starts: once the exit has
+            # begun (an abort while the previous pass was being cleaned up), no
+            # new forward may run on pages the exit is releasing.
+            self._check_open()
             runs, deps, stop = build_runs(self.records), self._deps(), threading.Event()
             self._forward_stop = stop
             self._forward_idle.clear()
@@ -325,9 +350,17 @@ class Batch:
                 return await self._finish(runs, out.next_token_logprobs, timings)
         raise EngineError("the forward kept failing while restores were recomputed")
 
+    def _check_open(self) -> None:
+        """Raise the abort's error once the exit has begun: the run loop and
+        the external-runner calls check it after every await, so only the
+        exit releases and nothing is allocated or started behind it."""
+        if self.closed:
+            raise self._aborted_error()
+
     def _aborted_error(self) -> EngineError:
         why = f": {self._abort_reason!r}" if self._abort_reason is not None else ""
-        return EngineError(f"the batch was aborted during its forward{why}")
+        where = "during its forward" if self.state is BatchState.RUNNING else "before its forward"
+        return EngineError(f"the batch was aborted {where}{why}")
 
     def _stop(self, reason: str) -> None:
         """Cancelled or aborted: stop a running forward at its next layer and
@@ -346,17 +379,22 @@ class Batch:
         else:
             reason = f"restore failed at layer {err.layer}: {err.cause!r}"
             failed = await self._end_load() | (err.requests or self._restoring())
+        self._check_open()
         await self._recompute(frozenset(failed), reason)
+        self._check_open()
 
     async def _after_good_pass(self) -> bool:
         """The pass ran through: True once every restore it read had landed
         in full; otherwise the failed ones are set up to recompute (False)."""
         if self.restore.ended:  # the load had ended before this pass
             return True
-        failed = await self._end_load()
+        ended = await self._end_load()
+        self._check_open()
+        # Requests that compute already (a refused COMMIT) read none of it.
+        failed = frozenset(r.rid for r in self.records if r.rid in ended and r.plan.restores)
         if failed:
-            await self._recompute(frozenset(failed),
-                                  "a restored layer failed after the forward read it")
+            await self._recompute(failed, "a restored layer failed after the forward read it")
+            self._check_open()
         return not failed
 
     async def _finish(self, runs: Sequence[ForwardRun], logprobs: torch.Tensor,
@@ -406,6 +444,7 @@ class Batch:
         returns once layer ``layer`` of every restore may be read (on CUDA,
         ``stream`` waits on the load's event). Raises ``LayerLoadError`` or
         ``LayerWaitTimeout``: pass it to :meth:`external_failed`."""
+        check_layer(layer, self.ctx.pool.spec.num_layers)
         for dep in self._ext_deps:
             dep.wait(layer, timeout, stream=stream)
 
@@ -467,14 +506,10 @@ class Batch:
             plan = rec.plan
             if rec.rid not in failed or not plan.restores:
                 continue
-            assert rec.compute is not None
-            comp, rec.compute = rec.compute, None
-            free_compute(ctx.pool, comp)
-            plan.drop_restore(reason)
-            rec.status = RequestStatus.RECOMPUTED
-            rec.compute = alloc_compute(ctx.pool, ctx.tree, plan)
+            self._switch_to_compute(rec, reason)
             while rec.compute is None and await ctx.wait_for_room(
                     self, f"request {rec.rid} must be recomputed ({reason})"):
+                self._check_open()  # the exit released this record meanwhile
                 rec.compute = alloc_compute(ctx.pool, ctx.tree, plan)
             if rec.compute is None and self.may_defer:
                 # The room is held by this batch's other requests or by the
@@ -487,6 +522,19 @@ class Batch:
                 raise EngineError(
                     f"request {rec.rid} must be recomputed ({reason}) but its "
                     f"{compute_bytes(ctx.pool, plan)} bytes of pages do not fit in the pool")
+
+    def _switch_to_compute(self, rec: RequestRecord, reason: str) -> None:
+        """Drop ``rec``'s restore: its compute pages are freed and allocated
+        again for the longer suffix from its device hit (``rec.compute`` is
+        None when they do not fit now). Its restore slots stay with its
+        transaction until the load ended (a fetch may still write them)."""
+        ctx = self.ctx
+        assert rec.compute is not None
+        comp, rec.compute = rec.compute, None
+        free_compute(ctx.pool, comp)
+        rec.plan.drop_restore(reason)
+        rec.status = RequestStatus.RECOMPUTED
+        rec.compute = alloc_compute(ctx.pool, ctx.tree, rec.plan)
 
     # ---- end of the load ------------------------------------------------------------
     def _stop_load(self, reason: str) -> None:

@@ -54,6 +54,7 @@ class BatchRestore:
         self.task: LoadTask | None = None
         self.session = contextlib.ExitStack()
         self._end: asyncio.Future[frozenset[Hashable]] | None = None
+        self._starting: asyncio.Future[StoreError | None] | None = None
         self._holds_lock = True
 
     # ---- the fetch plan (PREPARED) ---------------------------------------------------
@@ -108,6 +109,11 @@ class BatchRestore:
         """Open the read session and hand the jobs to the scheduler. A
         session that fails to open is returned, not raised: nothing was
         published, the batch recomputes those restores."""
+        assert self.load is not None and self._starting is None
+        self._starting = asyncio.ensure_future(self._start())
+        return await wait_through(self._starting)
+
+    async def _start(self) -> StoreError | None:
         assert self.load is not None
         store, keys = self.ctx.restore.store, self.load.keys
         try:
@@ -116,6 +122,8 @@ class BatchRestore:
             await run_owned(lambda: self.session.enter_context(store.open_session(keys)))
         except StoreError as exc:
             return exc
+        if self._end is not None:  # aborted while the session opened: fetch nothing
+            return None
         self.task = self.ctx.restore.scheduler.start(self.jobs, self.readiness)
         landed = asyncio.ensure_future(self.task.done())
         landed.add_done_callback(self._on_landed)
@@ -215,6 +223,9 @@ class BatchRestore:
     async def _end_now(self, records: list[RequestRecord],
                        unpin: Callable[[frozenset[Hashable]], None]) -> frozenset[Hashable]:
         try:
+            if self._starting is not None:  # the session's open returns first
+                with contextlib.suppress(Exception):
+                    await wait_through(self._starting)
             if self.task is not None:
                 await self.task.wait_quiescent()
             await run_owned(self.session.close)

@@ -124,7 +124,8 @@ def match_plan(ctx: EngineContext, tokens: Sequence[int] | np.ndarray) -> Lookup
     usable = (len(arr) - 1) // spec.page_size
     match = ctx.tree.match_prefix(arr[: usable * spec.page_size])
     ctx.tree.lock(match.node)
-    plan = LookupPlan(ctx.next_id, arr, tuple(page_hashes(arr, spec.page_size)), match, spec)
+    plan = LookupPlan(ctx.next_id, arr, tuple(page_hashes(arr, spec.page_size)), match, spec,
+                      owner=ctx)
     ctx.next_id += 1
     d, w = match.boundary_pages, spec.window_pages
     slot = [] if match.mamba_slot is None else [match.mamba_slot]

@@ -42,6 +42,8 @@ class LookupPlan:
     lookup_time: float = 0.0
     pins: list[tuple[Component, object]] = field(default_factory=list)
     released: bool = False
+    owner: object = field(default=None, repr=False)  # the engine context that made it
+    taken: bool = False  # a batch took it (load or prefill): a plan is loaded once
 
     @property
     def device_pages(self) -> int:
@@ -68,10 +70,25 @@ class LookupPlan:
         """Intersect this rank's restorable set with the other ranks' (tensor
         parallelism: a restore must end where every rank can restore) and
         choose the deepest common boundary. Call before ``Engine.load``."""
-        self.restorable = intersect_ranks([self.restorable, *other_ranks])
-        if not self.restorable:
+        common = intersect_ranks([self.restorable, *other_ranks])
+        if not common:  # the plan is left as it was: still loadable at its own boundary
             raise ValueError("the ranks share no restorable boundary, not even the device hit")
-        self.boundary = choose_boundary(self.restorable)
+        self.restorable = common
+        self.boundary = choose_boundary(common)
+
+    def check_loadable(self, owner: object) -> None:
+        """``ValueError`` unless ``owner`` (an engine's context) made this
+        plan and it is still live: not released, not loaded before. A plan
+        whose handle finished is released; its pages may hold other data."""
+        if self.owner is not owner:
+            raise ValueError(f"plan {self.request_id} was made by another engine: "
+                             "load a plan with the engine whose lookup() made it")
+        if self.taken:
+            raise ValueError(f"plan {self.request_id} was loaded already: a plan is loaded "
+                             "once; call lookup() again for a new one")
+        if self.released:
+            raise ValueError(f"plan {self.request_id} was released: its device pages may "
+                             "hold other data now; call lookup() again for a new one")
 
     def drop_restore(self, reason: str) -> None:
         """Compute from the device boundary instead of restoring."""

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -101,9 +102,13 @@ class ServeConfig:
     vocab_size: int | None = None
 
     def __post_init__(self) -> None:
+        """Validate every field; raises ValueError with a sentence naming it."""
         for name in ("max_batch_tokens", "max_batch_requests", "max_queue"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.prefetch, bool):
+            raise ValueError(f"prefetch must be True or False, got {self.prefetch!r}")
         for name in ("max_prompt_tokens", "vocab_size"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
@@ -284,9 +289,24 @@ class Server:
         if self._closing:
             raise ServerClosed("the server is closing and takes no new requests")
         fut: asyncio.Future[Served] = asyncio.get_running_loop().create_future()
-        self._queue.append(_Pending(arr, time.perf_counter(), fut))
+        pending = _Pending(arr, time.perf_counter(), fut)
+        self._queue.append(pending)
+        fut.add_done_callback(functools.partial(self._forget, pending))
         self._wake()
         return fut
+
+    def _forget(self, pending: _Pending, fut: asyncio.Future[Served]) -> None:
+        """A caller gave up on a queued request (its future was cancelled,
+        e.g. a cancelled ``submit``): it leaves the queue now, and a
+        submitter waiting for room is woken."""
+        if not fut.cancelled():
+            return
+        for i, queued in enumerate(self._queue):  # by identity; absent once batched
+            if queued is pending:
+                del self._queue[i]
+                if self._changed is not None and not self._closing:
+                    self._wake()
+                return
 
     def _wake(self) -> None:
         cond = self._condition()

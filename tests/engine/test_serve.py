@@ -366,3 +366,31 @@ async def test_real_mooncake_restores_through_the_server(
     assert all(r.restored_tokens == 128 for r in got)
     for ref, res in zip(await _cold(tiny_model, prompts[1:]), got, strict=True):
         assert kl_divergence(ref.next_token_logprobs, res.next_token_logprobs) <= KL_EXACT
+
+
+async def test_cancelled_submits_free_their_slots_and_wake_a_blocked_submit(
+        engine: Engine) -> None:
+    """Both queued ``submit`` calls cancelled while the queue is full: they
+    leave the queue at once (``queued`` drops, ``submit_nowait`` is taken
+    again) and a ``submit`` blocked for room is woken, before any batch
+    ends (before: ``queued`` stayed 2 and the blocked submit waited for an
+    unrelated ``submit_nowait``)."""
+    gated = GatedEngine(engine, gated=[0])
+    async with Server(gated, ServeConfig(max_queue=2, max_batch_requests=1)) as server:
+        first = asyncio.create_task(server.submit(prompt(40, 0)))
+        await gated.entered[0].wait()
+        queued = [asyncio.create_task(server.submit(prompt(40, i))) for i in (1, 2)]
+        await yield_until(lambda: server.queued == 2)
+        blocked = asyncio.create_task(server.submit(prompt(40, 3)))
+        for task in queued:
+            task.cancel()
+        await yield_until(lambda: server.queued == 1)  # the blocked one took a slot
+        assert not blocked.done()
+        also = server.submit_nowait(prompt(40, 4))
+        assert server.queued == 2
+        gated.release(0)
+        await first
+        assert (await blocked).batch_id == 1 and (await also).batch_id == 2
+        for task in queued:
+            assert task.cancelled()
+    assert gated.batches == [[40], [40], [40]]
