@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import TracebackType
 
 import numpy as np
@@ -39,7 +39,7 @@ from layerlift.engine.plan import LookupPlan
 from layerlift.engine.restore import RestoreStage
 from layerlift.engine.results import PrefillResult
 from layerlift.engine.stores import StoreHandle, open_store
-from layerlift.engine.threads import run_owned
+from layerlift.engine.threads import open_owned, run_owned, wait_through
 from layerlift.linker.components import make_linkers
 from layerlift.linker.keys import KeySchema
 from layerlift.linker.store_base import Store
@@ -105,6 +105,9 @@ class Engine:
         self._injected = store
         self._handle: StoreHandle | None = None
         self._started = False
+        # What start() opened, as (what, close, blocking), closed in reverse.
+        self._closers: list[tuple[str, Callable[[], None], bool]] = []
+        self._close_task: asyncio.Task[None] | None = None
 
     # ---- lifecycle -------------------------------------------------------------
     async def __aenter__(self) -> Engine:
@@ -116,10 +119,31 @@ class Engine:
         await self.close()
 
     async def start(self) -> None:
-        """Open the store (starting the embedded master), build the pools."""
+        """Open the store (starting the embedded master), build the pools.
+
+        A failure or a cancellation part-way closes, in reverse order, what
+        was opened so far (registration, lane, store client, master) before
+        it propagates; nothing is left running. ``RuntimeError`` if the
+        engine is started already or still closing."""
+        if self._started or (self._close_task is not None and not self._close_task.done()):
+            raise RuntimeError("this engine is started already (or still closing)")
+        self._close_task = None
+        try:
+            await self._open()
+        except BaseException as exc:
+            try:
+                await wait_through(asyncio.ensure_future(self._shutdown()))
+            except Exception as problem:
+                exc.add_note(f"and while closing what start() had opened: {problem!r}")
+            raise
+        self._started = True
+
+    async def _open(self) -> None:
+        """What ``start`` does; each resource opened pushes its closer first."""
         cfg, spec = self.cfg, self.model.spec
         if self._injected is None:
-            self._handle = await run_owned(lambda: open_store(cfg))
+            self._handle = await open_owned(lambda: open_store(cfg), StoreHandle.close)
+            self._closers.append(("closing the store and its master", self._handle.close, True))
             self.store = self._handle.store
         else:
             self.store = self._injected
@@ -137,10 +161,14 @@ class Engine:
             self._device.attach_pool(self.pool)
         else:
             self.store.register(self.pool.buffer)
+            ptr = self.pool.buffer.data_ptr()
+            self._closers.append(("unregistering the pool",
+                                  lambda: self.store.unregister(ptr), False))
         self.tree = UnifiedRadixTree(spec, self.pool, branch_checkpoints=cfg.branch_checkpoints)
         schema = KeySchema(cfg.namespace, f"{spec.fingerprint}-{self.model.identity}", cfg.rank)
         self.linkers = make_linkers(spec, self.pool, self.tree, schema)
         self.lane = self._make_lane()
+        self._closers.append(("closing the lane", self.lane.close, False))
         policy = LoadPolicy(cfg.policy)
         scheduler = LoadScheduler(self.lane, policy, max_in_flight=cfg.max_in_flight,
                                   group_size=cfg.group_size, stream_size=cfg.stream_size)
@@ -154,7 +182,6 @@ class Engine:
         cost = CostModel(spec.num_layers) if cfg.restore == "auto" else None
         self._ctx = EngineContext(self.model, cfg, self.pool, self.tree, self.restore,
                                   self.offloader, cost)
-        self._started = True
 
     def _make_lane(self) -> Lane:
         if self._device is not None:
@@ -163,23 +190,56 @@ class Engine:
 
     async def close(self) -> None:
         """Abort the batches still in flight and wait until their threads
-        returned, wait for pending offloads, then close the lane, the store
-        and the master (nothing a worker thread uses is closed under it)."""
-        if not self._started:
-            return
-        self._started = False
+        returned, wait for pending offloads (their puts), then close the
+        lane, unregister the pool, close the store and stop the master:
+        nothing a worker thread or a put uses is closed under it.
+
+        Owned end to end: a cancelled ``close()`` (``task.cancel()``, a
+        ``wait_for`` timeout) still waits for all of that, and the
+        cancellation is raised once it finished. Idempotent; a no-op on an
+        engine that never started."""
+        if self._close_task is None:
+            if not self._started:
+                return
+            self._started = False
+            self._close_task = asyncio.get_running_loop().create_task(self._close())
+        await wait_through(self._close_task)
+
+    async def _close(self) -> None:
+        problems: list[BaseException] = []
         try:
             for batch in list(self._ctx.live):
                 batch.abort(EngineError("the engine is closing"))
             for batch in list(self._ctx.live):
-                await batch.aclose()
+                try:
+                    await batch.aclose()
+                except Exception as exc:  # the batch's own failure: keep closing
+                    problems.append(exc)
             await self.wait_offloads()
         finally:
-            self.lane.close()
-            if self._handle is not None:
-                await run_owned(self._handle.close)
-            elif self._device is None:
-                self.store.unregister(self.pool.buffer.data_ptr())
+            await self._shutdown()
+        if problems:
+            raise EngineError(f"a batch failed while the engine closed: {problems[0]!r}") \
+                from problems[0]
+
+    async def _shutdown(self) -> None:
+        """Run the closers in reverse order of opening, each whatever the
+        ones before raised (blocking ones in owned threads); raise the first
+        error after all ran."""
+        first: BaseException | None = None
+        while self._closers:
+            what, fn, in_thread = self._closers.pop()
+            try:
+                if in_thread:
+                    await run_owned(fn)
+                else:
+                    fn()
+            except Exception as exc:
+                exc.add_note(f"while {what}")
+                log.error("engine shutdown: %r", exc, exc_info=exc)
+                first = first or exc
+        if first is not None:
+            raise first
 
     # ---- one-call API ----------------------------------------------------------
     async def prefill(self, prompts: Sequence[Sequence[int] | np.ndarray]) -> list[PrefillResult]:
@@ -223,7 +283,7 @@ class Engine:
             index = dict(zip((id(p) for p in plans), part, strict=True))
             todo = todo[len(plans) - len(rest):]
             batch.may_defer = True
-            await batch.issue()
+            await batch.issue(device_timeout=self.cfg.layer_wait_timeout_s)
             got = await batch.run()  # COMMIT, then the forward
             for plan, result in zip(batch.plans, got, strict=True):
                 results[index[id(plan)]] = result
@@ -286,8 +346,12 @@ class Engine:
         whole batch (one store call per layer); returns at once. Waits if
         another batch is in flight. Raises ``EngineError`` when the plans do
         not fit in the pool together (load fewer at a time) or one cannot
-        fit alone; the plans are released then."""
+        fit alone; the plans are released then. Raises ``ValueError``, and
+        releases nothing, for no plans, a plan listed twice, or a plan that
+        is not live: made by another engine, released (``release_plan``, or
+        its handle finished) or loaded before."""
         ctx = self._context()
+        _check_loadable(ctx, plans)
         started = time.perf_counter() - max((p.lookup_time for p in plans), default=0.0)
         try:
             await _acquire(ctx.lock, self.cfg.layer_wait_timeout_s)
@@ -327,6 +391,8 @@ class Engine:
 
     def _context(self) -> EngineContext:
         if not self._started:
+            if self._close_task is not None:
+                raise EngineError("the engine is closing or closed: start a new one")
             raise RuntimeError("the engine is not started: use `async with Engine(...)`")
         return self._ctx
 
@@ -351,6 +417,20 @@ def _tokens_ahead(ctx: EngineContext) -> int:
     live = (BatchState.LOADING, BatchState.COMMITTED, BatchState.RUNNING)
     return sum(len(p.tokens) - p.boundary * p.spec.page_size
                for b in ctx.live if b.state in live for p in b.plans)
+
+
+def _check_loadable(ctx: EngineContext, plans: Sequence[LookupPlan]) -> None:
+    """``ValueError`` for plans ``load`` must refuse (see :meth:`Engine.load`)."""
+    if not plans:
+        raise ValueError("load() needs at least one plan from lookup()")
+    seen: set[int] = set()
+    for plan in plans:
+        if not isinstance(plan, LookupPlan):
+            raise ValueError(f"load() takes plans from lookup(), got {type(plan).__name__}")
+        if id(plan) in seen:
+            raise ValueError(f"plan {plan.request_id} is listed twice: a plan is loaded once")
+        seen.add(id(plan))
+        plan.check_loadable(ctx)
 
 
 async def _acquire(lock: asyncio.Lock, wait_s: float | None) -> None:
