@@ -38,8 +38,8 @@ from layerlift.engine.offload import Offloader, OffloadReport
 from layerlift.engine.plan import LookupPlan
 from layerlift.engine.restore import RestoreStage
 from layerlift.engine.results import PrefillResult
-from layerlift.engine.stores import StoreHandle, open_store
-from layerlift.engine.threads import open_owned, run_owned, wait_through
+from layerlift.engine.stores import StoreHandle, open_store_owned
+from layerlift.engine.threads import run_owned, wait_through
 from layerlift.linker.components import make_linkers
 from layerlift.linker.keys import KeySchema
 from layerlift.linker.store_base import Store
@@ -142,7 +142,7 @@ class Engine:
         """What ``start`` does; each resource opened pushes its closer first."""
         cfg, spec = self.cfg, self.model.spec
         if self._injected is None:
-            self._handle = await open_owned(lambda: open_store(cfg), StoreHandle.close)
+            self._handle = await open_store_owned(cfg)
             self._closers.append(("closing the store and its master", self._handle.close, True))
             self.store = self._handle.store
         else:

@@ -22,16 +22,14 @@ the same rule).
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Callable
 from typing import TypeVar
 
 import anyio
 
-__all__ = ["open_owned", "run_owned", "wait_through"]
+__all__ = ["run_owned", "wait_through"]
 
 T = TypeVar("T")
-log = logging.getLogger("layerlift.engine")
 
 
 async def run_owned(fn: Callable[[], T], *, on_cancel: Callable[[], None] | None = None) -> T:
@@ -80,23 +78,3 @@ async def wait_through(fut: asyncio.Future[T], *,
     assert cancelled is not None
     raise cancelled
 
-
-async def open_owned(open_fn: Callable[[], T], close_fn: Callable[[T], None]) -> T:
-    """:func:`run_owned` for a call that opens something (a store client, a
-    master process): returns what ``open_fn`` opened. If the caller is
-    cancelled while it runs and it opens anyway, ``close_fn`` closes that
-    (in a worker thread, waited for) before the cancellation is raised, so a
-    cancelled open leaves nothing running. A failing ``close_fn`` is logged:
-    the cancellation is what the caller gets."""
-    fut = asyncio.ensure_future(anyio.to_thread.run_sync(open_fn))
-    try:
-        return await wait_through(fut)
-    except asyncio.CancelledError:
-        if fut.done() and not fut.cancelled() and fut.exception() is None:
-            opened = fut.result()
-            try:
-                await wait_through(asyncio.ensure_future(
-                    anyio.to_thread.run_sync(lambda: close_fn(opened))))
-            except Exception:
-                log.exception("closing what a cancelled open had opened failed")
-        raise

@@ -25,6 +25,7 @@ import pytest
 
 from layerlift import Engine, EngineConfig, HybridModel, ModelSpec
 from layerlift.engine import api as engine_api
+from layerlift.engine import stores as engine_stores
 from layerlift.engine.stores import StoreHandle
 from layerlift.linker.memory_store import MemoryStore
 from layerlift.linker.mooncake_store import MooncakeStore
@@ -130,7 +131,7 @@ async def test_a_cancelled_close_waits_for_the_forward(model: HybridModel) -> No
     await held_then_released(closing, gate)
     with pytest.raises(asyncio.CancelledError):
         await closing
-    with pytest.raises(Exception, match="closing|aborted"):
+    with pytest.raises(Exception, match=r"closing|aborted"):
         await prefill
     assert san.checked > 0
     san.check()
@@ -184,15 +185,15 @@ async def test_a_cancelled_start_leaves_no_master(model: HybridModel, how: str,
     """Cancelled while the store opens (its thread held just after the open
     succeeded): what it opened is closed before the cancellation is raised."""
     opened, gate = threading.Event(), threading.Event()
-    real_open = engine_api.open_store
+    real_open = engine_stores.open_store
 
-    def held_open(cfg: EngineConfig) -> StoreHandle:
-        handle = real_open(cfg)
+    def held_open(cfg: EngineConfig, cancel: threading.Event | None = None) -> StoreHandle:
+        handle = real_open(cfg, cancel)  # the open succeeded before the cancellation
         opened.set()
         gate.wait(WAIT_S)
         return handle
 
-    monkeypatch.setattr(engine_api, "open_store", held_open)
+    monkeypatch.setattr(engine_stores, "open_store", held_open)
     before = set(child_masters())
     engine = Engine(model, EngineConfig(store="embedded", pool_bytes=8 << 20,
                                         segment_bytes=32 << 20, client_buffer_bytes=16 << 20))

@@ -244,7 +244,7 @@ async def test_prefill_behind_a_stalled_put_ends_within_its_bound(model: HybridM
         try:
             await engine.prefill([first])
             assert await anyio.to_thread.run_sync(put.started.wait, WAIT_S)
-            with pytest.raises(EngineError, match="room stayed held|does not fit"):
+            with pytest.raises(EngineError, match=r"room stayed held|does not fit"):
                 async with asyncio.timeout(WAIT_S):
                     await engine.prefill([big])
         finally:
