@@ -386,8 +386,17 @@ class Engine:
                                       auto=ctx.cost is not None)
 
     def release_plan(self, plan: LookupPlan) -> None:
-        """Drop a plan that will not be loaded (unlocks its device hit)."""
-        release_plan(self._context(), plan)
+        """Drop a plan that will not be loaded (unlocks its device hit).
+        Idempotent. ``ValueError`` for a plan another engine made (its pins
+        name that engine's pages) or one a batch took (its batch releases it)."""
+        ctx = self._context()
+        if plan.owner is not ctx:
+            raise ValueError(f"plan {plan.request_id} was made by another engine: release it "
+                             "with the engine whose lookup() made it")
+        if plan.taken and not plan.released:
+            raise ValueError(f"plan {plan.request_id} is loaded: its handle releases it "
+                             "(forward, or abort and aclose)")
+        release_plan(ctx, plan)
 
     def _context(self) -> EngineContext:
         if not self._started:

@@ -162,6 +162,8 @@ async def test_load_refuses_plans_that_are_not_live(model: HybridModel) -> None:
         foreign = await other.lookup(prompt)
         with pytest.raises(ValueError, match="another engine"):
             await engine.load([foreign])
+        with pytest.raises(ValueError, match="another engine"):
+            engine.release_plan(foreign)  # its pins name the other engine's pages
         other.release_plan(foreign)
 
         twice = await engine.lookup(prompt)
@@ -169,6 +171,8 @@ async def test_load_refuses_plans_that_are_not_live(model: HybridModel) -> None:
             await engine.load([twice, twice])
         # A refused load holds nothing and leaves the plan the caller's.
         handle = await engine.load([twice])
+        with pytest.raises(ValueError, match="is loaded"):
+            engine.release_plan(twice)  # the batch releases it
         handle.commit()
         (again,) = await handle.forward()
         assert_exact([again], [ref])
