@@ -6,7 +6,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["COLUMNS", "STRATEGIES", "format_markdown", "format_table", "write_plot"]
+__all__ = ["COLUMNS", "EFF_ABOVE_1", "HEADER", "STRATEGIES", "format_markdown", "format_table",
+           "table_notes", "write_plot"]
 
 STRATEGIES = ("recompute", "barrier", "overlap")
 
@@ -38,6 +39,35 @@ def _row(p: dict[str, Any]) -> list[str]:
             f"{p['max_kl']:.1e}", "yes" if ok else "NO"]
 
 
+HEADER = ("TTFT = time to first token (from the prefill call to the next token's "
+          "distribution), p50 over the measured repeats, in ms. P = prefix tokens (restored), "
+          "S = suffix tokens (computed), B = batch size; every column is explained in "
+          "docs/guide/benchmarks.md.")
+EFF_ABOVE_1 = (
+    "eff above 1 means the overlap came in below the bound. The bound is the performance "
+    "model's estimate from the run's own per-layer profile, not a hard floor: it charges the "
+    "barrier run's fixed overhead (lookup, PREPARE, issuing, hand-offs, logits: T_barrier - its "
+    "load - Σc) in full, and the overlap run hides part of that behind the forward. Where the "
+    "room T_barrier - bound is a few ms (on loopback, where the reads and the forward share "
+    "the CPU cores), that and the run-to-run noise move eff far from 1 either way; eff pair "
+    "(the median over repeats of the same ratio) is the steadier figure.")
+
+
+def table_notes(points: Sequence[dict[str, Any]]) -> list[str]:
+    """Notes printed under the table: one line per point whose eff is above
+    1 (its room in ms), then :data:`EFF_ABOVE_1` once, if any."""
+    notes = []
+    for p in points:
+        eff = p.get("efficiency")
+        if eff is not None and eff > 1:
+            t = p["ttft_s"]
+            notes.append(
+                f"note: {p['link']} P={p['prefix_tokens']} B={p['batch']}: eff {eff:.2f} > 1: "
+                f"overlap {_ms(t['overlap'])} ms < bound {_ms(p['bound_s'])} ms; the room "
+                f"T_barrier - bound is {_ms(t['barrier'] - p['bound_s'])} ms.")
+    return [*notes, EFF_ABOVE_1] if notes else []
+
+
 def format_table(points: Sequence[dict[str, Any]]) -> str:
     rows = [list(COLUMNS)] + [_row(p) for p in points]
     widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
@@ -61,48 +91,79 @@ def format_markdown(points: Sequence[dict[str, Any]], meta: dict[str, Any]) -> s
            "(real bytes, no CPU cost)",
            "- load/compute: per-layer profile of the barrier run; bound = overhead + "
            "max(Σa + c_last, a_0 + Σc), overhead = T_barrier − Σa − Σc; "
-           "eff = (T_barrier − T_overlap)/(T_barrier − bound)", "",
+           "eff = (T_barrier − T_overlap)/(T_barrier − bound)",
+           f"- {HEADER}", "",
            "| " + " | ".join(COLUMNS) + " |",
            "|" + "|".join("---" for _ in COLUMNS) + "|"]
     out += ["| " + " | ".join(_row(p)) + " |" for p in points]
+    notes = table_notes(points)
+    if notes:
+        out += ["", *(f"- {n.removeprefix('note: ')}" for n in notes)]
     return "\n".join(out) + "\n"
 
 
+BOUND_NOTE = ("* bound: the performance model's lowest TTFT for an overlap of this run's "
+              "per-layer loads and computes, overhead + max(Σa + c_last, a_0 + Σc) "
+              "(docs/design.md §5)")
+
+
+def _settings(points: Sequence[dict[str, Any]]) -> tuple[str, list[str]]:
+    """The settings every point shares, for the title, and the names of the
+    ones that vary (preset, S, B), for the legend."""
+    keys = (("preset", "preset {}"), ("suffix_tokens", "suffix {} tokens"), ("batch", "batch {}"))
+    shared = [fmt.format(points[0][k]) for k, fmt in keys
+              if len({p[k] for p in points}) == 1]
+    varying = [k for k, _ in keys if len({p[k] for p in points}) > 1]
+    return ", ".join(shared), varying
+
+
 def write_plot(points: Sequence[dict[str, Any]], path: str) -> None:
+    """TTFT p50 against the prefix, one panel per link: the three strategies
+    and the bound. Settings shared by every point go in the title, only the
+    varying ones into the legend; fonts >= 9 pt at the saved size."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     links = list(dict.fromkeys(p["link"] for p in points))
-    fig, axes = plt.subplots(1, len(links), figsize=(6 * len(links), 4.5), squeeze=False)
-    colors = {"recompute": "tab:gray", "barrier": "tab:red", "overlap": "tab:blue",
-              "bound": "tab:green"}
-    styles = ["-", "--", ":", "-."]
-    for ax, link in zip(axes[0], links, strict=True):
-        mine = [p for p in points if p["link"] == link]
-        groups = list(dict.fromkeys((p["preset"], p["suffix_tokens"], p["batch"]) for p in mine))
-        for gi, g in enumerate(groups):
-            pts = sorted((p for p in mine if (p["preset"], p["suffix_tokens"], p["batch"]) == g),
-                         key=lambda p: p["prefix_tokens"])
-            x = [p["prefix_tokens"] for p in pts]
-            tag = f"{g[0]} S={g[1]} B={g[2]}"
-            ls = styles[gi % len(styles)]
-            for s in STRATEGIES:
-                ax.plot(x, [1e3 * p["ttft_s"][s] for p in pts], ls, marker="o",
-                        color=colors[s], label=f"{s} ({tag})")
-            ax.plot(x, [1e3 * p["bound_s"] for p in pts], ls, marker="x", color=colors["bound"],
-                    alpha=0.7, label=f"bound ({tag})")
-        ax.set_title(f"link: {link}")
-        ax.set_xlabel("prefix tokens (restored)")
-        ax.set_ylabel("TTFT p50 (ms)")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")  # recompute dwarfs the restores on a linear axis
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=6)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
+    shared, varying = _settings(points)
+    fmts = {"preset": "{}", "suffix_tokens": "S={}", "batch": "B={}"}
+    with plt.rc_context({"font.size": 10, "legend.fontsize": 9, "axes.titlesize": 11,
+                         "xtick.labelsize": 9, "ytick.labelsize": 9}):
+        fig, axes = plt.subplots(1, len(links), figsize=(5.5 * len(links), 4.6), squeeze=False)
+        colors = {"recompute": "tab:gray", "barrier": "tab:red", "overlap": "tab:blue",
+                  "bound": "tab:green"}
+        styles = ["-", "--", ":", "-."]
+        for ax, link in zip(axes[0], links, strict=True):
+            mine = [p for p in points if p["link"] == link]
+            groups = list(dict.fromkeys(tuple(p[k] for k in varying) for p in mine))
+            for gi, g in enumerate(groups):
+                pts = sorted((p for p in mine if tuple(p[k] for k in varying) == g),
+                             key=lambda p: p["prefix_tokens"])
+                x = [p["prefix_tokens"] for p in pts]
+                tag = " ".join(fmts[k].format(v) for k, v in zip(varying, g, strict=True))
+                tag = f" ({tag})" if tag else ""
+                ls = styles[gi % len(styles)]
+                for s in STRATEGIES:
+                    ax.plot(x, [1e3 * p["ttft_s"][s] for p in pts], ls, marker="o",
+                            color=colors[s], label=f"{s}{tag}")
+                ax.plot(x, [1e3 * p["bound_s"] for p in pts], ls, marker="x",
+                        color=colors["bound"], alpha=0.7, label=f"bound{tag} *")
+            ticks = sorted({p["prefix_tokens"] for p in mine})
+            ax.set_title(f"{link} (a modelled NIC)" if link.startswith("emulated:") else link)
+            ax.set_xlabel("prefix tokens (restored)")
+            ax.set_ylabel("TTFT p50 (ms)")
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(ticks, [str(t) for t in ticks])
+            ax.minorticks_off()
+            ax.set_yscale("log")  # recompute dwarfs the restores on a linear axis
+            ax.grid(True, alpha=0.3)
+            ax.legend(loc="upper left")
+        fig.suptitle(f"Time to first token (TTFT), {shared}" if shared
+                     else "Time to first token (TTFT)")
+        fig.text(0.5, 0.01, BOUND_NOTE, ha="center", va="bottom", fontsize=9, wrap=True)
+        fig.tight_layout(rect=(0, 0.07, 1, 1))
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=120)
+        plt.close(fig)

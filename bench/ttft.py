@@ -58,7 +58,14 @@ import torch
 
 from layerlift.bench.models import build_model
 from layerlift.bench.netns_link import emulated_twin, is_netns, run_netns_link
-from layerlift.bench.report import STRATEGIES, format_markdown, format_table, write_plot
+from layerlift.bench.report import (
+    HEADER,
+    STRATEGIES,
+    format_markdown,
+    format_table,
+    table_notes,
+    write_plot,
+)
 from layerlift.bench.stats import KL_TOL, Samples, summarize
 from layerlift.bench.stores import LinkStores, Point, pool_bytes, store_bytes
 from layerlift.bench.ttft_args import DEFAULT_EMULATED, build_parser, links, resolve_grid
@@ -295,7 +302,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             "cores": cores, "device": args.device, "torch_threads": torch.get_num_threads(),
             "wall_s": wall, "repeats": args.repeats, "warmup": args.warmup,
             "links": args.links, "kl_tol": KL_TOL}
+    print(HEADER)
     print(format_table(points))
+    for note in table_notes(points):
+        print(note)
     if args.device == "cpu":
         print(CORES_NOTE.format(cores=cores))
     for p in points:

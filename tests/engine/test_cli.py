@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -70,3 +72,64 @@ def test_console_script_master_help() -> None:
                            "raise SystemExit(main(['master', '--help']))"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "layerlift master" in proc.stdout
+
+
+GUIDE = Path(__file__).resolve().parents[2] / "docs" / "guide" / "benchmarks.md"
+
+
+def _guide_columns() -> list[str]:
+    text = GUIDE.read_text()
+    start = text.index("### The table's columns")
+    section = text[start: text.index("\n#", start + 1)]
+    return re.findall(r"^\| `([^`]+)` \|", section, re.M)
+
+
+def test_the_guide_names_exactly_the_columns_the_cli_prints() -> None:
+    from layerlift.bench.report import COLUMNS, format_table
+
+    printed = re.split(r"\s{2,}", format_table([]).splitlines()[0].strip())
+    assert printed == list(COLUMNS)
+    assert _guide_columns() == printed, "docs/guide/benchmarks.md's column list differs"
+
+
+def _point(link: str, batch: int, prefix: int, eff: float) -> dict[str, Any]:
+    t = {"recompute": 0.3, "barrier": 0.1, "overlap": 0.08}
+    return {"link": link, "preset": "small", "prefix_tokens": prefix, "suffix_tokens": 64,
+            "batch": batch, "ttft_s": t, "bound_s": 0.09, "efficiency": eff}
+
+
+def test_a_point_above_the_bound_gets_a_note_with_its_room() -> None:
+    from layerlift.bench.report import EFF_ABOVE_1, table_notes
+
+    assert table_notes([_point("x", 1, 512, 0.9)]) == []
+    notes = table_notes([_point("x", 1, 512, 2.0), _point("x", 1, 1024, 0.5)])
+    assert notes == ["note: x P=512 B=1: eff 2.00 > 1: overlap 80.0 ms < bound 90.0 ms; the "
+                     "room T_barrier - bound is 10.0 ms.", EFF_ABOVE_1]
+
+
+def test_plot_legends_are_readable_and_shared_settings_are_in_the_title(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import matplotlib.figure
+
+    from layerlift.bench.report import write_plot
+
+    seen: list[matplotlib.figure.Figure] = []
+    real = matplotlib.figure.Figure.savefig
+
+    def keep(self: matplotlib.figure.Figure, *args: Any, **kwargs: Any) -> None:
+        seen.append(self)
+        real(self, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", keep)
+    points = [_point(link, b, p, 1.0) for link in ("mooncake-tcp-loopback", "emulated:1GB/s,10us")
+              for b in (1, 2) for p in (512, 1024)]
+    write_plot(points, str(tmp_path / "p.png"))
+    (fig,) = seen
+    title = fig._suptitle.get_text()  # type: ignore[union-attr]
+    assert "preset small" in title and "suffix 64 tokens" in title and "batch" not in title
+    texts = [t for ax in fig.axes for t in ax.get_legend().get_texts()]
+    assert texts and all(t.get_fontsize() >= 9 for t in texts)
+    labels = [t.get_text() for t in texts]
+    assert not any("small" in s or "S=64" in s for s in labels), labels
+    assert {"overlap (B=1)", "overlap (B=2)"} <= set(labels)
+    assert any("bound:" in t.get_text() and t.get_fontsize() >= 9 for t in fig.texts)
