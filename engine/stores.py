@@ -16,7 +16,7 @@ from layerlift.engine.config import EngineConfig
 from layerlift.engine.threads import run_owned, wait_through
 from layerlift.linker.master import EmbeddedMaster
 from layerlift.linker.memory_store import MemoryStore
-from layerlift.linker.mooncake_config import MooncakeConfig
+from layerlift.linker.mooncake_config import MooncakeConfig, check_reachable
 from layerlift.linker.mooncake_store import MooncakeStore
 from layerlift.linker.store_base import Store
 from layerlift.overlap.link import EmulatedLink, parse_link
@@ -101,6 +101,8 @@ def open_store(cfg: EngineConfig, cancel: threading.Event | None = None) -> Stor
         return StoreHandle(MemoryStore(), None, link)
     if target.kind == "mooncake":
         assert target.master_address is not None
+        # before route_source, whose lookup of the host has no bound of its own
+        check_reachable("the Mooncake master", target.master_address, cfg.connect_timeout_s)
         local = route_source(target.master_address)
         store = MooncakeStore(_mooncake_config(cfg, target.master_address, cfg.metadata, local))
         return _unless_cancelled(StoreHandle(store, None, link), cancel)
