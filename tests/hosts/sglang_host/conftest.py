@@ -34,8 +34,9 @@ def make_host(mooncake_master: EmbeddedMaster,
     hosts: list[SGLangHost] = []
 
     def make(**extra: Any) -> SGLangHost:
+        namespace = extra.pop("namespace", mooncake_namespace)
         host = SGLangHost(SHAPE, backend="dynamic",
-                          config=linker_config(mooncake_master, mooncake_namespace, **extra))
+                          config=linker_config(mooncake_master, namespace, **extra))
         hosts.append(host)
         return host
 

@@ -1,0 +1,248 @@
+"""The linker's promises under faults, inside SGLang's real wrapper, on a real mooncake_master.
+
+- A corrupt, foreign or truncated object (planted in the real store) fails its
+  layer: SGLang's ``finish_external_linker_loads`` reports the request failed,
+  the forward never reads a wrong byte (a layer is exact or zero), and the
+  failed tail never enters the tree.
+- A stopped master (SIGSTOP) ends the load within the stated bound, and
+  nothing writes into the slots after ``finish`` returned, also once the
+  master resumes and the timed-out reads end.
+- An offload whose put outlives its timeout, while SGLang reuses the slots,
+  lands the offloaded bytes or nothing, never the reused slots' bytes.
+- ``reset`` through SGLang's cache quiesces offloads stuck on a stopped master.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from array import array
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+from sglang.srt.mem_cache.radix_cache import RadixKey
+from sglang_testkit import PAGE, SHAPE, is_zero, page_hashes, tokens
+
+from layerlift.hosts.sglang_harness import SGLangHost
+from layerlift.linker.integrity import checksums, slice_seed
+from layerlift.linker.master import EmbeddedMaster
+from layerlift.linker.mooncake_store import MooncakeStore
+from layerlift.linker.store_base import Store, StoreTimeout
+from layerlift.testing.faults import ProcessStall
+
+pytestmark = [pytest.mark.sglang, pytest.mark.mooncake]
+
+
+class RawStore:
+    """A plain client of the test's master, to read and plant whole objects."""
+
+    def __init__(self, master: EmbeddedMaster) -> None:
+        self.store = MooncakeStore(master.config(
+            global_segment_size=0, local_buffer_size=16 << 20, timeout_s=5.0,
+            metadata_server="P2PHANDSHAKE"))  # as the linkers' clients
+        self.buf = torch.zeros(1 << 20, dtype=torch.uint8)
+        self.store.register(self.buf)
+
+    def get(self, key: str, size: int) -> bytes:
+        assert self.store.get([key], [self.buf.data_ptr()], [size]) == [True]
+        return bytes(self.buf[:size].numpy())
+
+    def plant(self, key: str, data: bytes) -> None:
+        """Put ``data`` under ``key`` (before the cache offloads it: its own
+        put then finds the key taken and leaves this object)."""
+        ctypes.memmove(self.buf.data_ptr(), data, len(data))
+        self.store.put([key], [self.buf.data_ptr()], [len(data)])
+
+
+def reseal(obj: bytes, layout: Any, key: str) -> bytes:
+    """``obj``'s page bytes with a footer valid for ``key`` (a well-formed object of ``key``)."""
+    page = bytearray(obj[: layout.page_bytes])
+    base = ctypes.addressof((ctypes.c_char * len(page)).from_buffer(page))
+    sums = [int(checksums([base + off], size, [slice_seed(key, j)])[0])
+            for j, (off, size) in enumerate(layout.slices)]
+    return bytes(page) + np.asarray(sums, dtype="<u4").tobytes()
+
+
+@pytest.fixture
+def raw(mooncake_master: EmbeddedMaster) -> Iterator[RawStore]:
+    client = RawStore(mooncake_master)
+    yield client
+    client.store.close()
+
+
+@pytest.fixture
+def stall(mooncake_master: EmbeddedMaster) -> Iterator[ProcessStall]:
+    assert mooncake_master.pid is not None
+    s = ProcessStall(mooncake_master.pid)
+    yield s
+    s.release()
+
+
+def full_key(host: SGLangHost, toks: list[int], page: int) -> str:
+    return host.linker.key_schema.key("full", bytes.fromhex(page_hashes(toks)[page]))
+
+
+def on_device(host: SGLangHost, toks: list[int]) -> int:
+    return int(host.cache.match_prefix(
+        MatchPrefixParams(key=RadixKey(array("q", toks)))).device_prefix_len)
+
+
+def exact_or_zero(host: SGLangHost, restore: Any, toks: list[int]) -> dict[int, bool]:
+    """Per layer: True when exact, False when zero; fails on any other bytes."""
+    expected = host.expected(toks[: restore.loaded_tokens])
+    out = {}
+    for layer, got in restore.layers.items():
+        same = all(torch.equal(g, e) for g, e in zip(got, expected[layer], strict=True))
+        assert same or all(is_zero(g) for g in got), f"layer {layer} holds wrong bytes"
+        out[layer] = same
+    return out
+
+
+def _corrupt(scratch: list[bytes], layout: Any, key: str, other_key: str) -> bytes:
+    bad = bytearray(reseal(scratch[1], layout, key))
+    offset, _ = layout.slices[1]  # the second FULL layer: model layer 5
+    bad[offset + 7] ^= 0x40
+    return bytes(bad)
+
+
+def _foreign(scratch: list[bytes], layout: Any, key: str, other_key: str) -> bytes:
+    return reseal(scratch[2], layout, other_key)  # page 2's object, self-consistent
+
+
+def _truncated(scratch: list[bytes], layout: Any, key: str, other_key: str) -> bytes:
+    return reseal(scratch[1], layout, key)[: layout.page_bytes // 2]
+
+
+@pytest.mark.parametrize("spoil, bad_layer", [(_corrupt, 5), (_foreign, 0), (_truncated, 0)],
+                         ids=["corrupt", "foreign", "truncated"])
+def test_a_bad_object_fails_its_layer_and_no_wrong_byte_is_used(
+        make_host: Callable[..., SGLangHost], raw: RawStore, mooncake_namespace: str,
+        spoil: Callable[..., bytes], bad_layer: int) -> None:
+    toks = tokens(4, seed=20)
+    scratch = make_host(namespace=f"{mooncake_namespace}-scratch")
+    scratch.compute(toks, [4 * PAGE])
+    scratch.settle_offloads()
+    layout = scratch.linker.layouts["kv"]
+    objects = [raw.get(full_key(scratch, toks, i), layout.object_bytes) for i in range(4)]
+    a, b = make_host(), make_host(segment_mib=0)
+    raw.plant(full_key(a, toks, 1), spoil(objects, layout, full_key(a, toks, 1),
+                                          full_key(a, toks, 2)))
+    a.compute(toks, [4 * PAGE])
+    a.settle_offloads()
+    r = b.restore([*toks, 1])
+    assert r.hit_tokens == 4 * PAGE and not r.ok  # SGLang aborts the loading request
+    layers = exact_or_zero(b, r, toks)
+    assert not layers[bad_layer]
+    assert all(layers[layer] for layer in range(bad_layer))  # earlier layers landed
+    assert on_device(b, toks) == 0  # nothing of the failed load entered the tree
+    # Control: the same restore from the untouched objects lands exact.
+    control = make_host(namespace=f"{mooncake_namespace}-scratch", segment_mib=0)
+    good = control.restore([*toks, 1])
+    assert good.ok and all(exact_or_zero(control, good, toks).values())
+
+
+def test_a_stopped_master_ends_the_load_in_bound_and_nothing_writes_after_finish(
+        make_host: Callable[..., SGLangHost], stall: ProcessStall) -> None:
+    a, b = make_host(), make_host(segment_mib=0, timeout_s=1.0, load_timeout_s=2.0)
+    toks = tokens(4, seed=21)
+    a.compute(toks, [4 * PAGE])
+    a.settle_offloads()
+    r = b.restore([*toks, 1], before_start=stall.stop)
+    assert r.hit_tokens == 4 * PAGE and not r.ok
+    assert r.settled_s < 2.0 + 0.5, f"the load took {r.settled_s:.2f} s past its 2 s bound"
+    assert not any(exact_or_zero(b, r, toks).values())  # nothing landed: all zero
+    assert r.tail is not None
+    k0 = b.kv.full_kv_pool.k_buffer[0]
+    assert is_zero(k0[r.tail])
+    stall.resume()
+    batch = b.linker.finished[-1]
+    assert batch.quiet.wait(30.0), "the timed-out reads never ended after the master resumed"
+    deadline = time.monotonic() + 30.0
+    while not b.linker.arena.idle():
+        assert time.monotonic() < deadline, "staging still held after the reads ended"
+        time.sleep(0.01)
+    assert is_zero(k0[r.tail]), "a read wrote into the slots after finish returned"
+    again = b.restore([*toks, 2])  # the store serves again
+    assert again.ok and again.hit_tokens == 4 * PAGE
+
+
+class _StallingPut:
+    """Forwards to a store; its first put stops the master, and once that put
+    timed out, ``reuse(keys)`` overwrites the slots it read (SGLang frees a
+    node's slots once its offload failed) and the master resumes, so the
+    timed-out put lands while those slots hold other bytes."""
+
+    def __init__(self, inner: Store, stall: ProcessStall,
+                 reuse: Callable[[list[str]], None]) -> None:
+        self.inner, self.stall, self.reuse = inner, stall, reuse
+        self.fired: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def put(self, keys: Any, ptrs: Any, sizes: Any) -> None:
+        if self.fired:
+            return self.inner.put(keys, ptrs, sizes)
+        self.fired = list(keys)
+        self.stall.stop()
+        try:
+            return self.inner.put(keys, ptrs, sizes)
+        except StoreTimeout:
+            self.reuse(self.fired)
+            self.stall.resume()
+            raise
+
+
+def test_a_put_that_outlives_its_timeout_never_lands_other_bytes(
+        make_host: Callable[..., SGLangHost], stall: ProcessStall) -> None:
+    a = make_host(timeout_s=1.0)
+    toks = tokens(3, seed=22)
+    pages = {full_key(a, toks, i): i for i in range(3)}
+
+    def reuse(keys: list[str]) -> None:  # another request's bytes in the failed node's slots
+        slots = a.cache.tree_core.collect_full_device_indices(
+            a.cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", toks)))).last_device_node,
+            a.cache.root_node_handle())
+        for page in {pages[k] for k in keys if k in pages}:
+            rows = slots[page * PAGE:(page + 1) * PAGE]
+            swa_rows = a.alloc.translate_loc_from_full_to_swa(rows)
+            for pool, at in ((a.kv.full_kv_pool, rows), (a.kv.swa_kv_pool, swa_rows)):
+                for t in (*pool.k_buffer, *pool.v_buffer):
+                    t[at] = 3.0
+
+    offloader = a.linker._offloader
+    wrapped = _StallingPut(a.linker.store, stall, reuse)
+    offloader._store = wrapped
+    a.compute(toks, [3 * PAGE])
+    a.settle_offloads()
+    assert any(k in pages for k in wrapped.fired), "the stalled put carried no FULL page"
+    deadline = time.monotonic() + 30.0
+    while offloader.timed_out:
+        assert time.monotonic() < deadline, "the timed-out put never ended"
+        time.sleep(0.01)
+    b = make_host(segment_mib=0)
+    r = b.restore([*toks, 1])
+    assert r.hit_tokens == 3 * PAGE, "the late put did not land: the test proved nothing"
+    assert r.ok
+    layers = exact_or_zero(b, r, toks)
+    assert all(layers.values())
+
+
+def test_reset_through_sglang_quiesces_offloads_stuck_on_a_stopped_master(
+        make_host: Callable[..., SGLangHost], stall: ProcessStall) -> None:
+    a = make_host(timeout_s=1.0)
+    stall.stop()
+    a.compute(tokens(3, seed=23), [3 * PAGE])
+    assert a.cache.linker.pending_offloads
+    started = time.perf_counter()
+    a.cache.reset()  # SGLang's reset: the linker first, then the node locks
+    took = time.perf_counter() - started
+    assert a.linker._offloader.pending() == 0
+    assert not a.cache.linker.pending_offloads
+    assert took < 1.0 * (2 + 2) + 1.0
+    stall.resume()
+    assert SHAPE.page_size == PAGE
