@@ -62,7 +62,11 @@ def setup_log_filter() -> Iterator[None]:
         return
     with _redirect_lock, tempfile.TemporaryFile() as tmp:
         sys.stderr.flush()
-        saved = os.dup(2)
+        try:
+            saved = os.dup(2)
+        except OSError:  # no stderr to filter (a closed fd 2)
+            yield
+            return
         os.dup2(tmp.fileno(), 2)
         try:
             yield
