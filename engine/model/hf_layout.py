@@ -85,11 +85,12 @@ TESTED_ARCHITECTURES: tuple[str, ...] = (
 )
 """Every hybrid (recurrent + attention), recurrent-only and sliding-window
 architecture of transformers 5.24 that ``TransformersModel`` accepts, each
-restored exactly against transformers' own cold forward on a tiny seeded
-config by ``tests/engine/model/test_model_hf_archs.py`` (the one list: the
-README prints it from here). Multimodal wrappers are listed by their text
-decoder (``gemma3_text`` for ``gemma3``); ``qwen3_5`` and ``qwen3_5_moe``
-run whole, being small."""
+checked on a tiny seeded config by ``tests/engine/model/test_model_hf_archs.py``
+(the one list: the README prints it from here): a restore equals LayerLift's
+own recompute bit for bit, and a cold prefill equals transformers' own
+forward (in float64, on every CPU kernel set). Multimodal wrappers are
+listed by their text decoder (``gemma3_text`` for ``gemma3``); ``qwen3_5``
+and ``qwen3_5_moe`` run whole, being small."""
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
