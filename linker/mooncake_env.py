@@ -40,14 +40,18 @@ _SPURIOUS = re.compile(r"Logging before InitGoogleLogging\(\) is written to STDE
                        r"|transfer_metadata\.cpp:\d+\] Local segment descriptor not found")
 _redirect_lock = threading.Lock()  # one redirect of fd 2 at a time
 _filtering = False
+_applied = False
 
 
 def apply_defaults() -> None:
     """Set :data:`MOONCAKE_DEFAULTS` where the user has not, if ``mooncake``
-    is not imported yet (a program that imported it keeps Mooncake's own)."""
-    global _filtering
-    if "mooncake" in sys.modules:
+    is not imported yet (a program that imported it keeps Mooncake's own).
+    Only the first call acts: a later one (the CLI's, after an import made
+    the first) must not take LayerLift's own level for the user's."""
+    global _filtering, _applied
+    if _applied or "mooncake" in sys.modules:
         return
+    _applied = True
     _filtering = "MC_LOG_LEVEL" not in os.environ
     for name, value in MOONCAKE_DEFAULTS.items():
         os.environ.setdefault(name, value)

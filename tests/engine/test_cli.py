@@ -133,3 +133,18 @@ def test_plot_legends_are_readable_and_shared_settings_are_in_the_title(
     assert not any("small" in s or "S=64" in s for s in labels), labels
     assert {"overlap (B=1)", "overlap (B=2)"} <= set(labels)
     assert any("bound:" in t.get_text() and t.get_fontsize() >= 9 for t in fig.texts)
+
+
+@pytest.mark.mooncake
+def test_the_cli_on_mooncake_prints_no_glog_lines() -> None:
+    """The console script imports the store before it sets Mooncake's quiet
+    defaults: the defaults (and the setup filter) must hold all the same."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k not in ("MC_LOG_LEVEL", "GLOG_minloglevel")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "layerlift.cli", "bench", "ttft", "--preset", "tiny", "--prefix",
+         "64", "--suffix", "16", "--batch", "1", "--repeats", "1", "--warmup", "0", "--links",
+         "mooncake", "--no-progress"], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert not re.findall(r"^[IWE]\d{4} |InitGoogleLogging", proc.stderr, re.M), proc.stderr
