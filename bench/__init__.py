@@ -26,5 +26,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                    "a store smaller than the working set: restored fraction against the ideal"),
     "integrity": ("layerlift.bench.integrity",
                   "what the per-layer CRC-32 checks cost: verify throughput, footer reads"),
+    "sglang": ("layerlift.bench.sglang_bench",
+               "inside SGLang 0.5.23: LayerLiftLinker beside MooncakeDirectLinker (.venv-sglang)"),
     "report": ("layerlift.bench.results", "regenerate docs/results.md from bench/results/*.json"),
 }

@@ -211,9 +211,10 @@ class SGLangHost:
 
     # ---- the consumer side: match, load back, forward, finish ---------------------
 
-    def _forward(self, req: Any, restore: Restore, tail: torch.Tensor) -> None:
+    def _forward(self, req: Any, restore: Restore, tail: torch.Tensor, compute_s: float) -> None:
         """The forward stand-in: layer by layer, read the request's loaded slots
-        through the pools' accessors (each waits on the linker's counter)."""
+        through the pools' accessors (each waits on the linker's counter), then
+        spend ``compute_s`` as the layer's compute (a sleep: it uses no CPU)."""
         started = time.perf_counter()
         swa_tail = self.alloc.translate_loc_from_full_to_swa(tail)
         w_pages = -(-self.shape.window // self.shape.page_size) * self.shape.page_size
@@ -229,10 +230,12 @@ class SGLangHost:
                 got = [k[rows].clone(), v[rows].clone()]
             restore.wait_s.append(time.perf_counter() - started)
             restore.layers[layer] = got
+            if compute_s > 0:
+                time.sleep(compute_s)
         restore.forward_s = time.perf_counter() - started
 
-    def restore(self, tokens: list[int],
-                before_start: Callable[[], None] | None = None) -> Restore:
+    def restore(self, tokens: list[int], before_start: Callable[[], None] | None = None,
+                compute_s: float = 0.0) -> Restore:
         """One request for ``tokens`` (the last token is the one to compute)
         through SGLang's admission path; a request whose load landed inserts
         its restored prefix into the tree, one whose load failed is released.
@@ -261,7 +264,7 @@ class SGLangHost:
         started = time.perf_counter()
         index = self.cache.ready_to_load_host_cache()
         self.linker.layer_done_counter.set_consumer(index)
-        self._forward(req, restore, tail)
+        self._forward(req, restore, tail, compute_s)
         failed = self.cache.finish_external_linker_loads([req])
         restore.settled_s = time.perf_counter() - started
         self.linker.layer_done_counter.set_consumer(-1)

@@ -1,0 +1,322 @@
+"""LayerLift inside SGLang beside SGLang's own Mooncake linker (issue 26), one run.
+
+    layerlift bench sglang [--json PATH] [--markdown PATH] [--plot PATH] [--repeats N]
+        [--pages 64,128] [--prompt-tokens N] [--compute-ms C] [--no-faults]
+
+The same harness (``layerlift.hosts.sglang_harness``: SGLang 0.5.23's real
+``UnifiedRadixCache``, ``SWAKVPool`` and ``HybridReqToTokenPool`` for a
+12-layer F S M S M F model, 8 KV heads x 64, on CPU) runs with each linker,
+built by SGLang's own factory: ``--unified-cache-external-linker-backend
+dynamic`` with ``LayerLiftLinker``, and ``mooncake`` (SGLang's
+``MooncakeDirectLinker``), on one embedded ``mooncake_master`` (loopback TCP).
+A producer cache computes and offloads a prompt, a consumer cache restores it
+through match, load back, layer-wise loading and a forward stand-in that reads
+every layer through the pools' accessors and then spends ``--compute-ms`` per
+layer (a sleep: it costs no CPU, so the two linkers' transfers get the cores).
+
+1. ``timing``: per page size, per linker, ``--repeats`` restores (distinct
+   prompts, the linkers interleaved): when each layer's wait returned (from the
+   forward's start) and the forward's total; medians with 95 % bootstrap
+   intervals; every restore checked byte-exact against what was offloaded.
+2. ``faults`` (64-token pages): a ranged read that lands one flipped byte in
+   layer 5's slice (the fault injected in each linker's own read call), and a
+   master stopped (SIGSTOP) just before the layer-wise load: what each linker
+   lets through (verdict, layers holding wrong bytes, whether the request's
+   output would be used) and how long until the batch's verdict.
+
+The machine's load average is recorded: the figures come from a shared 2-core
+box and are noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import threading
+import time
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+
+from layerlift.bench.args import BenchParser, float_above, int_at_least, int_list
+from layerlift.bench.output import add_output_options, write_outputs
+from layerlift.bench.stats import percentile_ci
+from layerlift.hosts.sglang_harness import HybridShape, Restore, SGLangHost
+from layerlift.linker.master import EmbeddedMaster
+
+LINKERS = ("layerlift", "sglang-mooncake")
+STALL_CAP_S = 15.0
+
+
+def _shape(page: int) -> HybridShape:
+    return HybridShape(kinds="FSMSMF" * 2, page_size=page, window=256, head_num=8, head_dim=64,
+                       kv_tokens=12288, mamba_slots=64)
+
+
+def _config(linker: str, master: EmbeddedMaster, producer: bool) -> tuple[str, dict[str, Any]]:
+    segment = 256 if producer else 0
+    if linker == "layerlift":
+        return "dynamic", {"linker": "LayerLiftLinker", "linker_module_path": "layerlift.hosts.sglang",
+                           "linker_extra_config": {
+                               "master_address": master.master_address, "namespace": "bench",
+                               "model": "bench-hybrid", "segment_mib": segment, "staging_mib": 64,
+                               "timeout_s": 2.0, "load_timeout_s": 5.0}}
+    return "mooncake", {"master_server_address": master.master_address,
+                        "metadata_server": "P2PHANDSHAKE", "protocol": "tcp",
+                        "global_segment_size": segment << 20, "local_hostname": "127.0.0.1",
+                        "check_server": False}
+
+
+def _pair(linker: str, shape: HybridShape, master: EmbeddedMaster) -> tuple[SGLangHost, SGLangHost]:
+    hosts = []
+    for producer in (True, False):
+        backend, config = _config(linker, master, producer)
+        hosts.append(SGLangHost(shape, backend=backend, config=config))
+    return hosts[0], hosts[1]
+
+
+def _exact(host: SGLangHost, r: Restore, tokens: list[int]) -> list[bool]:
+    """Per layer: the bytes the forward read equal what the producer computed."""
+    expected = host.expected(tokens[: r.loaded_tokens])
+    return [all(torch.equal(g, e) for g, e in zip(r.layers[layer], expected[layer], strict=True))
+            for layer in sorted(r.layers)]
+
+
+def _ci(values: list[float]) -> dict[str, float]:
+    """Median and its 95 % bootstrap interval over the repeats."""
+    med, lo, hi = percentile_ci([values], 50)
+    return {"median": med, "lo": lo, "hi": hi}
+
+
+def _prompt(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(1, 1 << 30) for _ in range(n)]
+
+
+def timing_point(page: int, repeats: int, prompt_tokens: int, compute_s: float,
+                 master: EmbeddedMaster, rng: random.Random) -> dict[str, Any]:
+    shape = _shape(page)
+    pairs = {name: _pair(name, shape, master) for name in LINKERS}
+    runs: dict[str, list[Restore]] = {name: [] for name in LINKERS}
+    exact = {name: 0 for name in LINKERS}
+    n = prompt_tokens // page * page
+    try:
+        for _ in range(repeats):
+            for name in LINKERS:
+                producer, consumer = pairs[name]
+                tokens = _prompt(rng, n)
+                producer.compute(tokens, [n // 2 // page * page, n])
+                producer.settle_offloads()
+                r = consumer.restore([*tokens, 1], compute_s=compute_s)
+                if r.ok and r.loaded_tokens == n and all(_exact(consumer, r, tokens)):
+                    exact[name] += 1
+                runs[name].append(r)
+    finally:
+        for producer, consumer in pairs.values():
+            consumer.close()
+            producer.close()
+    layer_bytes = 2 * page * shape.head_num * shape.head_dim * 2 * (n // page)
+    out: dict[str, Any] = {"page_tokens": page, "prompt_tokens": n, "layers": len(shape.kinds),
+                           "attention_layer_bytes": layer_bytes, "linkers": {}}
+    for name, rs in runs.items():
+        out["linkers"][name] = {
+            "exact": f"{exact[name]}/{len(rs)}",
+            "forward_s": _ci([r.forward_s for r in rs]),
+            "layer_ready_s": [_ci([r.wait_s[i] for r in rs])["median"]
+                              for i in range(len(shape.kinds))],
+        }
+    return out
+
+
+def _run_capped(fn: Callable[[], Restore], cap_s: float,
+                release: Callable[[], None]) -> tuple[Restore | None, float, bool]:
+    """Run ``fn`` on a thread. If it has not returned within ``cap_s``, call
+    ``release`` (resume the master) and wait for it again. Returns its result,
+    the seconds until it returned, and whether it outlived the cap."""
+    box: list[Restore] = []
+    started = time.perf_counter()
+    thread = threading.Thread(target=lambda: box.append(fn()), daemon=True)
+    thread.start()
+    thread.join(cap_s)
+    hung = thread.is_alive()
+    release()
+    thread.join(120.0)
+    return (box[0] if box else None), time.perf_counter() - started, hung
+
+
+def _classify(host: SGLangHost, r: Restore, tokens: list[int]) -> tuple[int, int]:
+    """(layers holding bytes that are neither the offloaded ones nor zero,
+    layers zeroed)."""
+    expected = host.expected(tokens[: r.loaded_tokens])
+    wrong = zero = 0
+    for layer in sorted(r.layers):
+        got = r.layers[layer]
+        if all(torch.equal(g, e) for g, e in zip(got, expected[layer], strict=True)):
+            continue
+        if all(not bool(g.contiguous().view(torch.uint8).any()) for g in got):
+            zero += 1
+        else:
+            wrong += 1
+    return wrong, zero
+
+
+def _flip_layer5(name: str, host: SGLangHost) -> Callable[[], None]:
+    """Install, on the consumer's own ranged-read call, a fault that flips one
+    byte of what layer 5's read landed (storage that returns a corrupted
+    slice). Returns the undo."""
+    if name == "layerlift":
+        store = host.linker.store
+        inner = store.get_ranges
+        offset5 = host.linker.layouts["kv"].slices[1][0]
+
+        def faulty(keys: Any, dst: Any, sizes: Any, offsets: Any) -> None:
+            inner(keys, dst, sizes, offsets)
+            if offsets and offsets[0][0] == offset5:
+                _flip(dst[0][0])
+
+        store.get_ranges = faulty
+        return lambda: setattr(store, "get_ranges", inner)
+    client = host.linker.storage.store
+    real = client.batch_get_into_multi_buffer_ranges
+    calls = [0]
+
+    class _Client:
+        def __getattr__(self, attr: str) -> Any:
+            return getattr(client, attr)
+
+        def batch_get_into_multi_buffer_ranges(self, keys: Any, ptrs: Any, sizes: Any,
+                                               offsets: Any) -> Any:
+            result = real(keys, ptrs, sizes, offsets)
+            calls[0] += 1
+            if calls[0] == 6:  # one call per layer here: the 6th is layer 5
+                _flip(ptrs[0][0])
+            return result
+
+    host.linker.storage.store = _Client()
+    return lambda: setattr(host.linker.storage, "store", client)
+
+
+def _flip(ptr: int) -> None:
+    import ctypes
+
+    b = ctypes.c_uint8.from_address(ptr + 3)
+    b.value ^= 0x40
+
+
+def fault_points(master: EmbeddedMaster, rng: random.Random) -> list[dict[str, Any]]:
+    from layerlift.testing.faults import ProcessStall
+
+    shape = _shape(64)
+    out = []
+    assert master.pid is not None
+    stall = ProcessStall(master.pid)
+    for name in LINKERS:
+        producer, consumer = _pair(name, shape, master)
+        try:
+            for fault in ("corrupted slice", "stopped master"):
+                tokens = _prompt(rng, 512)
+                producer.compute(tokens, [512])
+                producer.settle_offloads()
+                undo: Callable[[], None] = lambda: None  # noqa: E731
+                before: Callable[[], None] | None = None
+                if fault == "corrupted slice":
+                    undo = _flip_layer5(name, consumer)
+                else:
+                    before = stall.stop
+                r, took, hung = _run_capped(
+                    partial(consumer.restore, [*tokens, 1], before_start=before),
+                    STALL_CAP_S, stall.release)
+                undo()
+                wrong, zero = _classify(consumer, r, tokens) if r else (None, None)
+                out.append({"linker": name, "fault": fault, "verdict_s": round(took, 3),
+                            "hung_past_s": STALL_CAP_S if hung else None,
+                            "load_reported_failed": (not r.ok) if r else None,
+                            "layers_with_wrong_bytes": wrong, "layers_zeroed": zero,
+                            "output_used": bool(r and r.ok)})
+        finally:
+            stall.release()
+            consumer.close()
+            producer.close()
+    return out
+
+
+def render(record: dict[str, Any]) -> str:
+    lines = ["### SGLang: LayerLiftLinker beside MooncakeDirectLinker", "",
+             "| page | linker | exact | forward total (s), median [95% CI] | layer 0 ready (s) |"
+             " last layer ready (s) |", "| --- | --- | --- | --- | --- | --- |"]
+    for point in record["timing"]:
+        for name, lk in point["linkers"].items():
+            f = lk["forward_s"]
+            lines.append(f"| {point['page_tokens']} | {name} | {lk['exact']} | {f['median']:.4f} "
+                         f"[{f['lo']:.4f}, {f['hi']:.4f}] | {lk['layer_ready_s'][0]:.4f} | "
+                         f"{lk['layer_ready_s'][-1]:.4f} |")
+    if record.get("faults"):
+        lines += ["", "| linker | fault | load reported failed | layers with wrong bytes |"
+                  " layers zeroed | output used | verdict after (s) |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        for f in record["faults"]:
+            took = (f"{f['verdict_s']} (hung until the master resumed at {f['hung_past_s']:g})"
+                    if f["hung_past_s"] else f["verdict_s"])
+            lines.append(f"| {f['linker']} | {f['fault']} | {f['load_reported_failed']} | "
+                         f"{f['layers_with_wrong_bytes']} | {f['layers_zeroed']} | "
+                         f"{f['output_used']} | {took} |")
+    meta = record["meta"]
+    lines += ["", f"`{meta['command']}` — load average {meta['loadavg']}, {meta['cpus']} CPUs, "
+              f"compute stand-in {record['compute_ms']} ms/layer."]
+    return "\n".join(lines)
+
+
+def plot(record: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = record["timing"]
+    fig, axes = plt.subplots(1, len(points), figsize=(5 * len(points), 3.5), squeeze=False)
+    for ax, point in zip(axes[0], points, strict=True):
+        for name, lk in point["linkers"].items():
+            ax.plot(range(point["layers"]), lk["layer_ready_s"], marker="o", label=name)
+        ax.set_title(f"{point['page_tokens']}-token pages")
+        ax.set_xlabel("layer")
+        ax.set_ylabel("wait returned (s from forward start)")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = BenchParser("layerlift bench sglang", (__doc__ or "").splitlines()[0])
+    add_output_options(ap)
+    ap.add_argument("--repeats", type=int_at_least(5), default=7, help="restores per point")
+    ap.add_argument("--pages", type=int_list(16, "64,128"), default=[64, 128],
+                    help="page sizes in tokens")
+    ap.add_argument("--prompt-tokens", type=int_at_least(256), default=1024,
+                    help="tokens restored per request")
+    ap.add_argument("--compute-ms", type=float_above(-1e-9), default=2.0,
+                    help="the forward stand-in's compute per layer (a sleep)")
+    ap.add_argument("--no-faults", action="store_true", help="skip the fault cases")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    rng = random.Random(26)
+    with EmbeddedMaster(http_metadata=False, lease_ttl_ms=5000) as master:
+        timing = [timing_point(p, args.repeats, args.prompt_tokens, args.compute_ms / 1e3,
+                               master, rng) for p in args.pages]
+        faults = [] if args.no_faults else fault_points(master, rng)
+    out = {"what": "LayerLiftLinker vs SGLang's MooncakeDirectLinker in SGLang 0.5.23's cache, "
+                   "CPU pools, one embedded mooncake_master on loopback TCP",
+           "repeats": args.repeats, "compute_ms": args.compute_ms, "timing": timing,
+           "faults": faults,
+           "meta": {"loadavg": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count()}}
+    print(render(write_outputs("sglang", out, args, argv, render, plot)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
