@@ -106,7 +106,7 @@ class ServeConfig:
         for name in ("max_batch_tokens", "max_batch_requests", "max_queue"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+                raise ValueError(f"{name} must be at least 1 (an integer), got {value!r}")
         if not isinstance(self.prefetch, bool):
             raise ValueError(f"prefetch must be True or False, got {self.prefetch!r}")
         for name in ("max_prompt_tokens", "vocab_size"):
