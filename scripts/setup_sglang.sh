@@ -50,7 +50,7 @@ fi
 "${PIP[@]}" --no-deps sglang==0.5.23 compressed-tensors==0.18.0 triton \
   partial_json_parser gguf
 "${PIP[@]}" orjson psutil pybase64 requests packaging pillow starlette msgspec \
-  pydantic pyzmq tqdm ipython aiohttp "transformers==5.19.0" dill ninja \
+  pydantic pyzmq tqdm ipython aiohttp "transformers==5.19.0" "tokenizers==0.23.2" dill ninja \
   "apache-tvm-ffi==0.1.11" "sentencepiece==0.2.1" loguru "openai==2.8.0" sniffio
 "${PIP[@]}" -e ".[cpu]" pytest pytest-asyncio pytest-timeout hypothesis
 # Compile SGLang's page-hash extension now (needs the venv's ninja on PATH), not in a test.

@@ -154,6 +154,8 @@ def test_a_stopped_master_ends_the_load_in_bound_and_nothing_writes_after_finish
     r = b.restore([*toks, 1], before_start=stall.stop)
     assert r.hit_tokens == 4 * PAGE and not r.ok
     assert r.settled_s < 2.0 + 0.5, f"the load took {r.settled_s:.2f} s past its 2 s bound"
+    # The forward really waited through SGLang's pool accessor (not a read of whatever was there).
+    assert r.wait_s[0] >= 1.5, f"layer 0's wait returned after {r.wait_s[0]:.2f} s"
     assert not any(exact_or_zero(b, r, toks).values())  # nothing landed: all zero
     assert r.tail is not None
     k0 = b.kv.full_kv_pool.k_buffer[0]
