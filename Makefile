@@ -1,5 +1,5 @@
 # The README's two commands: `make bench` (the main job) and `make test`.
-.PHONY: setup test bench results lint typecheck
+.PHONY: setup test test-hosts test-sglang test-vllm bench results lint typecheck
 # Where `make bench` writes its measurements: untracked (.gitignore), so the
 # main job leaves the checkout clean. `make results` makes them the committed
 # figures (bench/results/, docs/results.md, the README's headline).
@@ -8,8 +8,23 @@ BENCH_OUT ?= out/bench
 setup:
 	bash scripts/setup.sh
 
+# The whole suite: LayerLift's own tests (the machine's kernels), the
+# transformers architecture tests again under the other CPU kernel sets, then
+# the host tests in each host's own environment (built here when missing).
 test: setup
 	.venv/bin/python -m pytest -q
+	bash scripts/test_kernels.sh others
+	$(MAKE) test-hosts
+
+test-hosts: test-sglang test-vllm
+
+test-sglang:
+	bash scripts/setup_sglang.sh
+	LAYERLIFT_HOST_TESTS=sglang .venv-sglang/bin/python -m pytest -q -m sglang tests/hosts/sglang_host
+
+test-vllm:
+	bash scripts/setup_vllm.sh
+	LAYERLIFT_HOST_TESTS=vllm .venv-vllm/bin/python -m pytest -q -m vllm tests/hosts/vllm_host
 
 bench: setup
 	mkdir -p $(BENCH_OUT)
