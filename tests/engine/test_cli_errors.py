@@ -20,6 +20,7 @@ import torch
 from layerlift.bench import BENCHMARKS
 from layerlift.cli import main
 
+
 def run(argv: list[str]) -> int | str | None:
     """``main(argv)``'s exit status, whether returned or raised."""
     try:
