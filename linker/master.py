@@ -32,7 +32,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any
+from typing import IO, Any, NoReturn
 
 from layerlift.linker.child import spawn_child
 from layerlift.linker.mooncake_config import MooncakeConfig
@@ -256,9 +256,19 @@ class EmbeddedMaster:
         self.stop()
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with the CLI's convention: a usage error is one line on
+    stderr (``PROG: error: ...``) and exit status 2 (``layerlift master``,
+    ``layerlift store-node``; the benchmarks' parser does the same)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())} "
+                     f"(see {self.prog} --help)\n")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """`layerlift master`: run a master in the foreground until Ctrl-C or SIGTERM."""
-    parser = argparse.ArgumentParser(prog="layerlift master", description=main.__doc__)
+    parser = OneLineParser(prog="layerlift master", description=main.__doc__)
     parser.add_argument("--rpc-port", type=int, default=None, help="RPC port (default: free)")
     parser.add_argument("--http-port", type=int, default=None, help="metadata HTTP port")
     parser.add_argument("--metrics-port", type=int, default=None, help="metrics port")

@@ -16,6 +16,7 @@ import sys
 import threading
 from collections.abc import Sequence
 
+from layerlift.linker.master import OneLineParser
 from layerlift.linker.mooncake_config import MooncakeConfig
 from layerlift.linker.mooncake_store import MooncakeStore
 from layerlift.linker.store_base import StoreError
@@ -39,7 +40,7 @@ def _size(text: str) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run a storage node in the foreground; returns the exit status."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="layerlift store-node",
         description="Contribute a memory segment to a Mooncake cluster until SIGTERM/Ctrl-C.",
     )

@@ -37,6 +37,8 @@ CASES: list[tuple[list[str], list[str]]] = [
     (["nonsense"], ["unknown command", "bench"]),
     (["bench"], ["name a benchmark", "ttft"]),
     (["bench", "nope"], ["unknown benchmark", "ttft"]),
+    (["master", "--rpc-port", "x"], ["--rpc-port", "invalid int value"]),
+    (["store-node", "--bytes", "1G"], ["required", "--master"]),
     (["bench", "ttft", "--batch", "0"], ["--batch", "integers >= 1"]),
     (["bench", "ttft", "--batch", "1,x"], ["--batch", "integers >= 1"]),
     (["bench", "ttft", "--preset", "nope"], ["--preset", "'nope'", "small"]),
