@@ -28,5 +28,6 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                   "what the per-layer CRC-32 checks cost: verify throughput, footer reads"),
     "sglang": ("layerlift.bench.sglang_bench",
                "inside SGLang 0.5.23: LayerLiftLinker beside MooncakeDirectLinker (.venv-sglang)"),
+    "vllm": ("layerlift.bench.vllm_bench", "TTFT inside vLLM: no connector, vLLM's Mooncake, LayerLift"),
     "report": ("layerlift.bench.results", "regenerate docs/results.md from bench/results/*.json"),
 }

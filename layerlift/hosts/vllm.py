@@ -24,18 +24,24 @@ What it promises (each is a test in ``tests/hosts/vllm_host``):
   Mamba groups (``mamba_cache_mode="none"``, prefix caching off) the state
   checkpointed at that boundary. Other groups make the constructor raise
   ValueError with the group named.
-* Loads are *asynchronous* (vLLM's ``WAITING_FOR_REMOTE_KVS``): vLLM 0.32
-  refuses block-level load errors (``get_block_ids_with_load_errors``) for
-  models with more than one KV cache group (``_handle_invalid_blocks`` raises
-  RuntimeError), so a hybrid model's failure can only be reported per
-  request (``failed_recving``). The request's layers are fetched per layer
-  on LayerLift's lane while other requests' forwards run, each slice checked
-  against its CRC before it is copied into vLLM's block.
-* A failed, corrupt or late (``layer_wait_timeout_s``) load is reported in
-  ``failed_recving``; with ``kv_load_failure_policy="recompute"`` vLLM
-  recomputes the request from token 0; with ``"fail"`` (vLLM's default) the
-  request ends with an error. Nothing writes into its blocks after the
-  report. A stalled master costs at most ``store_timeout_s`` per store call.
+* Two load modes, chosen from the model. vLLM 0.32 maps block-level load
+  errors (``get_block_ids_with_load_errors``) to requests only with ONE KV
+  cache group (``Scheduler._handle_invalid_blocks`` raises RuntimeError
+  otherwise) and has no ``wait_for_layer_load`` hook before Mamba layers:
+  - one group: *synchronous*; the forward runs while LayerLift fetches layer
+    by layer, ``wait_for_layer_load(l)`` waits for layer ``l`` only (at most
+    ``layer_wait_timeout_s``), failures are reported as block ids at the end
+    of the step and vLLM recomputes from the first failed block;
+  - several groups (every hybrid): *asynchronous*; the request waits in
+    ``WAITING_FOR_REMOTE_KVS`` while its layers are fetched in layer order
+    on LayerLift's lane (other requests' forwards run), failures are
+    reported per request (``failed_recving``) and vLLM recomputes it whole.
+* Every restored slice is checked against its CRC before it is copied into
+  vLLM's block. A failed, corrupt or late load is reported; with
+  ``kv_load_failure_policy="recompute"`` vLLM recomputes, with ``"fail"``
+  (vLLM's default) the request ends with an error. Nothing writes into the
+  blocks after the report. A stalled master costs at most ``store_timeout_s``
+  per store call; the connector never raises into the forward.
 """
 
 from __future__ import annotations
@@ -153,9 +159,11 @@ class LayerLiftConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,
             self._worker.start_loads(meta.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Nothing to wait for: a restored request is scheduled only once all
-        its layers landed (see the module docstring for why)."""
-        return None
+        """Wait for this layer of this step's synchronous restores only
+        (bounded by ``layer_wait_timeout_s``; a failure is reported at the
+        step's end, never raised into the forward)."""
+        if self._worker is not None:
+            self._worker.wait_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
                       **kwargs: Any) -> None:
@@ -178,8 +186,10 @@ class LayerLiftConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,
         return None, done or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """Always empty: failures are per request (`get_transfer_results`)."""
-        return set()
+        """Blocks of this step's synchronous restores that did not land
+        verified (each revoked first: nothing writes into them afterwards).
+        Asynchronous restores report failures per request instead."""
+        return self._worker.step_errors() if self._worker is not None else set()
 
     def shutdown(self) -> None:
         if self._worker is not None:
@@ -201,7 +211,7 @@ class LayerLiftConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._planner is not None
         n = self._planner.matched_tokens(request, num_computed_tokens)
-        return n, n > 0
+        return n, n > 0 and not self._planner.sync_loads
 
     def update_state_after_alloc(self, request: Any, blocks: Any,
                                  num_external_tokens: int) -> None:

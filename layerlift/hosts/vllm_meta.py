@@ -20,11 +20,15 @@ class LoadSpec:
 
     ``refused``: the scheduler promised tokens it cannot place (a block it
     needs is vLLM's null block); the worker reports the load failed at once.
+    ``sync``: vLLM runs this step's forward while the load goes on (layer
+    ``l`` waits for layer ``l``); failures are reported as block ids at the
+    step's end. Otherwise the request waits for the whole load.
     """
 
     req_id: str
     items: list[Item]
     refused: bool = False
+    sync: bool = False
 
 
 @dataclass(slots=True)

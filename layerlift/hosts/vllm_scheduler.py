@@ -44,6 +44,7 @@ class _Track:
     plan: tuple[int, int] | None = None  # (local pages, restored boundary) promised
     restored: int = 0  # pages restored (0: none, or the load failed)
     saved: int = 0  # prompt pages below this are offloaded (or restored)
+    refused: bool = False  # a restore failed: vLLM recomputes it, never offer another
 
 
 class BlockPlanner:
@@ -53,6 +54,10 @@ class BlockPlanner:
                  offload: bool) -> None:
         self.store, self.layout, self.schema = store, layout, schema
         self.offload = offload
+        # vLLM 0.32 maps block-level load errors back to requests only with
+        # one KV cache group (Scheduler._handle_invalid_blocks raises
+        # otherwise): only then may a restore run during the forward.
+        self.sync_loads = len(layout.groups) == 1
         self._tracks: dict[str, _Track] = {}
         self._loads: list[LoadSpec] = []
         self._skip_until = 0.0
@@ -67,7 +72,7 @@ class BlockPlanner:
         local = num_computed // page
         max_pages = (len(track.tokens) - 1) // page  # at least one token is computed
         track.plan = None
-        if max_pages <= local or time.monotonic() < self._skip_until:
+        if track.refused or max_pages <= local or time.monotonic() < self._skip_until:
             return 0
         wanted = sorted({(g.index, p) for b in range(local + 1, max_pages + 1)
                          for g in self.layout.groups
@@ -104,16 +109,20 @@ class BlockPlanner:
                 block = blocks[at] if at < len(blocks) else _NULL_BLOCK
                 refused |= block == _NULL_BLOCK
                 items.append((group.index, self._key(group.index, p, track), block))
-        self._loads.append(LoadSpec(request.request_id, items, refused))
+        self._loads.append(LoadSpec(request.request_id, items, refused, self.sync_loads))
         track.restored = boundary
         track.saved = max(track.saved, boundary)
 
     def load_failed(self, req_ids: set[str]) -> None:
-        """vLLM recomputes these requests from token 0: offload what they compute."""
+        """vLLM recomputes these requests from token 0: offload what they
+        compute, and never offer them a restore again (the same objects would
+        fail again: a lookup right after the failure still finds a corrupt
+        object that a read lease keeps in the store)."""
         for req_id in req_ids:
             track = self._tracks.get(req_id)
             if track is not None:
                 track.restored = track.saved = 0
+                track.refused = True
 
     # ---- per step -----------------------------------------------------------------
 

@@ -1,8 +1,8 @@
 """Serve prompts with vLLM in a child process, for the host tests and the benchmark.
 
 ``python -m layerlift.hosts.vllm_verify tiny KIND DIR`` writes a tiny model
-with seeded random weights (``gemma3``: sliding + full attention;
-``nemotron_h``: Mamba-2 + attention) into ``DIR``.
+with seeded random weights (``gemma3``: sliding + full attention; ``llama``:
+full attention only; ``nemotron_h``: Mamba-2 + attention) into ``DIR``.
 
 ``python -m layerlift.hosts.vllm_verify serve --model DIR [--connector
 layerlift|mooncake|none] [--extra JSON]`` builds one `vllm.LLM` (CPU, float32,
@@ -19,18 +19,25 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
+import subprocess
 import sys
+import threading
 import time
+from pathlib import Path
 from typing import Any
 
 __all__ = ["kv_transfer_config", "main", "make_tiny_model"]
 
 MARK = "LLJSON "
+START_TIMEOUT_S = 180.0
 
 
 def make_tiny_model(kind: str, path: str, seed: int = 0) -> str:
-    """Save a tiny ``gemma3`` or ``nemotron_h`` model with seeded random
-    weights into ``path`` (vocab 512, hidden 128, 4 layers). Returns ``path``."""
+    """Save a tiny model with seeded random weights into ``path`` (vocab 512,
+    hidden 128, 4 layers): ``gemma3`` (3 sliding + 1 full attention layers),
+    ``llama`` (full attention only: one KV cache group) or ``nemotron_h``
+    (Mamba-2, attention, Mamba-2, MLP). Returns ``path``."""
     import torch
     import transformers
 
@@ -41,6 +48,11 @@ def make_tiny_model(kind: str, path: str, seed: int = 0) -> str:
             num_attention_heads=2, num_key_value_heads=1, head_dim=64, sliding_window=32,
             layer_types=["sliding_attention"] * 3 + ["full_attention"],
             max_position_embeddings=2048)
+    elif kind == "llama":
+        config = transformers.LlamaConfig(
+            vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+            num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+            max_position_embeddings=2048)
     elif kind == "nemotron_h":
         config = transformers.NemotronHConfig(  # type: ignore[call-arg, unused-ignore]
             vocab_size=512, hidden_size=128, intermediate_size=256, num_attention_heads=2,
@@ -48,7 +60,7 @@ def make_tiny_model(kind: str, path: str, seed: int = 0) -> str:
             ssm_state_size=16, mamba_num_heads=4, mamba_head_dim=32, n_groups=1, expand=1,
             chunk_size=64, max_position_embeddings=2048)
     else:
-        raise ValueError(f"unknown tiny model {kind!r}; choose 'gemma3' or 'nemotron_h'")
+        raise ValueError(f"unknown tiny model {kind!r}; choose gemma3, llama or nemotron_h")
     model = transformers.AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call, unused-ignore]
         config, dtype=torch.float32)
     model.save_pretrained(path)
@@ -68,6 +80,85 @@ def kv_transfer_config(connector: str, extra: dict[str, Any]) -> dict[str, Any] 
         return {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both",
                 "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
     raise ValueError(f"unknown connector {connector!r}; choose layerlift, mooncake or none")
+
+
+class Instance:
+    """The client of one ``serve`` child process (a ``vllm.LLM``). Its log
+    file gets the child's stderr and the non-JSON lines of its stdout (vLLM's
+    log). Every wait is bounded: a child that does not answer in time is
+    killed and AssertionError raised (a test or benchmark failure)."""
+
+    def __init__(self, model: str, connector: str, extra: dict[str, Any] | None,
+                 log_path: Path, env: dict[str, str] | None = None) -> None:
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", MC_LOG_LEVEL="ERROR",
+                   GLOG_minloglevel="2", PYTHONUNBUFFERED="1", **(env or {}))
+        self.log_path = log_path
+        self._log = log_path.open("w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "layerlift.hosts.vllm_verify", "serve", "--model", model,
+             "--connector", connector, "--extra", json.dumps(extra or {})],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env)
+        self._replies: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        self._expect(START_TIMEOUT_S)
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(MARK):
+                self._replies.put(json.loads(line[len(MARK):]))
+            else:
+                self._log.write(line)
+        self._replies.put(None)
+
+    def _expect(self, timeout_s: float) -> dict[str, Any]:
+        try:
+            reply = self._replies.get(timeout=timeout_s)
+        except queue.Empty:
+            self.kill()
+            raise AssertionError(f"vLLM instance did not answer in {timeout_s:.0f} s; "
+                                 f"log: {self.log_path}") from None
+        if reply is None:
+            raise AssertionError(f"vLLM instance exited (code {self.proc.wait(10)}); "
+                                 f"log tail:\n{self.log_tail()}")
+        if "error" in reply:
+            raise AssertionError(f"vLLM instance failed: {reply['error']}")
+        return reply
+
+    def generate(self, prompts: list[list[int]], timeout_s: float = 120.0) -> list[dict[str, Any]]:
+        """First token, top-5 logprobs, cached tokens and wall time per prompt."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"op": "generate", "prompts": prompts}) + "\n")
+        self.proc.stdin.flush()
+        results: list[dict[str, Any]] = self._expect(timeout_s)["results"]
+        return results
+
+    def log_text(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def log_tail(self, n: int = 40) -> str:
+        return "\n".join(self.log_text().splitlines()[-n:])
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        if self.proc.poll() is None and self.proc.stdin is not None:
+            try:
+                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                self.proc.stdin.flush()
+                self.proc.stdin.close()
+            except OSError:
+                pass
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self._log.flush()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
 
 
 def _generate(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
@@ -112,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m layerlift.hosts.vllm_verify")
     sub = parser.add_subparsers(dest="cmd", required=True)
     tiny = sub.add_parser("tiny", help="write a tiny random model")
-    tiny.add_argument("kind", choices=("gemma3", "nemotron_h"))
+    tiny.add_argument("kind", choices=("gemma3", "llama", "nemotron_h"))
     tiny.add_argument("path")
     serve = sub.add_parser("serve", help="serve prompts given as JSON lines on stdin")
     serve.add_argument("--model", required=True)

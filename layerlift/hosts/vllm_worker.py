@@ -2,20 +2,23 @@
 
 Threads and ownership:
 
-* vLLM's model-runner thread calls `start_loads`, `save`, `results`; none of
-  them waits for the store. Loads and puts run on one owned asyncio loop
-  (thread ``layerlift-vllm``) through LayerLift's `LoadScheduler` on a
-  `CpuLane` (per-layer jobs, layer order, bounded depth) and `run_owned`.
-* Every byte from the store lands in registered *staging* (a `ScratchArena`),
-  is verified against its per-layer CRC (``linker/integrity.py``) and only
-  then copied into vLLM's block, under the load's lock and only while the
-  load is not *revoked*. A load is revoked (under that lock) before vLLM is
-  told it failed, so nothing writes into its blocks afterwards.
-* Staging lent to a store call that timed out stays held until that call
-  really ended (`StoreTimeout.wait_finished`, in a daemon thread): a master
-  that resumes late writes into staging nobody else uses.
-* A load that has not settled ``layer_wait_timeout_s`` after it started is
-  revoked and reported failed, whatever its threads still do.
+* vLLM's model-runner thread calls `start_loads`, `wait_layer`, `save`,
+  `results`, `step_errors`. Only `wait_layer` waits, for one layer of this
+  step's synchronous loads, at most ``load_timeout_s``. Loads and puts run on
+  one owned asyncio loop (thread ``layerlift-vllm``): per-layer jobs through
+  LayerLift's `LoadScheduler` on a `CpuLane` (layer order, bounded depth),
+  blocking store calls through `run_owned`.
+* Every byte from the store lands in registered staging (a `ScratchArena`),
+  is verified against its per-layer CRC and only then copied into vLLM's
+  block, under the load's lock and only while the load is not *revoked*. A
+  load is revoked (under that lock) before vLLM hears it failed, so nothing
+  writes into its blocks afterwards. Staging lent to a timed-out store call
+  is released only once that call ended (`release_after`).
+* Asynchronous loads (a request waits in vLLM's ``WAITING_FOR_REMOTE_KVS``)
+  are reported by `results`; one not settled ``load_timeout_s`` after it
+  started is revoked and reported failed. Synchronous loads (single-group
+  models: vLLM runs the forward meanwhile, layer ``l`` waits for layer ``l``)
+  are reported by `step_errors` at the end of the step, as block ids.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Coroutine, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,33 +36,37 @@ import numpy as np
 import torch
 
 from layerlift.engine.threads import run_owned
-from layerlift.hosts.vllm_layout import GroupLayout, Layout
+from layerlift.hosts.vllm_layout import Layout
 from layerlift.hosts.vllm_meta import LoadSpec, SaveSpec
-from layerlift.linker.integrity import CHECK_BYTES, checksums, mismatches, slice_seed
-from layerlift.linker.scratch import Scratch, ScratchArena
-from layerlift.linker.store_base import Store, StoreError, StoreIntegrityError, StoreTimeout
-from layerlift.overlap import CpuLane, LayerJob, LayerReadiness, LoadPolicy, LoadScheduler
+from layerlift.hosts.vllm_objects import layer_fetch, release_after, stage_objects
+from layerlift.linker.scratch import ScratchArena
+from layerlift.linker.store_base import Store, StoreError, StoreTimeout
+from layerlift.overlap import (
+    CpuLane,
+    LayerJob,
+    LayerLoadError,
+    LayerReadiness,
+    LayerWaitTimeout,
+    LoadPolicy,
+    LoadScheduler,
+)
 
 __all__ = ["BlockWorker"]
 
 log = logging.getLogger("vllm.layerlift")
 
 
-class LoadRevoked(StoreError):
-    """The load was reported failed before this layer's copy: nothing was written."""
-
-
 @dataclass(slots=True)
 class _Load:
     spec: LoadSpec
+    readiness: LayerReadiness
     lock: threading.Lock = field(default_factory=threading.Lock)
     revoked: bool = False
+    bad: bool = False  # a synchronous wait failed or timed out
     timed_out: list[StoreTimeout] = field(default_factory=list)
 
-
-def _block_bytes(kv: torch.Tensor, block_id: int) -> torch.Tensor:
-    """Block ``block_id`` of a layer's KV tensor as a flat uint8 view."""
-    return kv[block_id].view(torch.uint8).view(-1)
+    def gate(self) -> threading.Lock | None:
+        return None if self.revoked else self.lock
 
 
 class BlockWorker:
@@ -69,11 +76,19 @@ class BlockWorker:
                  staging_bytes: int, max_in_flight: int, load_timeout_s: float) -> None:
         self.store, self.layout, self.kv = store, layout, kv_caches
         self.load_timeout_s = load_timeout_s
+        self._layers = [(g, j) for g in layout.groups for j in range(len(g.layer_names))]
+        self._index = {g.layer_names[j]: i for i, (g, j) in enumerate(self._layers)}
         self._groups = {g.index: g for g in layout.groups}
         self._arena = ScratchArena(store, staging_bytes)
         self._lock = threading.Lock()
+        self._reported = threading.Condition(self._lock)
         self._done: set[str] = set()
         self._failed: set[str] = set()
+        self._sync: list[_Load] = []  # this step's synchronous loads
+        # Objects that failed their check: removed before the next put of
+        # the key (a put never overwrites; a fresh read lease may keep the
+        # object through an immediate remove).
+        self._corrupt: set[str] = set()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="layerlift-vllm",
                                         daemon=True)
@@ -81,42 +96,80 @@ class BlockWorker:
         self._lane = CpuLane(2, name="vllm")
         self._sched = LoadScheduler(self._lane, LoadPolicy.OVERLAP, max_in_flight=max_in_flight)
         self._tasks: set[Future[None]] = set()
+        # vLLM calls save() under torch.inference_mode: staging made there
+        # would be an inference tensor that the lane's threads cannot write.
+        with torch.inference_mode(False):
+            self._arena.take(1).release()
 
     # ---- called by vLLM's model-runner thread -------------------------------------
 
     def start_loads(self, specs: Sequence[LoadSpec]) -> None:
         """Issue the restores of ``specs`` (never blocks on the store)."""
         for spec in specs:
+            load = _Load(spec, LayerReadiness(len(self._layers),
+                                              default_timeout=self.load_timeout_s))
+            if spec.sync:
+                self._sync.append(load)
             if spec.refused or not spec.items:
-                self._report(spec.req_id, ok=False)
+                load.readiness.cancel("refused by the scheduler")
+                self._settle(load, ok=False)
                 continue
-            self._submit(self._run_load(_Load(spec)))
+            self._submit(self._run_load(load))
+
+    def wait_layer(self, layer_name: str) -> None:
+        """Block until ``layer_name`` of this step's synchronous loads landed
+        (at most ``load_timeout_s`` each). A failed or late layer marks its
+        load bad and revokes it: never raises into vLLM's forward."""
+        index = self._index.get(layer_name)
+        if index is None:
+            return
+        for load in self._sync:
+            if load.bad:
+                continue
+            try:
+                load.readiness.wait(index, self.load_timeout_s)
+            except (LayerLoadError, LayerWaitTimeout) as exc:
+                log.warning("LayerLift: restore of %s failed at %s: %s; vLLM recomputes it",
+                            load.spec.req_id, layer_name, getattr(exc, "cause", None) or exc)
+                load.bad = True
+                self._settle(load, ok=False)
+
+    def step_errors(self) -> set[int]:
+        """Block ids of this step's synchronous loads that did not land
+        verified; each such load is revoked first. Resets the step."""
+        bad: set[int] = set()
+        for load in self._sync:
+            if load.bad or not load.readiness.all_done():
+                self._settle(load, ok=False)
+                bad.update(block for _, _, block in load.spec.items if block != 0)
+        self._sync = []
+        return bad
 
     def save(self, specs: Sequence[SaveSpec]) -> None:
         """Copy the blocks of ``specs`` to staging now (vLLM may reuse them
         once this returns) and put them in the background. A save that does
         not fit the staging is dropped (a later miss, never a wrong token)."""
         for spec in specs:
-            if not spec.items:
+            total = sum(self.layout.object_bytes(self._groups[g]) for g, _, _ in spec.items)
+            if total == 0 or total > self._arena.free_bytes:
+                if total:
+                    log.warning("LayerLift: staging full, offload of %s skipped", spec.req_id)
                 continue
-            sizes = [self.layout.object_bytes(self._groups[g]) for g, _, _ in spec.items]
             try:
-                scratch = self._arena.take(sum(sizes))
+                scratch = self._arena.take(total)
             except StoreError as exc:
                 log.warning("LayerLift: offload of %s skipped: %s", spec.req_id, exc)
                 continue
-            if scratch._arena is None:  # did not fit the arena: its own registration
-                scratch.release()
-                log.warning("LayerLift: staging full, offload of %s skipped", spec.req_id)
-                continue
-            ptrs = self._stage_objects(spec, scratch, sizes)
+            ptrs, sizes = stage_objects(self.layout, self.kv, spec.items, scratch)
             keys = [k for _, k, _ in spec.items]
             self._submit(self._put(keys, ptrs, sizes, scratch))
 
-    def results(self) -> tuple[set[str], set[str]]:
-        """``(finished, failed)`` request ids since the last call; ``failed``
-        is a subset of ``finished`` (vLLM's contract for failed receives)."""
+    def results(self, wait_s: float = 0.0) -> tuple[set[str], set[str]]:
+        """``(finished, failed)`` asynchronous loads since the last call;
+        ``failed`` is a subset of ``finished`` (vLLM's contract). With
+        ``wait_s``, first wait up to that long for one to be reported."""
         with self._lock:
+            self._reported.wait_for(lambda: bool(self._done or self._failed), wait_s)
             done, failed = self._done | self._failed, set(self._failed)
             self._done.clear()
             self._failed.clear()
@@ -139,52 +192,68 @@ class BlockWorker:
     def _submit(self, coro: Coroutine[Any, Any, None]) -> None:
         fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
         self._tasks.add(fut)
-        fut.add_done_callback(self._tasks.discard)
+        fut.add_done_callback(self._finished)
 
-    def _report(self, req_id: str, *, ok: bool) -> None:
-        with self._lock:
-            (self._done if ok else self._failed).add(req_id)
+    def _finished(self, fut: Future[None]) -> None:
+        self._tasks.discard(fut)
+        if not fut.cancelled() and fut.exception() is not None:
+            log.error("LayerLift: a transfer task failed", exc_info=fut.exception())
+
+    def _settle(self, load: _Load, *, ok: bool) -> None:
+        """Revoke the load (no copy into vLLM's blocks after this), then
+        report an asynchronous one, once."""
+        with load.lock:
+            if load.revoked:
+                return
+            load.revoked = True
+        if ok:
+            log.info("LayerLift: restored %s (%d objects, verified)", load.spec.req_id,
+                     len(load.spec.items))
+        if not load.spec.sync:
+            with self._lock:
+                (self._done if ok else self._failed).add(load.spec.req_id)
+                self._reported.notify_all()
 
     async def _run_load(self, load: _Load) -> None:
-        """Restore one request: report it (revoked first), then clean up once
-        no thread touches its staging any more."""
-        keys = [k for _, k, _ in load.spec.items]
+        """One request's restore: a session, one job per layer, the outcome;
+        staging is released once no thread or store call touches it."""
+        items = load.spec.items
         offsets = np.cumsum([0] + [self.layout.object_bytes(self._groups[g])
-                                   for g, _, _ in load.spec.items]).tolist()
+                                   for g, _, _ in items]).tolist()
         try:
             scratch = await run_owned(lambda: self._arena.take(offsets[-1]))
         except StoreError as exc:
             log.warning("LayerLift: restore of %s refused: %s", load.spec.req_id, exc)
-            self._report(load.spec.req_id, ok=False)
+            load.readiness.cancel(str(exc))
+            self._settle(load, ok=False)
             return
-        session = self.store.open_session(keys)
+        session = self.store.open_session([k for _, k, _ in items])
         try:
             await run_owned(session.__enter__)
         except StoreError as exc:
             log.warning("LayerLift: restore of %s could not start: %s", load.spec.req_id, exc)
             if isinstance(exc, StoreTimeout):
                 load.timed_out.append(exc)
+            load.readiness.mark_failed(0, exc)
             self._settle(load, ok=False)
-            self._release_after(load.timed_out, scratch)
+            release_after(load.timed_out, scratch)
             return
         task = None
         try:
-            layers = [(g, j) for g in self.layout.groups for j in range(len(g.layer_names))]
-            readiness = LayerReadiness(len(layers), default_timeout=self.load_timeout_s)
-            jobs = [LayerJob(i, self._layer_fetch(load, g, j, scratch, offsets))
-                    for i, (g, j) in enumerate(layers)]
-            task = self._sched.start(jobs, readiness)
-            self._settle(load, ok=await self._outcome(load, task.done(), readiness, layers))
-            await task.wait_quiescent()
+            jobs = [LayerJob(i, layer_fetch(self.store, self.layout, self.kv, g, j, items,
+                                            scratch, offsets, load.gate, load.timed_out,
+                                            self._mark_corrupt))
+                    for i, (g, j) in enumerate(self._layers)]
+            task = self._sched.start(jobs, load.readiness)
+            self._settle(load, ok=await self._outcome(load, task.done()))
         finally:
             self._settle(load, ok=False)  # no-op once settled
             if task is not None:
                 await task.wait_quiescent()
-            await run_owned(lambda: self._end_session(session))
-            self._release_after(load.timed_out, scratch)
+            await run_owned(lambda: _end_session(session))
+            release_after(load.timed_out, scratch)
 
-    async def _outcome(self, load: _Load, done: Coroutine[Any, Any, None], readiness: LayerReadiness,
-                       layers: list[tuple[GroupLayout, int]]) -> bool:
+    async def _outcome(self, load: _Load, done: Coroutine[Any, Any, None]) -> bool:
         """True once every layer landed verified; False on a failure or when
         the load is not settled within ``load_timeout_s``."""
         try:
@@ -193,117 +262,62 @@ class BlockWorker:
             log.warning("LayerLift: restore of %s not done after %.1f s: recomputed",
                         load.spec.req_id, self.load_timeout_s)
             return False
-        if readiness.all_done():
+        if load.readiness.all_done():
             return True
-        for i, (group, j) in enumerate(layers):
-            err = readiness.error(i)
+        for i, (group, j) in enumerate(self._layers):
+            err = load.readiness.error(i)
             if err is not None:
                 log.warning("LayerLift: restore of %s failed at %s: %s", load.spec.req_id,
                             group.layer_names[j], err.cause or err)
                 break
         return False
 
-    def _settle(self, load: _Load, *, ok: bool) -> None:
-        """Revoke the load (no copy into vLLM's blocks after this), then
-        report it, once."""
-        with load.lock:
-            if load.revoked:
-                return
-            load.revoked = True
-        self._report(load.spec.req_id, ok=ok)
-
-    @staticmethod
-    def _end_session(session: object) -> None:
-        try:
-            session.__exit__(None, None, None)  # type: ignore[attr-defined]
-        except StoreError as exc:
-            log.warning("LayerLift: ending a read session failed: %s", exc)
-
-    def _layer_fetch(self, load: _Load, group: GroupLayout, j: int, scratch: Scratch,
-                     offsets: list[int]) -> Callable[[], None]:
-        """The fetch of layer ``j`` of ``group`` for every item of the load."""
-        name = group.layer_names[j]
-        slice_off, size = self.layout.slices(group)[j]
-        footer = sum(s for _, s in self.layout.slices(group))
-        rows = [(i, key, block) for i, (g, key, block) in enumerate(load.spec.items)
-                if g == group.index]
-
-        def fetch() -> None:
-            dst = [scratch.ptr + offsets[i] + slice_off for i, _, _ in rows]
-            crc = [scratch.ptr + offsets[i] + footer + CHECK_BYTES * j for i, _, _ in rows]
-            keys = [k for _, k, _ in rows]
-            try:
-                self.store.get_ranges(keys, [[d, c] for d, c in zip(dst, crc, strict=True)],
-                                      [[size, CHECK_BYTES]] * len(rows),
-                                      [[slice_off, footer + CHECK_BYTES * j]] * len(rows))
-            except StoreTimeout as exc:
-                load.timed_out.append(exc)
-                raise
-            expected = np.array([int.from_bytes(scratch.tensor[c - scratch.ptr:
-                                 c - scratch.ptr + CHECK_BYTES].numpy().tobytes(), "little")
-                                 for c in crc], dtype="<u4")
-            bad = mismatches(dst, size, expected, [slice_seed(k, j) for k in keys])
-            if bad:
-                self._forget([keys[b] for b in bad])
-                raise StoreIntegrityError(f"{len(bad)} object(s) of {name} failed their "
-                                          f"checksum, e.g. {keys[bad[0]]}")
-            with load.lock:
-                if load.revoked:
-                    raise LoadRevoked(f"restore of {load.spec.req_id} was already reported")
-                for (_, _, block), d in zip(rows, dst, strict=True):
-                    start = d - scratch.ptr
-                    _block_bytes(self.kv[name], block).copy_(scratch.tensor[start:start + size])
-
-        return fetch
-
-    def _forget(self, keys: list[str]) -> None:
-        """Remove objects that failed verification, so a later offload can
-        replace them (a put never overwrites). Best effort."""
+    def _mark_corrupt(self, keys: list[str]) -> None:
+        """Lane thread: remember (and try to remove) objects that failed."""
+        with self._lock:
+            self._corrupt.update(keys)
         try:
             self.store.remove(keys)
         except StoreError as exc:
-            log.warning("LayerLift: removing corrupt objects failed: %s", exc)
+            log.warning("LayerLift: removing %d corrupt objects failed: %s", len(keys), exc)
 
-    def _stage_objects(self, spec: SaveSpec, scratch: Scratch, sizes: list[int]) -> list[int]:
-        """Copy each item's layer blocks into staging with its CRC footer."""
-        ptrs, at = [], 0
-        for (g, key, block), total in zip(spec.items, sizes, strict=True):
-            group = self._groups[g]
-            slices = self.layout.slices(group)
-            footer = sum(s for _, s in slices)
-            for j, (name, (off, size)) in enumerate(zip(group.layer_names, slices, strict=True)):
-                scratch.tensor[at + off:at + off + size].copy_(_block_bytes(self.kv[name], block))
-                crc = checksums([scratch.ptr + at + off], size, [slice_seed(key, j)])
-                start = at + footer + CHECK_BYTES * j
-                scratch.tensor[start:start + CHECK_BYTES].copy_(
-                    torch.from_numpy(crc.view(np.uint8).copy()))
-            ptrs.append(scratch.ptr + at)
-            at += total
-        return ptrs
+    def _put_replacing(self, keys: list[str], ptrs: list[int], sizes: list[int]) -> None:
+        """Worker thread: remove the corrupt objects among ``keys`` (retrying
+        for up to ~1 s while a read lease keeps one), then put. An object
+        still there is skipped and stays marked for the next offload."""
+        with self._lock:
+            stale = [k for k in keys if k in self._corrupt]
+        pause = 0.05
+        while stale:
+            self.store.remove(stale)
+            stale = [k for k, there in zip(stale, self.store.exists(stale), strict=True) if there]
+            if not stale or pause > 0.5:
+                break
+            time.sleep(pause)  # a read lease (the master's --default_kv_lease_ttl) ends
+            pause *= 2
+        with self._lock:
+            self._corrupt.difference_update(set(keys) - set(stale))
+        keep = [i for i, k in enumerate(keys) if k not in stale]
+        if keep:
+            self.store.put([keys[i] for i in keep], [ptrs[i] for i in keep],
+                           [sizes[i] for i in keep])
 
     async def _put(self, keys: list[str], ptrs: list[int], sizes: list[int],
-                   scratch: Scratch) -> None:
+                   scratch: Any) -> None:
         timed_out: list[StoreTimeout] = []
         try:
-            await run_owned(lambda: self.store.put(keys, ptrs, sizes))
+            await run_owned(lambda: self._put_replacing(keys, ptrs, sizes))
         except StoreTimeout as exc:
             timed_out.append(exc)
             log.warning("LayerLift: offload of %d objects timed out", len(keys))
         except StoreError as exc:
             log.warning("LayerLift: offload of %d objects failed: %s", len(keys), exc)
         finally:
-            self._release_after(timed_out, scratch)
+            release_after(timed_out, scratch)
 
-    @staticmethod
-    def _release_after(timed_out: list[StoreTimeout], scratch: Scratch) -> None:
-        """Release ``scratch`` once every timed-out call lent it has ended."""
-        if not timed_out:
-            scratch.release()
-            return
 
-        def wait() -> None:
-            for exc in timed_out:
-                exc.wait_finished(None)
-            scratch.release()
-
-        threading.Thread(target=wait, name="layerlift-vllm-quarantine", daemon=True).start()
+def _end_session(session: Any) -> None:
+    try:
+        session.__exit__(None, None, None)
+    except StoreError as exc:
+        log.warning("LayerLift: ending a read session failed: %s", exc)

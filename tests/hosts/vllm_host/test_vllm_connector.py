@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_instances import Instance
+from vllm_instances import Instance, corrupt_object
 
 from layerlift.hosts.vllm_layout import prompt_hashes
 from layerlift.hosts.vllm_verify import make_tiny_model
@@ -41,24 +41,6 @@ def _prompts(seed: int) -> tuple[list[list[int]], list[list[int]]]:
     rng = random.Random(seed)
     ps = [[rng.randrange(3, 500) for _ in range(3 * PAGE)] for _ in range(3)]
     return ps, [p + [rng.randrange(3, 500) for _ in range(50)] for p in ps]
-
-
-def _corrupt(master: EmbeddedMaster, key: str) -> None:
-    """Flip one byte in the middle of the object stored under ``key``."""
-    from mooncake.store import MooncakeDistributedStore
-
-    client = MooncakeDistributedStore()
-    rc = client.setup("127.0.0.1", master.metadata_url, 0, 16 << 20, "tcp", "",
-                      master.master_address)
-    assert rc == 0, f"raw Mooncake client setup returned {rc}"
-    try:
-        data = bytearray(client.get(key))
-        assert data, f"{key} is not in the store"
-        data[len(data) // 2] ^= 0xFF
-        assert client.upsert(key, bytes(data)) == 0
-        assert bytes(client.get(key)) == bytes(data)
-    finally:
-        client.close()
 
 
 def _key_prefix(log: str) -> str:
@@ -102,7 +84,7 @@ def _scenario(kind: str, master: EmbeddedMaster, tmp: Path) -> dict[str, Any]:
         out["restored"] = b.generate([qs[0]])[0]
         component, page = CORRUPT[kind]
         key = f"{_key_prefix(out['a_log'])}{component}/0/{prompt_hashes(ps[1], PAGE)[page].hex()}"
-        _corrupt(master, key)
+        corrupt_object(master, key)
         out["corrupt"] = b.generate([qs[1]])[0]
         stall.stop()
         started = time.monotonic()
@@ -133,10 +115,15 @@ def _same_answer(got: dict[str, Any], ref: dict[str, Any]) -> None:
         assert got["logprobs"][tok] == pytest.approx(lp, abs=1e-5), tok
 
 
+def _restores(log: str) -> int:
+    return len(re.findall(r"LayerLift: restored \S+ \(\d+ objects, verified\)", log))
+
+
 def test_new_instance_restores_the_prefix_exactly(scenario: dict[str, Any]) -> None:
     assert all(r["num_cached_tokens"] == 0 for r in scenario["a"])
     restored = scenario["restored"]
     assert restored["num_cached_tokens"] == 3 * PAGE
+    assert _restores(scenario["b_log"]) == 1  # Q1 only: Q2's failed, Q3 never looked up
     _same_answer(restored, scenario["cold"][0])
 
 
@@ -149,10 +136,55 @@ def test_hybrid_kv_cache_manager_stays_on(scenario: dict[str, Any]) -> None:
 
 
 def test_corrupt_object_recomputes_cold(scenario: dict[str, Any]) -> None:
-    assert "failed their checksum" in scenario["b_log"]
+    # one failed restore, then a recompute (never a retry of the same objects)
+    assert scenario["b_log"].count("failed their checksum") == 1
     _same_answer(scenario["corrupt"], scenario["cold"][1])
 
 
 def test_stopped_master_computes_cold_in_bounded_time(scenario: dict[str, Any]) -> None:
     assert scenario["stalled"]["num_cached_tokens"] == 0
     _same_answer(scenario["stalled"], scenario["cold"][2])  # answered within generate's 60 s
+
+
+@pytest.fixture(scope="module")
+def single_group(mooncake_master: EmbeddedMaster, segment_holder: MooncakeStore,
+                 tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A full-attention-only model (one KV cache group): restores run during
+    the forward (synchronous, per layer). One instance (its cold answers are
+    its first ones, with nothing in the store yet) serves Q1 and Q2 cold
+    (offloading them), Q1 again (restored), then Q2 again after Q2's first
+    page was corrupted in the store."""
+    tmp = tmp_path_factory.mktemp("llama")
+    model = make_tiny_model("llama", str(tmp / "llama"))
+    _, qs = _prompts(seed=7)
+    extra = {"store": f"mooncake://{mooncake_master.master_address}",
+             "metadata": mooncake_master.metadata_url, "namespace": "t-llama",
+             "store_timeout_s": STORE_TIMEOUT_S, "layer_wait_timeout_s": 10.0}
+    out: dict[str, Any] = {}
+    inst = Instance(model, "layerlift", extra, tmp / "layerwise.log")
+    try:
+        out["cold"] = inst.generate(qs[:2])
+        out["cold_log"] = inst.log_text()
+        out["restored"] = inst.generate([qs[0]])[0]
+        corrupt_object(mooncake_master, f"{_key_prefix(out['cold_log'])}full0/0/"
+                                        f"{prompt_hashes(qs[1], PAGE)[0].hex()}")
+        out["corrupt"] = inst.generate([qs[1]])[0]
+        out["log"] = inst.log_text()
+    finally:
+        inst.close()
+    return out
+
+
+def test_single_group_restores_during_the_forward(single_group: dict[str, Any]) -> None:
+    assert [r["num_cached_tokens"] for r in single_group["cold"]] == [0, 0]
+    assert _restores(single_group["cold_log"]) == 0  # the references were computed
+    assert single_group["restored"]["num_cached_tokens"] == 3 * PAGE
+    assert _restores(single_group["log"]) == 1
+    _same_answer(single_group["restored"], single_group["cold"][0])
+
+
+def test_single_group_corrupt_block_is_recomputed(single_group: dict[str, Any]) -> None:
+    log = single_group["log"]
+    assert "failed their checksum" in log
+    assert "Recovered from KV load failure" in log  # vLLM's scheduler recomputed the blocks
+    _same_answer(single_group["corrupt"], single_group["cold"][1])

