@@ -19,10 +19,13 @@ layer (a sleep: it costs no CPU, so the two linkers' transfers get the cores).
    forward's start) and the forward's total; medians with 95 % bootstrap
    intervals; every restore checked byte-exact against what was offloaded.
 2. ``faults`` (64-token pages): a ranged read that lands one flipped byte in
-   layer 5's slice (the fault injected in each linker's own read call), and a
-   master stopped (SIGSTOP) just before the layer-wise load: what each linker
-   lets through (verdict, layers holding wrong bytes, whether the request's
-   output would be used) and how long until the batch's verdict.
+   layer 5's slice (the fault injected in each linker's own read call), a
+   master stopped (SIGSTOP) just before the layer-wise load, and the storage
+   node holding the only segment (a ``layerlift store-node`` process) killed
+   (SIGKILL) just before it: what each linker lets through (verdict, layers
+   holding wrong bytes, whether the request's output would be used) and how
+   long until the batch's verdict (a forward still waiting after 15 s is
+   released by resuming the master).
 
 The machine's load average is recorded: the figures come from a shared 2-core
 box and are noisy.
@@ -33,6 +36,8 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -56,8 +61,7 @@ def _shape(page: int) -> HybridShape:
                        kv_tokens=12288, mamba_slots=64)
 
 
-def _config(linker: str, master: EmbeddedMaster, producer: bool) -> tuple[str, dict[str, Any]]:
-    segment = 256 if producer else 0
+def _config(linker: str, master: EmbeddedMaster, segment: int) -> tuple[str, dict[str, Any]]:
     if linker == "layerlift":
         return "dynamic", {"linker": "LayerLiftLinker", "linker_module_path": "layerlift.hosts.sglang",
                            "linker_extra_config": {
@@ -70,12 +74,27 @@ def _config(linker: str, master: EmbeddedMaster, producer: bool) -> tuple[str, d
                         "check_server": False}
 
 
-def _pair(linker: str, shape: HybridShape, master: EmbeddedMaster) -> tuple[SGLangHost, SGLangHost]:
+def _pair(linker: str, shape: HybridShape, master: EmbeddedMaster,
+          segment_mib: int = 256) -> tuple[SGLangHost, SGLangHost]:
+    """A producer cache (contributing ``segment_mib`` to the store) and a consumer (none)."""
     hosts = []
-    for producer in (True, False):
-        backend, config = _config(linker, master, producer)
+    for segment in (segment_mib, 0):
+        backend, config = _config(linker, master, segment)
         hosts.append(SGLangHost(shape, backend=backend, config=config))
     return hosts[0], hosts[1]
+
+
+def _store_node(master: EmbeddedMaster) -> subprocess.Popen[str]:
+    """A ``layerlift store-node`` process holding the store's only segment."""
+    node = subprocess.Popen(
+        [sys.executable, "-m", "layerlift.cli", "store-node", "--master", master.master_address,
+         "--bytes", "256M"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    assert node.stdout is not None
+    line = node.stdout.readline()
+    if not line.startswith("ready"):
+        node.kill()
+        raise RuntimeError(f"the storage node did not start: {line!r}")
+    return node
 
 
 def _exact(host: SGLangHost, r: Restore, tokens: list[int]) -> list[bool]:
@@ -173,7 +192,7 @@ def _flip_layer5(name: str, host: SGLangHost) -> Callable[[], None]:
 
         def faulty(keys: Any, dst: Any, sizes: Any, offsets: Any) -> None:
             inner(keys, dst, sizes, offsets)
-            if offsets and offsets[0][0] == offset5:
+            if keys and "/full/" in keys[0] and offsets[0][0] == offset5:
                 _flip(dst[0][0])
 
         store.get_ranges = faulty
@@ -205,7 +224,27 @@ def _flip(ptr: int) -> None:
     b.value ^= 0x40
 
 
+def _fault_case(name: str, fault: str, producer: SGLangHost, consumer: SGLangHost,
+                rng: random.Random, before: Callable[[], None] | None,
+                release: Callable[[], None]) -> dict[str, Any]:
+    tokens = _prompt(rng, 512)
+    producer.compute(tokens, [512])
+    producer.settle_offloads()
+    undo = _flip_layer5(name, consumer) if fault == "corrupted slice" else (lambda: None)
+    r, took, hung = _run_capped(partial(consumer.restore, [*tokens, 1], before_start=before),
+                                STALL_CAP_S, release)
+    undo()
+    wrong, zero = _classify(consumer, r, tokens) if r and r.loaded_tokens else (None, None)
+    return {"linker": name, "fault": fault, "verdict_s": round(took, 3),
+            "hit_tokens": r.hit_tokens if r else None,
+            "hung_past_s": STALL_CAP_S if hung else None,
+            "load_reported_failed": (not r.ok) if r else None,
+            "layers_with_wrong_bytes": wrong, "layers_zeroed": zero,
+            "output_used": bool(r and r.ok)}
+
+
 def fault_points(master: EmbeddedMaster, rng: random.Random) -> list[dict[str, Any]]:
+    """Per linker: a corrupted slice, a stopped master, a killed storage node."""
     from layerlift.testing.faults import ProcessStall
 
     shape = _shape(64)
@@ -215,28 +254,22 @@ def fault_points(master: EmbeddedMaster, rng: random.Random) -> list[dict[str, A
     for name in LINKERS:
         producer, consumer = _pair(name, shape, master)
         try:
-            for fault in ("corrupted slice", "stopped master"):
-                tokens = _prompt(rng, 512)
-                producer.compute(tokens, [512])
-                producer.settle_offloads()
-                undo: Callable[[], None] = lambda: None  # noqa: E731
-                before: Callable[[], None] | None = None
-                if fault == "corrupted slice":
-                    undo = _flip_layer5(name, consumer)
-                else:
-                    before = stall.stop
-                r, took, hung = _run_capped(
-                    partial(consumer.restore, [*tokens, 1], before_start=before),
-                    STALL_CAP_S, stall.release)
-                undo()
-                wrong, zero = _classify(consumer, r, tokens) if r else (None, None)
-                out.append({"linker": name, "fault": fault, "verdict_s": round(took, 3),
-                            "hung_past_s": STALL_CAP_S if hung else None,
-                            "load_reported_failed": (not r.ok) if r else None,
-                            "layers_with_wrong_bytes": wrong, "layers_zeroed": zero,
-                            "output_used": bool(r and r.ok)})
+            out.append(_fault_case(name, "corrupted slice", producer, consumer, rng, None,
+                                   lambda: None))
+            out.append(_fault_case(name, "stopped master", producer, consumer, rng, stall.stop,
+                                   stall.release))
         finally:
             stall.release()
+            consumer.close()
+            producer.close()
+        node = _store_node(master)
+        producer, consumer = _pair(name, shape, master, segment_mib=0)
+        try:
+            out.append(_fault_case(name, "killed storage node", producer, consumer, rng,
+                                   node.kill, lambda: None))
+        finally:
+            node.kill()
+            node.wait()
             consumer.close()
             producer.close()
     return out
