@@ -37,7 +37,6 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -55,50 +54,12 @@ from layerlift.overlap.scheduler import LoadScheduler
 from .sglang_layout import PoolLayout, fingerprint, pool_layouts
 from .sglang_load import BatchLoad, LoadCounter, LoadItem, LoopThread
 from .sglang_offload import Offloader, OffloadItem
+from .sglang_settings import LinkerSettings
 from .sglang_staging import Arena, Region
 
 __all__ = ["LayerLiftLinker", "LinkerSettings"]
 
 _log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class LinkerSettings:
-    """``linker_extra_config`` of the launch flag. Raises ValueError naming a bad field."""
-
-    master_address: str | None = None
-    embedded_master: bool = False
-    metadata_server: str = "P2PHANDSHAKE"
-    protocol: str = "tcp"
-    local_hostname: str = "127.0.0.1"
-    namespace: str = "sglang"
-    model: str | None = None
-    timeout_s: float = 5.0
-    load_timeout_s: float = 30.0
-    depth: int = 2
-    staging_mib: int = 64
-    segment_mib: int = 256
-    local_buffer_mib: int = 16
-
-    @classmethod
-    def parse(cls, extra: dict[str, Any] | None) -> LinkerSettings:
-        extra = dict(extra or {})
-        known = {f.name for f in fields(cls)}
-        unknown = set(extra) - known
-        if unknown:
-            raise ValueError(f"LayerLiftLinker: unknown linker_extra_config fields "
-                             f"{sorted(unknown)}; known: {sorted(known)}")
-        settings = cls(**extra)
-        if (settings.master_address is None) == (not settings.embedded_master):
-            raise ValueError("LayerLiftLinker needs exactly one of master_address "
-                             "('HOST:PORT' of a mooncake_master) or embedded_master: true")
-        for name in ("timeout_s", "load_timeout_s"):
-            if not float(getattr(settings, name)) > 0:
-                raise ValueError(f"LayerLiftLinker: {name} must be a positive number of seconds")
-        for name in ("depth", "staging_mib"):
-            if int(getattr(settings, name)) < 1:
-                raise ValueError(f"LayerLiftLinker: {name} must be an integer >= 1")
-        return settings
 
 
 def _hash_bytes(page_hash: str) -> bytes:
@@ -144,11 +105,22 @@ class LayerLiftLinker(UnifiedCacheLinker):  # type: ignore[misc,unused-ignore]
             if s.embedded_master else None
         address = self._master.master_address if self._master else s.master_address
         assert address is not None
-        self.store: Store = MooncakeStore(MooncakeConfig(
-            master_address=address, metadata_server=s.metadata_server, protocol=s.protocol,
-            local_hostname=s.local_hostname, global_segment_size=s.segment_mib << 20,
-            local_buffer_size=s.local_buffer_mib << 20, timeout_s=s.timeout_s))
-        self.arena = Arena(self.store, s.staging_mib << 20)
+        try:
+            self.store: Store = MooncakeStore(MooncakeConfig(
+                master_address=address, metadata_server=s.metadata_server, protocol=s.protocol,
+                local_hostname=s.local_hostname, global_segment_size=s.segment_mib << 20,
+                local_buffer_size=s.local_buffer_mib << 20, timeout_s=s.timeout_s))
+        except BaseException:
+            if self._master is not None:
+                self._master.stop()
+            raise
+        try:
+            self.arena = Arena(self.store, s.staging_mib << 20)
+        except BaseException:
+            self.store.close()
+            if self._master is not None:
+                self._master.stop()
+            raise
         self.layer_done_counter = LoadCounter()
         if "mamba" in self.layouts:
             params.req_to_token_pool.register_layer_transfer_counter(self.layer_done_counter)

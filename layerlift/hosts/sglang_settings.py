@@ -1,0 +1,47 @@
+"""``linker_extra_config`` of LayerLift's SGLang linker (the launch flag's JSON object)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+__all__ = ["LinkerSettings"]
+
+
+@dataclass(frozen=True, slots=True)
+class LinkerSettings:
+    """``linker_extra_config`` of the launch flag. Raises ValueError naming a bad field."""
+
+    master_address: str | None = None
+    embedded_master: bool = False
+    metadata_server: str = "P2PHANDSHAKE"
+    protocol: str = "tcp"
+    local_hostname: str = "127.0.0.1"
+    namespace: str = "sglang"
+    model: str | None = None
+    timeout_s: float = 5.0
+    load_timeout_s: float = 30.0
+    depth: int = 2
+    staging_mib: int = 64
+    segment_mib: int = 256
+    local_buffer_mib: int = 16
+
+    @classmethod
+    def parse(cls, extra: dict[str, Any] | None) -> LinkerSettings:
+        extra = dict(extra or {})
+        known = {f.name for f in fields(cls)}
+        unknown = set(extra) - known
+        if unknown:
+            raise ValueError(f"LayerLiftLinker: unknown linker_extra_config fields "
+                             f"{sorted(unknown)}; known: {sorted(known)}")
+        settings = cls(**extra)
+        if (settings.master_address is None) == (not settings.embedded_master):
+            raise ValueError("LayerLiftLinker needs exactly one of master_address "
+                             "('HOST:PORT' of a mooncake_master) or embedded_master: true")
+        for name in ("timeout_s", "load_timeout_s"):
+            if not float(getattr(settings, name)) > 0:
+                raise ValueError(f"LayerLiftLinker: {name} must be a positive number of seconds")
+        for name in ("depth", "staging_mib"):
+            if int(getattr(settings, name)) < 1:
+                raise ValueError(f"LayerLiftLinker: {name} must be an integer >= 1")
+        return settings
