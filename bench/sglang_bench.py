@@ -244,7 +244,9 @@ def _fault_case(name: str, fault: str, producer: SGLangHost, consumer: SGLangHos
 
 
 def fault_points(master: EmbeddedMaster, rng: random.Random) -> list[dict[str, Any]]:
-    """Per linker: a corrupted slice, a stopped master, a killed storage node."""
+    """Per linker: a corrupted slice and a stopped master on ``master``; a
+    killed storage node on a master of its own (the dead node's segment stays
+    listed there until its lease lapses, which would fail later puts)."""
     from layerlift.testing.faults import ProcessStall
 
     shape = _shape(64)
@@ -262,16 +264,18 @@ def fault_points(master: EmbeddedMaster, rng: random.Random) -> list[dict[str, A
             stall.release()
             consumer.close()
             producer.close()
-        node = _store_node(master)
-        producer, consumer = _pair(name, shape, master, segment_mib=0)
-        try:
-            out.append(_fault_case(name, "killed storage node", producer, consumer, rng,
-                                   node.kill, lambda: None))
-        finally:
-            node.kill()
-            node.wait()
-            consumer.close()
-            producer.close()
+    for name in LINKERS:
+        with EmbeddedMaster(http_metadata=False, lease_ttl_ms=5000) as own:
+            node = _store_node(own)
+            producer, consumer = _pair(name, shape, own, segment_mib=0)
+            try:
+                out.append(_fault_case(name, "killed storage node", producer, consumer, rng,
+                                       node.kill, lambda: None))
+            finally:
+                node.kill()
+                node.wait()
+                consumer.close()
+                producer.close()
     return out
 
 
@@ -286,13 +290,14 @@ def render(record: dict[str, Any]) -> str:
                          f"[{f['lo']:.4f}, {f['hi']:.4f}] | {lk['layer_ready_s'][0]:.4f} | "
                          f"{lk['layer_ready_s'][-1]:.4f} |")
     if record.get("faults"):
-        lines += ["", "| linker | fault | load reported failed | layers with wrong bytes |"
-                  " layers zeroed | output used | verdict after (s) |",
-                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        lines += ["", "| linker | fault | hit tokens | load reported failed | layers with wrong"
+                  " bytes | layers zeroed | output used | verdict after (s) |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
         for f in record["faults"]:
-            took = (f"{f['verdict_s']} (hung until the master resumed at {f['hung_past_s']:g})"
-                    if f["hung_past_s"] else f["verdict_s"])
-            lines.append(f"| {f['linker']} | {f['fault']} | {f['load_reported_failed']} | "
+            took = (f"{f['verdict_s']} (the forward was still blocked at {f['hung_past_s']:g} s;"
+                    " a stopped master was resumed then)" if f["hung_past_s"] else f["verdict_s"])
+            lines.append(f"| {f['linker']} | {f['fault']} | {f['hit_tokens']} | "
+                         f"{f['load_reported_failed']} | "
                          f"{f['layers_with_wrong_bytes']} | {f['layers_zeroed']} | "
                          f"{f['output_used']} | {took} |")
     meta = record["meta"]
