@@ -131,3 +131,40 @@ def test_another_model_or_layout_never_matches(make_host: Any) -> None:
     other = make_host(segment_mib=0, model="another-model")
     r = other.restore([*toks, 1])
     assert r.hit_tokens == 0
+
+
+@pytest.mark.parametrize("waits", [True, False], ids=["per-layer-wait", "control-no-wait"])
+def test_the_forward_reads_a_layer_only_after_it_landed(make_host: Any, waits: bool) -> None:
+    """Layer 3's read is held until the forward reaches layer 3. With the
+    counter's wait, the forward reads its bytes exact; the negative control
+    (the wait skipped) reads the slots before they landed and must fail."""
+    import threading
+
+    a, b = make_host(), make_host(segment_mib=0)
+    toks = tokens(4, seed=11)
+    a.compute(toks, [4 * PAGE])
+    a.settle_offloads()
+    store, counter = b.linker.store, b.linker.layer_done_counter
+    gate, inner_read, inner_wait = threading.Event(), store.get_ranges, counter.wait_until
+    offset3 = b.linker.layouts["swa"].slices[1][0]  # layer 3 is the second SWA layer
+
+    def held_read(keys: Any, dst: Any, sizes: Any, offsets: Any) -> None:
+        if "/swa/" in keys[0] and offsets[0][0] == offset3:
+            assert gate.wait(10.0), "the forward never reached layer 3"
+        inner_read(keys, dst, sizes, offsets)
+
+    def wait_until(layer: int) -> None:
+        if layer >= 3:
+            gate.set()
+        if waits:
+            inner_wait(layer)
+
+    store.get_ranges = held_read
+    counter.wait_until = wait_until
+    r = b.restore([*toks, 1])
+    assert r.ok and r.hit_tokens == 4 * PAGE
+    if waits:
+        assert_restored(b, r, toks)
+    else:
+        with pytest.raises(AssertionError, match="restored other bytes"):
+            assert_restored(b, r, toks)
