@@ -168,3 +168,22 @@ def test_the_forward_reads_a_layer_only_after_it_landed(make_host: Any, waits: b
     else:
         with pytest.raises(AssertionError, match="restored other bytes"):
             assert_restored(b, r, toks)
+
+
+def test_a_request_released_before_its_load_started_gives_its_staging_back(make_host: Any) -> None:
+    from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
+
+    a, b = make_host(), make_host(segment_mib=0)
+    toks = tokens(4, seed=12)
+    a.compute(toks, [4 * PAGE])
+    a.settle_offloads()
+    req = b._req([*toks, 1])
+    b.req_pool.alloc([req])
+    req.init_next_round_input(b.cache)
+    loaded, _ = b.cache.init_load_back(InitLoadBackParams(
+        best_match_node=req.best_match_node, host_hit_length=req.host_hit_length, req=req))
+    assert loaded == 4 * PAGE and not b.linker.arena.idle()  # queued, staging reserved
+    b.cache.linker.release_request(req.rid)  # SGLang's path for an aborted request
+    assert req.rid not in b.cache.linker.inflight_load_rids
+    assert b.linker.arena.idle()
+    assert b.linker.start_layer_wise_loading() == -1  # nothing left to load
