@@ -5,8 +5,9 @@ with seeded random weights (``gemma3``: sliding + full attention; ``llama``:
 full attention only; ``nemotron_h``: Mamba-2 + attention) into ``DIR``.
 
 ``python -m layerlift.hosts.vllm_verify serve --model DIR [--connector
-layerlift|mooncake|none] [--extra JSON]`` builds one `vllm.LLM` (CPU, float32,
-eager, no tokenizer, prefix caching off) and then answers JSON commands, one
+layerlift|mooncake|none] [--extra JSON] [--kv-bytes N]`` builds one `vllm.LLM`
+(CPU, float32, eager, no tokenizer, prefix caching off, 256 MiB of KV cache by
+default) and then answers JSON commands, one
 per stdin line, with one ``LLJSON {...}`` line each on stdout:
 ``{"op": "generate", "prompts": [[ids...]], "logprobs": K}`` → per prompt
 ``num_cached_tokens``, the first token, its top-K logprobs and the wall time
@@ -90,8 +91,9 @@ class Instance:
 
     def __init__(self, model: str, connector: str, extra: dict[str, Any] | None,
                  log_path: Path, env: dict[str, str] | None = None) -> None:
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", MC_LOG_LEVEL="ERROR",
-                   GLOG_minloglevel="2", PYTHONUNBUFFERED="1", **(env or {}))
+        env = dict(os.environ, MC_LOG_LEVEL="ERROR", GLOG_minloglevel="2",
+                   PYTHONUNBUFFERED="1", **(env or {}))
+        env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override the serve's KV bytes
         self.log_path = log_path
         self._log = log_path.open("w")
         self.proc = subprocess.Popen(
@@ -178,13 +180,12 @@ def _generate(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM
 
     kv = kv_transfer_config(args.connector, json.loads(args.extra))
     llm = LLM(model=args.model, skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
               enable_prefix_caching=False, max_model_len=2048, seed=0,
-              kv_transfer_config=kv)
+              kv_cache_memory_bytes=args.kv_bytes, kv_transfer_config=kv)
     print(MARK + json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -209,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--model", required=True)
     serve.add_argument("--connector", default="none", choices=("layerlift", "mooncake", "none"))
     serve.add_argument("--extra", default="{}", help="kv_connector_extra_config as JSON")
+    serve.add_argument("--kv-bytes", type=int, default=256 << 20,
+                       help="vLLM's KV cache bytes (default: 256 MiB)")
     args = parser.parse_args(argv)
     if args.cmd == "tiny":
         make_tiny_model(args.kind, args.path)

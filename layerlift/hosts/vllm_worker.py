@@ -186,6 +186,19 @@ class BlockWorker:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(max(0.0, deadline - time.monotonic()))
         self._lane.close()
+        self._unregister_staging()
+
+    def _unregister_staging(self) -> None:
+        """Unregister the arena from the store (the store outlives this
+        worker): a later buffer at the same address must be registrable.
+        `ScratchArena` has no close of its own yet, hence its fields."""
+        arena = self._arena
+        if arena._buffer is None or self._tasks:
+            return  # never registered, or a call may still use it (the store's close frees it)
+        try:
+            self.store.unregister(arena._base)
+        except StoreError as exc:
+            log.warning("LayerLift: unregistering staging failed: %s", exc)
 
     # ---- on the loop ----------------------------------------------------------------
 
