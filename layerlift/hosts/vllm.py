@@ -226,18 +226,20 @@ class LayerLiftConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,
         return LayerLiftMetadata(self._planner.step_meta(scheduler_output))
 
     def update_connector_output(self, connector_output: Any) -> None:
-        if self._planner is not None and connector_output.failed_recving:
-            self._planner.load_failed(set(connector_output.failed_recving))
+        if self._planner is not None:
+            self._planner.loads_reported(set(connector_output.finished_recving or ()),
+                                         set(connector_output.failed_recving or ()))
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        if self._planner is not None:
-            self._planner.finished(request)
-        return False, None
+        """Offloads never hold blocks (every completed page was staged in the
+        step that computed it); a request finished (aborted) while its
+        asynchronous restore runs keeps its blocks until that restore is
+        reported (vLLM frees them then)."""
+        loading = self._planner.finished(request) if self._planner is not None else False
+        return loading, None
 
     def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, dict[str, Any] | None]:
-        """Blocks are free at once: every completed page was staged (copied)
-        in the step that computed it."""
         return self.request_finished(request, [])
 
 

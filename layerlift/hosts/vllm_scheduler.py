@@ -45,6 +45,7 @@ class _Track:
     restored: int = 0  # pages restored (0: none, or the load failed)
     saved: int = 0  # prompt pages below this are offloaded (or restored)
     refused: bool = False  # a restore failed: vLLM recomputes it, never offer another
+    loading: bool = False  # an asynchronous restore was issued and not reported yet
 
 
 class BlockPlanner:
@@ -110,8 +111,17 @@ class BlockPlanner:
                 refused |= block == _NULL_BLOCK
                 items.append((group.index, self._key(group.index, p, track), block))
         self._loads.append(LoadSpec(request.request_id, items, refused, self.sync_loads))
+        track.loading = not self.sync_loads
         track.restored = boundary
         track.saved = max(track.saved, boundary)
+
+    def loads_reported(self, finished: set[str], failed: set[str]) -> None:
+        """The worker reported these asynchronous restores (``failed`` ⊆ ``finished``)."""
+        for req_id in finished:
+            track = self._tracks.get(req_id)
+            if track is not None:
+                track.loading = False
+        self.load_failed(failed)
 
     def load_failed(self, req_ids: set[str]) -> None:
         """vLLM recomputes these requests from token 0: offload what they
@@ -155,9 +165,13 @@ class BlockPlanner:
                             cached.num_computed_tokens[i] + scheduled[req_id])
         return meta
 
-    def finished(self, request: Any) -> None:
-        """Forget a finished request (its pages were staged when computed)."""
-        self._tracks.pop(request.request_id, None)
+    def finished(self, request: Any) -> bool:
+        """Forget a finished request (its pages were staged when computed).
+        True while its asynchronous restore may still write into its blocks:
+        vLLM must then keep them until the worker reports the restore (it
+        frees them on that report)."""
+        track = self._tracks.pop(request.request_id, None)
+        return track is not None and track.loading
 
     # ---- helpers ------------------------------------------------------------------
 
