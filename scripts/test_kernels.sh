@@ -8,21 +8,13 @@
 #
 # SET: default (no SIMD), avx2, avx512, or own (the machine's best: the
 # variable unset). Without a SET: default, avx2 and own on x86-64; default and
-# own elsewhere. A set this CPU cannot run is an error (torch would silently
-# run another one); a set whose kernels were already run is skipped with a note.
+# own elsewhere. "others": those but own (for after a plain pytest run, which
+# ran the machine's own). A set this CPU cannot run is an error (torch would
+# silently run another one); a set whose kernels already ran is skipped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-.venv/bin/python}"
 TESTS=(tests/engine/model/test_model_hf_archs.py)
-
-sets=()
-while (($#)); do
-  if [[ "$1" == "--" ]]; then shift; break; fi
-  sets+=("$1"); shift
-done
-if ((${#sets[@]} == 0)); then
-  if [[ "$(uname -m)" == x86_64 ]]; then sets=(default avx2 own); else sets=(default own); fi
-fi
 
 # the kernel set torch dispatches to under ATEN_CPU_CAPABILITY=$1 ("own": unset)
 effective() {
@@ -34,13 +26,31 @@ effective() {
   fi
 }
 
-declare -A done_sets=()
-for set in "${sets[@]}"; do
-  case "$set" in
-    default|avx2|avx512|own) ;;
-    *) echo "test_kernels.sh: unknown kernel set '$set' (default, avx2, avx512 or own)" >&2
+sets=()
+while (($#)); do
+  if [[ "$1" == "--" ]]; then shift; break; fi
+  case "$1" in
+    default|avx2|avx512|own|others) sets+=("$1"); shift ;;
+    *) echo "test_kernels.sh: unknown kernel set '$1' (default, avx2, avx512, own or others)" >&2
        exit 2 ;;
   esac
+done
+declare -A done_sets=()
+if [[ "${sets[*]-}" == others ]]; then
+  sets=()
+  done_sets[$(effective own)]=1
+fi
+if ((${#sets[@]} == 0)); then
+  sets=(default)
+  if [[ "$(uname -m)" == x86_64 ]]; then sets+=(avx2); fi
+  if ((${#done_sets[@]} == 0)); then sets+=(own); fi
+fi
+
+for set in "${sets[@]}"; do
+  if [[ "$set" == others ]]; then
+    echo "test_kernels.sh: 'others' stands alone (every set but the machine's own)" >&2
+    exit 2
+  fi
   got="$(effective "$set")"
   if [[ "$set" != own && "$got" != "$set" ]]; then
     echo "test_kernels.sh: this CPU cannot run the $set kernels (torch runs $got)" >&2

@@ -12,7 +12,7 @@ from torch import nn
 from layerlift.engine.model.hf import TransformersModel
 from layerlift.pools.spec import Component
 
-__all__ = ["CONFIGS", "build", "build_float64", "cold_logprobs", "tiny_kwargs"]
+__all__ = ["CONFIGS", "build", "build_float64", "cold_logprobs", "tiny_kwargs", "to_float64"]
 
 _COMMON: dict[str, Any] = dict(vocab_size=128, hidden_size=64, num_hidden_layers=4,
                                num_attention_heads=4, num_key_value_heads=2)
@@ -167,18 +167,23 @@ _FLOAT32_ROUTERS = ("Inkling2TopKRouter", "Inkling2LoopTopKRouter")
 
 
 def build_float64(arch: str, seed: int = 0) -> tuple[TransformersModel, list[float]]:
-    """``build(arch, seed)`` computing in float64: the same weights (the
+    """``build(arch, seed)`` computing in float64 (see :func:`to_float64`)."""
+    model = build(arch, seed)
+    return model, to_float64(model)
+
+
+def to_float64(model: TransformersModel) -> list[float]:
+    """Make ``model`` compute in float64, in place: the same weights (the
     float32 values widened), experts run eagerly (``grouped_mm`` has no
     float64 kernel), routers of ``_FLOAT32_ROUTERS`` left in float32.
 
-    For cold prefills only: its spec still pages float32 (LayerLift pages no
-    float64), which a cold prefill never reads back (it continues from its
-    own cache between chunks; what it writes into the pool is rounded there
-    and unused), while a restore would start from float32 pages. Returns the
-    model and a list to which every call of a float32 router appends its
-    smallest gap between the k-th and the (k+1)-th expert score.
+    For cold prefills only from then on: its spec still pages float32
+    (LayerLift pages no float64), which a cold prefill never reads back (it
+    continues from its own cache between chunks; what it writes into the
+    pool is rounded there and unused), while a restore would start from
+    float32 pages. Returns a list to which every call of a float32 router
+    appends its smallest gap between the k-th and the (k+1)-th expert score.
     """
-    model = build(arch, seed)
     hf: Any = model.hf
     hf.set_experts_implementation("eager")
     hf.double()
@@ -187,7 +192,7 @@ def build_float64(arch: str, seed: int = 0) -> tuple[TransformersModel, list[flo
         if type(module).__name__ in _FLOAT32_ROUTERS:
             module.float()
             module.register_forward_hook(functools.partial(_record_margin, margins))
-    return model, margins
+    return margins
 
 
 def _record_margin(margins: list[float], router: Any, args: Any, output: Any) -> None:

@@ -2,9 +2,10 @@
 the adapter computes what transformers computes.
 
 One tiny seeded config per architecture (``hf_models.tiny_kwargs``), the
-in-process store, two oracles that hold on every set of CPU kernels
-(``scripts/test_kernels.sh`` runs this module under
-``ATEN_CPU_CAPABILITY=default``, ``avx2`` and the machine's own):
+in-process store, and in one test per architecture (one build) two oracles
+that hold on every set of CPU kernels (``scripts/test_kernels.sh`` runs this
+module under ``ATEN_CPU_CAPABILITY=default``, ``avx2`` and the machine's own;
+``scripts/kernel_table.py`` prints the figures):
 
 * **restore**: a batch of two prompts is prefilled, offloaded, dropped from
   the device and prefilled again from the store; each restored result must
@@ -13,9 +14,9 @@ in-process store, two oracles that hold on every set of CPU kernels
   the restore continues where the first prefill's chunk began), so the
   same kernels run on the same inputs: measured 0.0 for every architecture
   under all three kernel sets.
-* **fidelity**: the same weights in float64, each prompt prefilled cold by
-  the engine (chunked at 64 and 128) against transformers' own
-  ``model(full_ids)``. Not in float32: there the chunked and the whole
+* **fidelity**: then the same weights widened to float64, the 140-token
+  prompt prefilled cold by the engine (chunked at 64 and 128) against
+  transformers' own ``model(full_ids)``. Not in float32: there the chunked and the whole
   forward differ by rounding (~1e-6), and a MoE router whose top-k margin
   is that small flips, kernel set by kernel set (granitemoehybrid: 8.1e-4
   under avx2 and avx512, 9.5e-7 under default).
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hf_models import CONFIGS, build, build_float64, cold_logprobs, tiny_kwargs
+from hf_models import CONFIGS, build, cold_logprobs, tiny_kwargs, to_float64
 
 from layerlift import Engine, EngineConfig
 from layerlift.engine.model.hf import TransformersModel
@@ -62,11 +63,14 @@ def test_the_list_is_sorted_and_covers_the_engine_tests() -> None:
 
 @pytest.mark.parametrize("arch", TESTED_ARCHITECTURES)
 async def test_architecture_restores_exactly(arch: str) -> None:
+    """Both oracles, on one build: the restore in float32, then fidelity
+    with the same weights widened to float64."""
     tiny_kwargs(arch)  # a config exists for every listed architecture
     model = build(arch)
     kinds = set(model.spec.kinds)
     assert kinds - {Component.FULL}, f"{arch} is neither hybrid nor sliding in its tiny config"
     await _restores_exactly(arch, model)
+    await _computes_what_transformers_computes(arch, model)
 
 
 async def test_deepseek_v3_mla_restores_exactly() -> None:
@@ -76,6 +80,7 @@ async def test_deepseek_v3_mla_restores_exactly() -> None:
     assert set(model.spec.kinds) == {Component.FULL}
     assert {model.spec.kv_shape(g) for g in range(model.spec.num_layers)} == {KVShape(1, 32, 1, 8)}
     await _restores_exactly("deepseek_v3", model)
+    await _computes_what_transformers_computes("deepseek_v3", model)
 
 
 async def _restores_exactly(arch: str, model: TransformersModel) -> None:
@@ -92,12 +97,12 @@ async def _restores_exactly(arch: str, model: TransformersModel) -> None:
         engine.tree.check_integrity()
 
 
-@pytest.mark.parametrize("arch", [*TESTED_ARCHITECTURES, "deepseek_v3"])
-async def test_adapter_computes_what_transformers_computes(arch: str) -> None:
-    model, margins = build_float64(arch)
+async def _computes_what_transformers_computes(arch: str, model: TransformersModel) -> None:
+    """``model`` is widened to float64 in place: for cold prefills only."""
+    margins = to_float64(model)
     tokens = prompts()[1]  # three chunks: [0, 64), [64, 128), [128, 140)
     (cold,) = await cold_prefills(model, [tokens], pool_bytes=16 << 20)
-    assert cold.restored_tokens == 0  # the float64 copy must never restore float32 pages
+    assert cold.restored_tokens == 0  # the float64 model must never restore float32 pages
     delta = float((cold.next_token_logprobs - cold_logprobs(model, tokens)).abs().max())
     assert min(margins, default=1.0) > ROUTER_MARGIN, (
         f"{arch}: a float32 router's top-k margin {min(margins)} is too narrow for this oracle")
