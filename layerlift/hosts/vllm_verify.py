@@ -34,32 +34,35 @@ MARK = "LLJSON "
 START_TIMEOUT_S = 180.0
 
 
-def make_tiny_model(kind: str, path: str, seed: int = 0) -> str:
-    """Save a tiny model with seeded random weights into ``path`` (vocab 512,
-    hidden 128, 4 layers): ``gemma3`` (3 sliding + 1 full attention layers),
+def make_tiny_model(kind: str, path: str, seed: int = 0, *, hidden: int = 128,
+                    layers: int = 4) -> str:
+    """Save a small model with seeded random weights into ``path`` (vocab 512,
+    ``hidden`` wide, ``layers`` deep; attention heads of 64, one KV head):
+    ``gemma3`` (sliding-window layers, the last one full attention),
     ``llama`` (full attention only: one KV cache group) or ``nemotron_h``
-    (Mamba-2, attention, Mamba-2, MLP). Returns ``path``."""
+    (Mamba-2, attention, Mamba-2, MLP, repeated). Returns ``path``. Raises
+    ValueError for an unknown kind or a size that is not a multiple of 64."""
     import torch
     import transformers
 
+    if hidden % 64 or hidden < 64 or layers < 2:
+        raise ValueError(f"hidden must be a multiple of 64 and layers >= 2, got {hidden}, {layers}")
     torch.manual_seed(seed)
+    common: dict[str, Any] = dict(vocab_size=512, hidden_size=hidden,
+                                  intermediate_size=2 * hidden, num_attention_heads=hidden // 64,
+                                  num_key_value_heads=1, head_dim=64,
+                                  max_position_embeddings=4096)
     if kind == "gemma3":
         config: Any = transformers.Gemma3TextConfig(
-            vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-            num_attention_heads=2, num_key_value_heads=1, head_dim=64, sliding_window=32,
-            layer_types=["sliding_attention"] * 3 + ["full_attention"],
-            max_position_embeddings=2048)
+            num_hidden_layers=layers, sliding_window=32,
+            layer_types=["sliding_attention"] * (layers - 1) + ["full_attention"], **common)
     elif kind == "llama":
-        config = transformers.LlamaConfig(
-            vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-            num_attention_heads=2, num_key_value_heads=1, head_dim=64,
-            max_position_embeddings=2048)
+        config = transformers.LlamaConfig(num_hidden_layers=layers, **common)
     elif kind == "nemotron_h":
+        pattern = ("M*M-" * layers)[:layers]
         config = transformers.NemotronHConfig(  # type: ignore[call-arg, unused-ignore]
-            vocab_size=512, hidden_size=128, intermediate_size=256, num_attention_heads=2,
-            num_key_value_heads=1, head_dim=64, hybrid_override_pattern="M*M-",
-            ssm_state_size=16, mamba_num_heads=4, mamba_head_dim=32, n_groups=1, expand=1,
-            chunk_size=64, max_position_embeddings=2048)
+            hybrid_override_pattern=pattern, ssm_state_size=16, mamba_num_heads=hidden // 32,
+            mamba_head_dim=32, n_groups=1, expand=1, chunk_size=64, **common)
     else:
         raise ValueError(f"unknown tiny model {kind!r}; choose gemma3, llama or nemotron_h")
     model = transformers.AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call, unused-ignore]
@@ -184,7 +187,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     kv = kv_transfer_config(args.connector, json.loads(args.extra))
     llm = LLM(model=args.model, skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
-              enable_prefix_caching=False, max_model_len=2048, seed=0,
+              enable_prefix_caching=False, max_model_len=4096, seed=0,
               kv_cache_memory_bytes=args.kv_bytes, kv_transfer_config=kv)
     print(MARK + json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
