@@ -23,17 +23,27 @@ GROUPS = (GroupLayout(0, GroupKind.FULL, ("f",)), GroupLayout(1, GroupKind.SWA, 
 TOKENS = list(range(3, 3 + 5 * PAGE + 3))  # 5 whole pages and 3 tokens
 
 
-def _planner() -> tuple[BlockPlanner, MemoryStore, Any]:
+class _Store(MemoryStore):
+    """The in-memory store with one registered 8-byte source for `put_keys`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.source = torch.zeros(8, dtype=torch.uint8)
+        self.source_ptr = self.register(self.source)
+
+    def put_keys(self, keys: list[str]) -> None:
+        self.put(keys, [self.source_ptr] * len(keys), [8] * len(keys))
+
+
+def _planner() -> tuple[BlockPlanner, _Store, Any]:
     layout = Layout(GROUPS, PAGE, {"f": 64, "s": 64, "m": 32}, "unit", "float32")
-    store = MemoryStore()
+    store = _Store()
     schema = layout.schema("ns")
     return BlockPlanner(store, layout, schema, offload=True), store, schema
 
 
-def _put(store: MemoryStore, keys: list[str]) -> None:
-    buf = torch.zeros(8, dtype=torch.uint8)
-    ptr = store.register(buf)
-    store.put(keys, [ptr] * len(keys), [8] * len(keys))
+def _put(store: _Store, keys: list[str]) -> None:
+    store.put_keys(keys)
 
 
 def _keys(schema: Any, component: str, pages: list[int]) -> list[str]:
