@@ -93,6 +93,24 @@ class ScratchArena:
                     merged.append((s, n))
             self._free = merged
 
+    def close(self) -> None:
+        """Unregister the arena from its store (idempotent), so the memory
+        may be freed and a later buffer at the same address registered.
+        Call only once no store call that was lent a region still runs;
+        a later ``take`` registers a fresh arena. Raises the store's
+        ``StoreError`` if it refuses."""
+        with self._lock:
+            buffer, self._buffer = self._buffer, None
+            base, self._base = self._base, 0
+            self._free = [(0, self.nbytes)]
+        if buffer is not None:
+            self.store.unregister(base)
+
+    @property
+    def registered(self) -> bool:
+        """Whether the arena's memory is registered with the store now."""
+        return self._buffer is not None
+
     @property
     def free_bytes(self) -> int:
         with self._lock:

@@ -190,13 +190,12 @@ class BlockWorker:
 
     def _unregister_staging(self) -> None:
         """Unregister the arena from the store (the store outlives this
-        worker): a later buffer at the same address must be registrable.
-        `ScratchArena` has no close of its own yet, hence its fields."""
+        worker): a later buffer at the same address must be registrable."""
         arena = self._arena
-        if arena._buffer is None or self._tasks:
+        if not arena.registered or self._tasks:
             return  # never registered, or a call may still use it (the store's close frees it)
         try:
-            self.store.unregister(arena._base)
+            arena.close()
         except StoreError as exc:
             log.warning("LayerLift: unregistering staging failed: %s", exc)
 

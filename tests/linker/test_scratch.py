@@ -1,0 +1,27 @@
+"""ScratchArena: regions of one registered arena; close unregisters it."""
+
+from __future__ import annotations
+
+import pytest
+
+from layerlift.linker.memory_store import MemoryStore
+from layerlift.linker.scratch import ScratchArena
+from layerlift.linker.store_base import StoreError
+
+
+def test_close_unregisters_and_a_later_take_registers_again() -> None:
+    store = MemoryStore()
+    arena = ScratchArena(store, nbytes=4096)
+    first = arena.take(100)
+    assert arena.registered
+    first.release()
+    arena.close()
+    assert not arena.registered and arena.free_bytes == 4096
+    with pytest.raises(StoreError):
+        store.unregister(first.ptr)  # it is not registered any more
+    again = arena.take(100)
+    assert arena.registered
+    again.tensor.fill_(7)
+    again.release()
+    arena.close()
+    arena.close()  # idempotent
