@@ -12,6 +12,7 @@ tests) fails when ``docs/results.md`` differs from what the JSON files give.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -179,9 +180,10 @@ def _fleet_grid(r: Record) -> list[str]:
     from layerlift.bench.fleet_grid import render as render_grid
 
     lines = render_grid(r).rstrip("\n").split("\n")
-    first = next((i for i, line in enumerate(lines) if line.startswith("## ")), len(lines))
-    # Its own page's title, command and per-setting images stay on its page.
-    return [("#" + line if line.startswith("## ") else line) for line in lines[first:]
+    # Its own page's title, command and per-setting images stay on its page;
+    # what it says of the run (what is simulated, the load) comes along.
+    body = lines[4:] if len(lines) > 4 and lines[0].startswith("# ") else lines
+    return [("#" + line if line.startswith("## ") else line) for line in body
             if not line.startswith("![")]
 
 
@@ -286,7 +288,19 @@ KINDS: dict[str, tuple[str, Callable[[Record], list[str]], Callable[[Record, str
                    _plot_fleet_grid),
     "store-full": ("A store smaller than the working set", _store_full, _plot_store_full),
     "integrity": ("What end-to-end checksums cost", _integrity, _plot_integrity),
+    "sglang": ("LayerLift inside SGLang, beside SGLang's own Mooncake linker",
+               lambda r: _host_bench("sglang_bench").render(r).splitlines(),
+               lambda r, p: _host_bench("sglang_bench").plot(r, p)),
+    "vllm": ("TTFT inside vLLM: no connector, vLLM's MooncakeStoreConnector, LayerLiftConnector",
+             lambda r: _host_bench("vllm_bench").render(r).splitlines(),
+             lambda r, p: _host_bench("vllm_bench").plot(r, p)),
 }
+
+
+def _host_bench(name: str) -> Any:
+    """A host benchmark's module (imported when its record is drawn: its
+    tables and plots live beside the benchmark)."""
+    return importlib.import_module(f"layerlift.bench.{name}")
 
 
 def _generic(r: Record) -> list[str]:
