@@ -222,6 +222,8 @@ def render(record: Record) -> str:
         lines += [f"Wall time {meta.get('wall_s', 0) / 60:.0f} min; load average (1 min) at "
                   f"start {la['start'][0]:.2f}, end {la['end'][0]:.2f} on "
                   f"{meta.get('cpus', '?')} CPUs (shared with other work).", ""]
+    if meta.get("note"):
+        lines += [f"Note: {meta['note']}", ""]
     if noise:
         spread = [x for e in noise for x in (e["lo"], e["hi"])]
         lines += _comparison_table("Noise floor: identical configurations", noise)
