@@ -54,11 +54,23 @@ class ScratchArena:
     def __init__(self, store: Store, nbytes: int = 4 << 20) -> None:
         if nbytes <= 0:
             raise ValueError(f"a scratch arena needs a positive size, got {nbytes}")
-        self.store, self.nbytes = store, nbytes
+        # Weak: ``scratch_for`` keys its arenas weakly by store, and a strong
+        # reference from the value would keep every store (and its segment)
+        # alive for ever (~400 MB per store a fleet replay made).
+        self._store = weakref.ref(store)
+        self.nbytes = nbytes
         self._lock = threading.Lock()
         self._buffer: torch.Tensor | None = None
         self._base = 0
         self._free: list[tuple[int, int]] = [(0, nbytes)]  # (start, size), sorted
+
+    @property
+    def store(self) -> Store:
+        """The arena's store; ``RuntimeError`` once it was garbage-collected."""
+        store = self._store()
+        if store is None:
+            raise RuntimeError("this scratch arena's store no longer exists")
+        return store
 
     def take(self, nbytes: int) -> Scratch:
         """A zeroed region of ``nbytes`` bytes (>= 1). Raises StoreError if
@@ -103,8 +115,9 @@ class ScratchArena:
             buffer, self._buffer = self._buffer, None
             base, self._base = self._base, 0
             self._free = [(0, self.nbytes)]
-        if buffer is not None:
-            self.store.unregister(base)
+        store = self._store()
+        if buffer is not None and store is not None:  # a collected store took its registrations
+            store.unregister(base)
 
     @property
     def registered(self) -> bool:

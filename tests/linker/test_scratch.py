@@ -25,3 +25,21 @@ def test_close_unregisters_and_a_later_take_registers_again() -> None:
     again.release()
     arena.close()
     arena.close()  # idempotent
+
+
+def test_an_arena_does_not_keep_its_store_alive() -> None:
+    """``scratch_for`` keys arenas weakly by store; the arena must not hold
+    the store strongly, or no store would ever be freed (a fleet replay grew
+    ~1 GB per grid cell)."""
+    import gc
+    import weakref
+
+    from layerlift.linker.scratch import scratch_for
+
+    store = MemoryStore()
+    region = scratch_for(store).take(64)
+    region.release()
+    gone = weakref.ref(store)
+    del store, region
+    gc.collect()
+    assert gone() is None, "the scratch arena kept its store alive"
