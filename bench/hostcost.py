@@ -27,7 +27,6 @@ thread-safe by contract.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import threading
 import time
@@ -35,7 +34,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from layerlift.linker.integrity import checksums
-from layerlift.linker.store_base import Store, TensorLike
+from layerlift.linker.store_base import ForwardingStore, Store
 from layerlift.overlap.link import EmulatedLink
 
 __all__ = ["HostCostStore", "HostRates", "measure_rates"]
@@ -110,7 +109,7 @@ class Charged:
                     "read_bytes": float(self.read_bytes), "put_bytes": float(self.put_bytes)}
 
 
-class HostCostStore(Store):
+class HostCostStore(ForwardingStore):
     """``inner`` with the host work of the missing bytes charged (see the
     module docstring). ``token_scale`` >= 1; ``ingress_gbps`` / ``egress``
     the instance's NIC (None: no link is modelled, nothing beyond the host
@@ -122,9 +121,7 @@ class HostCostStore(Store):
             raise ValueError(f"token_scale must be >= 1, got {token_scale}")
         if ingress_gbps is not None and not ingress_gbps > 0:
             raise ValueError(f"ingress_gbps must be > 0, got {ingress_gbps}")
-        self.inner = inner
-        self.timeout_s = inner.timeout_s
-        self.capacity_bytes = inner.capacity_bytes
+        super().__init__(inner)
         self.token_scale = token_scale
         self.rates = rates
         self.ingress_gbps = ingress_gbps
@@ -151,15 +148,6 @@ class HostCostStore(Store):
         else:
             put()
 
-    def register(self, buffer: TensorLike | int, nbytes: int | None = None) -> int:
-        return self.inner.register(buffer, nbytes)
-
-    def unregister(self, ptr: int) -> None:
-        self.inner.unregister(ptr)
-
-    def exists(self, keys: Sequence[str]) -> list[bool]:
-        return self.inner.exists(keys)
-
     def put(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> None:
         self._charged_put(sum(sizes), lambda: self.inner.put(keys, ptrs, sizes))
 
@@ -177,12 +165,6 @@ class HostCostStore(Store):
                    sizes: Sequence[Sequence[int]], src_offsets: Sequence[Sequence[int]]) -> None:
         self.inner.get_ranges(keys, dst_ptrs, sizes, src_offsets)
         self._after_read(sum(sum(row) for row in sizes))
-
-    def open_session(self, keys: Sequence[str]) -> contextlib.AbstractContextManager[None]:
-        return self.inner.open_session(keys)
-
-    def remove(self, keys: Sequence[str]) -> None:
-        self.inner.remove(keys)
 
     def close(self) -> None:
         """Nothing of ``inner`` is closed: the fleet shares it."""

@@ -7,7 +7,8 @@ each time (with an HTTP metadata server, a round trip to it), on the TTFT
 path for restores. :class:`ScratchArena` registers one host arena per store
 once and hands out regions of it; a request that does not fit gets a buffer
 of its own, registered for that use only. `scratch_for(store)` returns the
-store's arena (created on first use, forgotten with the store).
+arena of the store underneath any wrappers (created on first use, forgotten
+with that store, which the arena holds weakly).
 
 A region belongs to its holder until `Scratch.release()`: release it only
 once no store call that was lent it still runs (see `StoreTimeout`).
@@ -134,10 +135,27 @@ _arenas: weakref.WeakKeyDictionary[Store, ScratchArena] = weakref.WeakKeyDiction
 _arenas_lock = threading.Lock()
 
 
+def _root(store: Store) -> Store:
+    """The store that really holds registrations: wrappers (fault
+    injection, checks, modelled costs) expose the store they forward to as
+    ``inner`` and forward ``register`` to it."""
+    for _ in range(32):
+        inner = getattr(store, "inner", None)
+        if not isinstance(inner, Store):
+            break
+        store = inner
+    return store
+
+
 def scratch_for(store: Store) -> ScratchArena:
-    """The scratch arena of ``store`` (one per store object, made on first use)."""
+    """The scratch arena of ``store``: one per underlying store (wrappers
+    share their inner store's), made on first use, forgotten with it. Its
+    regions are registered there, so they stay valid for the store's calls
+    through any wrapper, and no arena outlives the store that registered
+    its memory (nor keeps it alive)."""
+    root = _root(store)
     with _arenas_lock:
-        arena = _arenas.get(store)
+        arena = _arenas.get(root)
         if arena is None:
-            arena = _arenas[store] = ScratchArena(store)
+            arena = _arenas[root] = ScratchArena(root)
         return arena

@@ -315,3 +315,51 @@ class Store(ABC):
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+class ForwardingStore(Store):
+    """A :class:`Store` that forwards every call to ``inner``: the base of
+    wrappers that change a few calls (fault injection, checks, modelled
+    costs) and pass the rest through. Unknown attributes come from
+    ``inner`` too. ``close`` closes ``inner``; a wrapper over a shared store
+    overrides it."""
+
+    def __init__(self, inner: Store) -> None:
+        self.inner = inner
+        self.timeout_s = inner.timeout_s
+        self.capacity_bytes = inner.capacity_bytes
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def register(self, buffer: TensorLike | int, nbytes: int | None = None) -> int:
+        return self.inner.register(buffer, nbytes)
+
+    def unregister(self, ptr: int) -> None:
+        self.inner.unregister(ptr)
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        return self.inner.exists(keys)
+
+    def put(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> None:
+        self.inner.put(keys, ptrs, sizes)
+
+    def put_parts(self, keys: Sequence[str], ptrs: Sequence[Sequence[int]],
+                  sizes: Sequence[Sequence[int]]) -> None:
+        self.inner.put_parts(keys, ptrs, sizes)
+
+    def get(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[bool]:
+        return self.inner.get(keys, ptrs, sizes)
+
+    def get_ranges(self, keys: Sequence[str], dst_ptrs: Sequence[Sequence[int]],
+                   sizes: Sequence[Sequence[int]], src_offsets: Sequence[Sequence[int]]) -> None:
+        self.inner.get_ranges(keys, dst_ptrs, sizes, src_offsets)
+
+    def open_session(self, keys: Sequence[str]) -> contextlib.AbstractContextManager[None]:
+        return self.inner.open_session(keys)
+
+    def remove(self, keys: Sequence[str]) -> None:
+        self.inner.remove(keys)
+
+    def close(self) -> None:
+        self.inner.close()

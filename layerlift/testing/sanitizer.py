@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from layerlift.linker.store_base import Store, TensorLike
+from layerlift.linker.store_base import ForwardingStore, Store
 from layerlift.pools.base import KVPool
 from layerlift.pools.spec import Component
 
@@ -191,24 +191,12 @@ class _CheckedModel:
             return self.inner.forward_batch(requests, pool, before_layer, after_layer)
 
 
-class _CheckedStore(Store):
+class _CheckedStore(ForwardingStore):
     """Forwards to ``inner``; reads into and puts from pool memory are checked spans."""
 
     def __init__(self, inner: Store, san: PoolSanitizer) -> None:
-        self.inner, self.san = inner, san
-        self.timeout_s = inner.timeout_s
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    def register(self, buffer: TensorLike | int, nbytes: int | None = None) -> int:
-        return self.inner.register(buffer, nbytes)
-
-    def unregister(self, ptr: int) -> None:
-        self.inner.unregister(ptr)
-
-    def exists(self, keys: Sequence[str]) -> list[bool]:
-        return self.inner.exists(keys)
+        super().__init__(inner)
+        self.san = san
 
     def put(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> None:
         with self.san.span("a put", self.san.ranges(ptrs, sizes)):
@@ -231,12 +219,3 @@ class _CheckedStore(Store):
         lens = [s for row in sizes for s in row]
         with self.san.span("a ranged read", self.san.ranges(ptrs, lens)):
             self.inner.get_ranges(keys, dst_ptrs, sizes, src_offsets)
-
-    def open_session(self, keys: Sequence[str]) -> contextlib.AbstractContextManager[None]:
-        return self.inner.open_session(keys)
-
-    def remove(self, keys: Sequence[str]) -> None:
-        self.inner.remove(keys)
-
-    def close(self) -> None:
-        self.inner.close()

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,6 @@ from layerlift.engine import api as engine_api
 from layerlift.engine import stores as engine_stores
 from layerlift.engine.stores import StoreHandle
 from layerlift.linker.memory_store import MemoryStore
-from layerlift.linker.mooncake_store import MooncakeStore
 from layerlift.linker.store_base import Store
 from layerlift.testing import FaultyModel, FaultyStore, assert_quiescent
 from layerlift.testing.reference import assert_exact, cold_prefills, random_prompts
@@ -58,17 +56,13 @@ def child_masters() -> list[int]:
 
 
 @pytest.fixture(params=["memory", "mooncake"])
-def shared_store(request: pytest.FixtureRequest, engine_master: Any) -> Iterator[Store]:
-    """One store two engines share (injected: the engines do not close it)."""
+def shared_store(request: pytest.FixtureRequest) -> Store:
+    """One store two engines share (injected: the engines do not close it):
+    in-process, or a real Mooncake client (``mc_client``)."""
     if request.param == "memory":
-        yield MemoryStore()
-        return
-    store = MooncakeStore(engine_master.config(
-        global_segment_size=64 << 20, local_buffer_size=16 << 20, timeout_s=10.0))
-    try:
-        yield store
-    finally:
-        store.close()
+        return MemoryStore()
+    store: Store = request.getfixturevalue("mc_client")
+    return store
 
 
 async def held_then_released(task: asyncio.Task[Any], gate: threading.Event) -> None:

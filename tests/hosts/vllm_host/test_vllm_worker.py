@@ -6,7 +6,6 @@ the report and must change no byte)."""
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections.abc import Iterator, Sequence
 
@@ -19,7 +18,7 @@ from layerlift.hosts.vllm_meta import LoadSpec, SaveSpec
 from layerlift.hosts.vllm_worker import BlockWorker
 from layerlift.linker.master import EmbeddedMaster
 from layerlift.linker.mooncake_store import MooncakeStore
-from layerlift.linker.store_base import Store, TensorLike
+from layerlift.linker.store_base import ForwardingStore, Store
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mooncake]
 
@@ -27,31 +26,17 @@ BLOCK = 4096  # bytes of one block of one layer
 LAYERS = ("l0", "l1")
 
 
-class HeldStore(Store):
+class HeldStore(ForwardingStore):
     """Forwards to ``inner``; the ranged read of slice offset ``held_offset``
     reads, then waits for ``release`` before it returns (``started`` set when
     it waits, ``returned`` once released): a layer whose bytes come late."""
 
     def __init__(self, inner: Store, held_offset: int | None = None) -> None:
-        self.inner, self.timeout_s, self.held_offset = inner, inner.timeout_s, held_offset
+        super().__init__(inner)
+        self.held_offset = held_offset
         self.release, self.started, self.returned = (threading.Event(), threading.Event(),
                                                      threading.Event())
         self.error: BaseException | None = None
-
-    def register(self, buffer: TensorLike | int, nbytes: int | None = None) -> int:
-        return self.inner.register(buffer, nbytes)
-
-    def unregister(self, ptr: int) -> None:
-        self.inner.unregister(ptr)
-
-    def exists(self, keys: Sequence[str]) -> list[bool]:
-        return self.inner.exists(keys)
-
-    def put(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> None:
-        self.inner.put(keys, ptrs, sizes)
-
-    def get(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[bool]:
-        return self.inner.get(keys, ptrs, sizes)
 
     def get_ranges(self, keys: Sequence[str], dst_ptrs: Sequence[Sequence[int]],
                    sizes: Sequence[Sequence[int]], src_offsets: Sequence[Sequence[int]]) -> None:
@@ -68,15 +53,6 @@ class HeldStore(Store):
             self.started.set()
             assert self.release.wait(30), "the test never released the held read"
             self.returned.set()
-
-    def open_session(self, keys: Sequence[str]) -> contextlib.AbstractContextManager[None]:
-        return self.inner.open_session(keys)
-
-    def remove(self, keys: Sequence[str]) -> None:
-        self.inner.remove(keys)
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 @pytest.fixture
