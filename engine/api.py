@@ -35,7 +35,7 @@ from layerlift.engine.estimate import PrefillEstimate, estimate_prefill
 from layerlift.engine.handle import LoadHandle
 from layerlift.engine.model.base import Model
 from layerlift.engine.offload import Offloader, OffloadReport
-from layerlift.engine.plan import LookupPlan
+from layerlift.engine.plan import LookupPlan, check_plans
 from layerlift.engine.restore import RestoreStage
 from layerlift.engine.results import PrefillResult
 from layerlift.engine.stores import StoreHandle, open_store_owned
@@ -351,7 +351,7 @@ class Engine:
         is not live: made by another engine, released (``release_plan``, or
         its handle finished) or loaded before."""
         ctx = self._context()
-        _check_loadable(ctx, plans)
+        check_plans(plans, ctx)
         started = time.perf_counter() - max((p.lookup_time for p in plans), default=0.0)
         try:
             await _acquire(ctx.lock, self.cfg.layer_wait_timeout_s)
@@ -426,20 +426,6 @@ def _tokens_ahead(ctx: EngineContext) -> int:
     live = (BatchState.LOADING, BatchState.COMMITTED, BatchState.RUNNING)
     return sum(len(p.tokens) - p.boundary * p.spec.page_size
                for b in ctx.live if b.state in live for p in b.plans)
-
-
-def _check_loadable(ctx: EngineContext, plans: Sequence[LookupPlan]) -> None:
-    """``ValueError`` for plans ``load`` must refuse (see :meth:`Engine.load`)."""
-    if not plans:
-        raise ValueError("load() needs at least one plan from lookup()")
-    seen: set[int] = set()
-    for plan in plans:
-        if not isinstance(plan, LookupPlan):
-            raise ValueError(f"load() takes plans from lookup(), got {type(plan).__name__}")
-        if id(plan) in seen:
-            raise ValueError(f"plan {plan.request_id} is listed twice: a plan is loaded once")
-        seen.add(id(plan))
-        plan.check_loadable(ctx)
 
 
 async def _acquire(lock: asyncio.Lock, wait_s: float | None) -> None:

@@ -3,7 +3,7 @@ and where the restore will end."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -13,7 +13,7 @@ from layerlift.linker.restorable import choose_boundary, intersect_ranks
 from layerlift.pools.spec import Component, ModelSpec
 from layerlift.pools.tree import MatchResult
 
-__all__ = ["LookupPlan"]
+__all__ = ["LookupPlan", "check_plans"]
 
 
 @dataclass(eq=False)
@@ -94,3 +94,19 @@ class LookupPlan:
         """Compute from the device boundary instead of restoring."""
         self.boundary = self.device_pages
         self.fallback_reason = reason
+
+
+def check_plans(plans: Sequence[LookupPlan], owner: object) -> None:
+    """``ValueError`` for what ``Engine.load`` refuses: no plans, a plan
+    listed twice, or one that is not live for ``owner`` (see
+    :meth:`LookupPlan.check_loadable`)."""
+    if not plans:
+        raise ValueError("load() needs at least one plan from lookup()")
+    seen: set[int] = set()
+    for plan in plans:
+        if not isinstance(plan, LookupPlan):
+            raise ValueError(f"load() takes plans from lookup(), got {type(plan).__name__}")
+        if id(plan) in seen:
+            raise ValueError(f"plan {plan.request_id} is listed twice: a plan is loaded once")
+        seen.add(id(plan))
+        plan.check_loadable(owner)

@@ -21,7 +21,9 @@ live outside the engine: production code never consults them.
 
 from __future__ import annotations
 
+import asyncio
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from layerlift.overlap.device import device_of
@@ -153,3 +155,20 @@ class WrongStreamEvents:
         event = device.event(blocking=True)
         event.record(device.current_stream())
         return event
+
+
+HOLD_S = 0.5  # how long a broken engine gets to return early (a correct one never does)
+
+
+async def cancel_while_held(task: asyncio.Task[Any], cancel: Callable[[], object],
+                            gate: threading.Event, hold_s: float = HOLD_S) -> None:
+    """Call ``cancel()`` (``task.cancel``, a timeout's ``reschedule``, or
+    nothing), check that ``task`` does not finish within ``hold_s`` while
+    ``gate`` holds the thread it waits for, then open the gate. A bounded
+    window: a correct engine never returns there, however long it is."""
+    try:
+        cancel()
+        done, _ = await asyncio.wait({task}, timeout=hold_s)
+        assert not done, "the cancelled call returned while its worker thread still ran"
+    finally:
+        gate.set()

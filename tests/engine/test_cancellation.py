@@ -26,28 +26,17 @@ from layerlift import Engine, EngineConfig, HybridModel, ModelSpec
 from layerlift.engine.results import PrefillResult
 from layerlift.linker.memory_store import MemoryStore
 from layerlift.testing import FaultyModel, FaultyStore, assert_quiescent
+from layerlift.testing.controls import HOLD_S, cancel_while_held
 from layerlift.testing.reference import assert_exact, cold_prefills, random_prompts
 from layerlift.testing.sanitizer import PoolSanitizer, SanitizerViolation
 
 KL_TOL = 1e-6
-HOLD_S = 0.5  # how long a broken engine gets to return early (a correct one never does)
 WAIT_S = 30.0
 
 
 @pytest.fixture(scope="module")
 def model() -> HybridModel:
     return HybridModel(ModelSpec.preset("tiny"), seed=0)
-
-
-async def cancel_while_held(task: asyncio.Task[Any], cancel: Any, gate: threading.Event) -> None:
-    """Cancel ``task`` (``cancel()``), check it does not finish while the
-    thread is held, then open the gate."""
-    try:
-        cancel()
-        done, _ = await asyncio.wait({task}, timeout=HOLD_S)
-        assert not done, "the cancelled call returned while its worker thread still ran"
-    finally:
-        gate.set()
 
 
 @pytest.mark.parametrize("how", ["task.cancel", "timeout"])

@@ -29,11 +29,11 @@ from layerlift.engine.stores import StoreHandle
 from layerlift.linker.memory_store import MemoryStore
 from layerlift.linker.store_base import Store
 from layerlift.testing import FaultyModel, FaultyStore, assert_quiescent
+from layerlift.testing.controls import cancel_while_held
 from layerlift.testing.reference import assert_exact, cold_prefills, random_prompts
 from layerlift.testing.sanitizer import PoolSanitizer
 
 WAIT_S = 30.0
-HOLD_S = 0.5  # how long a broken close gets to return early (a correct one never does)
 
 
 @pytest.fixture(scope="module")
@@ -65,15 +65,6 @@ def shared_store(request: pytest.FixtureRequest) -> Store:
     return store
 
 
-async def held_then_released(task: asyncio.Task[Any], gate: threading.Event) -> None:
-    """``task`` must not finish while the gate holds its thread; then open it."""
-    try:
-        done, _ = await asyncio.wait({task}, timeout=HOLD_S)
-        assert not done, "the cancelled close returned while a thread it waits for still ran"
-    finally:
-        gate.set()
-
-
 @pytest.mark.mooncake
 async def test_a_cancelled_close_lands_the_put_in_flight(model: HybridModel,
                                                         shared_store: Store) -> None:
@@ -93,7 +84,7 @@ async def test_a_cancelled_close_lands_the_put_in_flight(model: HybridModel,
     await engine.prefill([prompt])
     assert await anyio.to_thread.run_sync(put.started.wait, WAIT_S)
     closing = asyncio.create_task(asyncio.wait_for(engine.close(), 0.2))
-    await held_then_released(closing, gate)
+    await cancel_while_held(closing, lambda: None, gate)
     with pytest.raises(TimeoutError):
         await closing
     assert engine.offloader.report.ok, engine.offloader.report
@@ -121,8 +112,7 @@ async def test_a_cancelled_close_waits_for_the_forward(model: HybridModel) -> No
     assert await anyio.to_thread.run_sync(faulty.reached.wait, WAIT_S)
     closing = asyncio.create_task(engine.close())
     await asyncio.sleep(0)
-    closing.cancel()
-    await held_then_released(closing, gate)
+    await cancel_while_held(closing, closing.cancel, gate)
     with pytest.raises(asyncio.CancelledError):
         await closing
     with pytest.raises(Exception, match=r"closing|aborted"):
@@ -151,8 +141,7 @@ async def test_a_cancelled_close_still_stops_the_master(model: HybridModel,
     assert set(child_masters()) - before, "the embedded master did not start"
     closing = asyncio.create_task(engine.close())
     assert await anyio.to_thread.run_sync(entered.wait, WAIT_S)
-    closing.cancel()
-    await held_then_released(closing, gate)
+    await cancel_while_held(closing, closing.cancel, gate)
     with pytest.raises(asyncio.CancelledError):
         await closing
     assert not set(child_masters()) - before, "the embedded master is still running"
@@ -201,8 +190,9 @@ async def test_a_cancelled_start_leaves_no_master(model: HybridModel, how: str,
     task = asyncio.create_task(engine.start() if how == "task.cancel" else timed())
     assert await anyio.to_thread.run_sync(opened.wait, WAIT_S)
     loop = asyncio.get_running_loop()
-    (task.cancel if how == "task.cancel" else lambda: box["cm"].reschedule(loop.time()))()
-    await held_then_released(task, gate)
+    await cancel_while_held(
+        task, task.cancel if how == "task.cancel" else lambda: box["cm"].reschedule(loop.time()),
+        gate)
     with pytest.raises(asyncio.CancelledError if how == "task.cancel" else TimeoutError):
         await task
     assert not set(child_masters()) - before, "a cancelled start left its master running"

@@ -46,6 +46,14 @@ def spy_end_load(batch: Batch) -> asyncio.Event:
     return entered
 
 
+async def load_and_forward(engine: Engine, plan: Any) -> Any:
+    """``lookup``'s plan through ``load``, ``commit`` and ``forward``: its result."""
+    handle = await engine.load([plan])
+    handle.commit()
+    (result,) = await handle.forward()
+    return result
+
+
 # ---- 1. an abort between forward passes ----------------------------------------------
 
 @pytest.mark.parametrize("abort", ["handle.abort", "engine.close"])
@@ -152,9 +160,7 @@ async def test_load_refuses_plans_that_are_not_live(model: HybridModel) -> None:
             await engine.load([released])
 
         finished = await engine.lookup(prompt)
-        handle = await engine.load([finished])
-        handle.commit()
-        (done,) = await handle.forward()
+        done = await load_and_forward(engine, finished)
         assert_exact([done], [ref])
         with pytest.raises(ValueError, match="loaded already"):
             await engine.load([finished])
@@ -200,9 +206,7 @@ async def test_a_stale_plan_beside_a_live_one_corrupts_nothing(model: HybridMode
         live = await engine.lookup(prompt)
         with pytest.raises(ValueError, match="was released"):
             await engine.load([live, stale])
-        handle = await engine.load([live])
-        handle.commit()
-        (got,) = await handle.forward()
+        got = await load_and_forward(engine, live)
         assert got.restored_tokens > 0
         (hit,) = await engine.prefill([prompt])
         assert hit.device_hit_tokens > 0
@@ -223,9 +227,7 @@ async def test_restrict_to_failing_leaves_the_plan_loadable(model: HybridModel) 
         with pytest.raises(ValueError, match="share no restorable boundary"):
             plan.restrict_to([frozenset({10_000})])
         assert (plan.restorable, plan.boundary) == before
-        handle = await engine.load([plan])
-        handle.commit()
-        (got,) = await handle.forward()
+        got = await load_and_forward(engine, plan)
         assert_exact([got], [ref])
         await engine.wait_offloads()
         assert_quiescent(engine)
