@@ -3,7 +3,7 @@
     layerlift bench sglang [--json PATH] [--markdown PATH] [--plot PATH] [--repeats N]
         [--pages 64,128] [--prompt-tokens N] [--compute-ms C] [--no-faults]
 
-The same harness (``layerlift.hosts.sglang_harness``: SGLang 0.5.23's real
+The same harness (``layerlift.testing.sglang_harness``: SGLang 0.5.23's real
 ``UnifiedRadixCache``, ``SWAKVPool`` and ``HybridReqToTokenPool`` for a
 12-layer F S M S M F model, 8 KV heads x 64, on CPU) runs with each linker,
 built by SGLang's own factory: ``--unified-cache-external-linker-backend
@@ -49,8 +49,8 @@ import torch
 from layerlift.bench.args import BenchParser, float_above, int_at_least, int_list
 from layerlift.bench.output import add_output_options, write_outputs
 from layerlift.bench.stats import percentile_ci
-from layerlift.hosts.sglang_harness import HybridShape, Restore, SGLangHost
 from layerlift.linker.master import EmbeddedMaster
+from layerlift.testing.sglang_harness import HybridShape, Restore, SGLangHost
 
 LINKERS = ("layerlift", "sglang-mooncake")
 STALL_CAP_S = 15.0

@@ -58,7 +58,7 @@ def _mooncake_env(master: Any, tmp: Path) -> dict[str, str]:
 
 
 def _start(connector: str, model: str, master: Any, tmp: Path) -> Any:
-    from layerlift.hosts.vllm_verify import Instance
+    from layerlift.testing.vllm_verify import Instance
 
     extra: dict[str, Any] = {}
     env: dict[str, str] = {}
@@ -94,9 +94,9 @@ def _interleaved(instances: dict[str, Any], prefixes: list[list[int]],
 
 def run(kind: str, n: int, pages: int, suffix: int, repeats: int,
         connectors: list[str], hidden: int = 512, layers: int = 8) -> dict[str, Any]:
-    from layerlift.hosts.vllm_verify import make_tiny_model
     from layerlift.linker.master import EmbeddedMaster
     from layerlift.linker.mooncake_store import MooncakeStore
+    from layerlift.testing.vllm_verify import make_tiny_model
 
     tmp = Path(tempfile.mkdtemp(prefix="layerlift-bench-vllm-"))
     model = make_tiny_model(kind, str(tmp / kind), hidden=hidden, layers=layers)

@@ -13,8 +13,8 @@ os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # Mooncake's glog level, read at
 
 from sglang_testkit import SHAPE
 
-from layerlift.hosts.sglang_harness import SGLangHost
 from layerlift.linker.master import EmbeddedMaster
+from layerlift.testing.sglang_harness import SGLangHost
 
 
 def linker_config(master: EmbeddedMaster, namespace: str, **extra: Any) -> dict[str, Any]:

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from layerlift.hosts.sglang_harness import HybridShape, SGLangHost
+from layerlift.testing.sglang_harness import HybridShape, SGLangHost
 
 SHAPE = HybridShape()
 PAGE = SHAPE.page_size

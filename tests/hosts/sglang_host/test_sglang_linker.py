@@ -3,7 +3,7 @@
 Each test builds real SGLang pools for a FULL + SWA + MAMBA model (layers
 F S M S M F, 16-token pages, a 32-token window), a real UnifiedRadixCache and
 a linker made by SGLang's own dynamic loader, then makes the scheduler's calls
-(``layerlift.hosts.sglang_harness``). Two caches share one store: what the
+(``layerlift.testing.sglang_harness``). Two caches share one store: what the
 second restores must be byte-identical to what the first computed and offloaded.
 """
 
@@ -17,7 +17,7 @@ from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTr
 from sglang_testkit import PAGE, SHAPE, assert_restored, page_hashes, tokens
 
 from layerlift.hosts.sglang import LayerLiftLinker
-from layerlift.hosts.sglang_harness import SGLangHost
+from layerlift.testing.sglang_harness import SGLangHost
 
 pytestmark = [pytest.mark.sglang, pytest.mark.mooncake]
 

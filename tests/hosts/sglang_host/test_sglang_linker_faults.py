@@ -27,12 +27,12 @@ from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang_testkit import PAGE, SHAPE, is_zero, page_hashes, tokens
 
-from layerlift.hosts.sglang_harness import SGLangHost
 from layerlift.linker.integrity import checksums, slice_seed
 from layerlift.linker.master import EmbeddedMaster
 from layerlift.linker.mooncake_store import MooncakeStore
 from layerlift.linker.store_base import Store, StoreTimeout
 from layerlift.testing.faults import ProcessStall
+from layerlift.testing.sglang_harness import SGLangHost
 
 pytestmark = [pytest.mark.sglang, pytest.mark.mooncake]
 

@@ -22,11 +22,11 @@ from typing import Any
 import pytest
 from vllm_instances import Instance, corrupt_object
 
-from layerlift.hosts.vllm_layout import prompt_hashes
-from layerlift.hosts.vllm_verify import make_tiny_model
+from layerlift.hosts.vllm.layout import prompt_hashes
 from layerlift.linker.master import EmbeddedMaster
 from layerlift.linker.mooncake_store import MooncakeStore
 from layerlift.testing.faults import ProcessStall
+from layerlift.testing.vllm_verify import make_tiny_model
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mooncake]
 

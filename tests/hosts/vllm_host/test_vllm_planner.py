@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from layerlift.hosts.vllm_layout import GroupKind, GroupLayout, Layout, prompt_hashes
-from layerlift.hosts.vllm_scheduler import BlockPlanner
+from layerlift.hosts.vllm.layout import GroupKind, GroupLayout, Layout, prompt_hashes
+from layerlift.hosts.vllm.planner import BlockPlanner
 from layerlift.linker.memory_store import MemoryStore
 
 pytestmark = pytest.mark.vllm

@@ -13,9 +13,9 @@ import pytest
 import torch
 from vllm_instances import corrupt_object
 
-from layerlift.hosts.vllm_layout import GroupKind, GroupLayout, Layout
-from layerlift.hosts.vllm_meta import LoadSpec, SaveSpec
-from layerlift.hosts.vllm_worker import BlockWorker
+from layerlift.hosts.vllm.layout import GroupKind, GroupLayout, Layout
+from layerlift.hosts.vllm.meta import LoadSpec, SaveSpec
+from layerlift.hosts.vllm.worker import BlockWorker
 from layerlift.linker.master import EmbeddedMaster
 from layerlift.linker.mooncake_store import MooncakeStore
 from layerlift.linker.store_base import ForwardingStore, Store

@@ -1,10 +1,10 @@
 """Helpers of the vLLM host tests: the `Instance` client (from
-`layerlift.hosts.vllm_verify`) and a store-level corruption."""
+`layerlift.testing.vllm_verify`) and a store-level corruption."""
 
 from __future__ import annotations
 
-from layerlift.hosts.vllm_verify import Instance
 from layerlift.linker.master import EmbeddedMaster
+from layerlift.testing.vllm_verify import Instance
 
 __all__ = ["Instance", "corrupt_object"]
 

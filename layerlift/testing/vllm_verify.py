@@ -1,10 +1,10 @@
 """Serve prompts with vLLM in a child process, for the host tests and the benchmark.
 
-``python -m layerlift.hosts.vllm_verify tiny KIND DIR`` writes a tiny model
+``python -m layerlift.testing.vllm_verify tiny KIND DIR`` writes a tiny model
 with seeded random weights (``gemma3``: sliding + full attention; ``llama``:
 full attention only; ``nemotron_h``: Mamba-2 + attention) into ``DIR``.
 
-``python -m layerlift.hosts.vllm_verify serve --model DIR [--connector
+``python -m layerlift.testing.vllm_verify serve --model DIR [--connector
 layerlift|mooncake|none] [--extra JSON] [--kv-bytes N]`` builds one `vllm.LLM`
 (CPU, float32, eager, no tokenizer, prefix caching off, 256 MiB of KV cache by
 default) and then answers JSON commands, one
@@ -100,7 +100,7 @@ class Instance:
         self.log_path = log_path
         self._log = log_path.open("w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "layerlift.hosts.vllm_verify", "serve", "--model", model,
+            [sys.executable, "-m", "layerlift.testing.vllm_verify", "serve", "--model", model,
              "--connector", connector, "--extra", json.dumps(extra or {})],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env)
         self._replies: queue.Queue[dict[str, Any] | None] = queue.Queue()
@@ -204,7 +204,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m layerlift.hosts.vllm_verify")
+    parser = argparse.ArgumentParser(prog="python -m layerlift.testing.vllm_verify")
     sub = parser.add_subparsers(dest="cmd", required=True)
     tiny = sub.add_parser("tiny", help="write a tiny random model")
     tiny.add_argument("kind", choices=("gemma3", "llama", "nemotron_h"))

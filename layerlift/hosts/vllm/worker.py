@@ -36,9 +36,9 @@ import numpy as np
 import torch
 
 from layerlift.engine.threads import run_owned
-from layerlift.hosts.vllm_layout import Layout
-from layerlift.hosts.vllm_meta import LoadSpec, SaveSpec
-from layerlift.hosts.vllm_objects import layer_fetch, release_after, stage_objects
+from layerlift.hosts.vllm.layout import Layout
+from layerlift.hosts.vllm.meta import LoadSpec, SaveSpec
+from layerlift.hosts.vllm.objects import layer_fetch, release_after, stage_objects
 from layerlift.linker.scratch import ScratchArena
 from layerlift.linker.store_base import Store, StoreError, StoreTimeout
 from layerlift.overlap import (

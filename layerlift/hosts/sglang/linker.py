@@ -13,7 +13,7 @@ linker owns the store side: LayerLift's object format (layer-major pages with a
 CRC-32 footer per layer, ``linker/integrity.py``), format-versioned keys from
 SGLang's page hashes, the model's identity and layout and the rank
 (``linker/keys.py``), per-layer loads on LayerLift's scheduler and lanes
-(``sglang_load``), offloads through a staging snapshot (``sglang_offload``),
+(``load``), offloads through a staging snapshot (``offload``),
 and bounded waits. Its promises (each tested under SGLang's real wrapper):
 
 - ``lookup`` returns the exact sparse set of restorable prefix lengths: every
@@ -29,7 +29,7 @@ and bounded waits. Its promises (each tested under SGLang's real wrapper):
   (each bounded; ``close`` leaves staging held by a call that still runs).
 
 The SGLang vocabulary (``PoolTransfer``, ``PoolName``) stops at this module.
-Pools on CPU only in this version (see ``sglang_layout``).
+Pools on CPU only in this version (see ``layout``).
 """
 
 from __future__ import annotations
@@ -51,11 +51,11 @@ from layerlift.overlap.base import LoadPolicy
 from layerlift.overlap.lanes import CpuLane
 from layerlift.overlap.scheduler import LoadScheduler
 
-from .sglang_layout import PoolLayout, fingerprint, pool_layouts
-from .sglang_load import BatchLoad, LoadCounter, LoadItem, LoopThread
-from .sglang_offload import Offloader, OffloadItem
-from .sglang_settings import LinkerSettings
-from .sglang_staging import Arena, Region
+from .layout import PoolLayout, fingerprint, pool_layouts
+from .load import BatchLoad, LoadCounter, LoadItem, LoopThread
+from .offload import Offloader, OffloadItem
+from .settings import LinkerSettings
+from .staging import Arena, Region
 
 __all__ = ["LayerLiftLinker", "LinkerSettings"]
 

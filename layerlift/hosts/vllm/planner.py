@@ -18,14 +18,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from layerlift.hosts.vllm_layout import (
+from layerlift.hosts.vllm.layout import (
     GroupKind,
     Layout,
     needed_pages,
     prompt_hashes,
     restorable_pages,
 )
-from layerlift.hosts.vllm_meta import Item, LoadSpec, SaveSpec, StepMeta
+from layerlift.hosts.vllm.meta import Item, LoadSpec, SaveSpec, StepMeta
 from layerlift.linker.keys import KeySchema
 from layerlift.linker.store_base import Store, StoreError
 

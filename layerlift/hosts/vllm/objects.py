@@ -15,8 +15,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from layerlift.hosts.vllm_layout import GroupLayout, Layout
-from layerlift.hosts.vllm_meta import Item
+from layerlift.hosts.vllm.layout import GroupLayout, Layout
+from layerlift.hosts.vllm.meta import Item
 from layerlift.linker.integrity import CHECK_BYTES, checksums, mismatches, slice_seed
 from layerlift.linker.scratch import Scratch
 from layerlift.linker.store_base import Store, StoreError, StoreIntegrityError, StoreTimeout

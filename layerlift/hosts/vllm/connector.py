@@ -60,10 +60,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[
 
 from layerlift.engine.config import EngineConfig
 from layerlift.engine.stores import StoreHandle, open_store
-from layerlift.hosts.vllm_layout import Layout, classify_groups
-from layerlift.hosts.vllm_meta import StepMeta
-from layerlift.hosts.vllm_scheduler import BlockPlanner
-from layerlift.hosts.vllm_worker import BlockWorker
+from layerlift.hosts.vllm.layout import Layout, classify_groups
+from layerlift.hosts.vllm.meta import StepMeta
+from layerlift.hosts.vllm.planner import BlockPlanner
+from layerlift.hosts.vllm.worker import BlockWorker
 
 if TYPE_CHECKING:
     import torch

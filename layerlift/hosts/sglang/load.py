@@ -5,7 +5,7 @@ A :class:`BatchLoad` is what one ``start_layer_wise_loading`` started: one
 that layer in one ranged read, footer entries included), issued in layer order
 by LayerLift's :class:`~layerlift.overlap.scheduler.LoadScheduler` on a
 :class:`~layerlift.overlap.lanes.CpuLane`, into host staging
-(``sglang_staging``). A job verifies every slice against its CRC-32 (the
+(``staging``). A job verifies every slice against its CRC-32 (the
 object's key and the layer are in the seed) and only then copies it into
 SGLang's slots, under the batch's *gate*.
 
@@ -47,8 +47,8 @@ from layerlift.linker.store_base import Store, StoreError, StoreIntegrityError, 
 from layerlift.overlap.base import LayerJob, LayerLoadCancelled, LayerLoadError, LayerWaitTimeout
 from layerlift.overlap.readiness import LayerReadiness
 
-from .sglang_layout import PoolLayout
-from .sglang_staging import Region, hand_over
+from .layout import PoolLayout
+from .staging import Region, hand_over
 
 __all__ = ["BatchLoad", "LoadCounter", "LoadItem", "LoopThread"]
 

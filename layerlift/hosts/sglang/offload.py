@@ -29,8 +29,8 @@ import numpy as np
 from layerlift.linker.integrity import CHECK_BYTES, checksums, slice_seed
 from layerlift.linker.store_base import Store, StoreError, StoreTimeout
 
-from .sglang_layout import PoolLayout
-from .sglang_staging import Arena, Region, hand_over
+from .layout import PoolLayout
+from .staging import Arena, Region, hand_over
 
 __all__ = ["OffloadItem", "Offloader"]
 
