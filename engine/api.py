@@ -35,7 +35,7 @@ from layerlift.engine.estimate import PrefillEstimate, estimate_prefill
 from layerlift.engine.handle import LoadHandle
 from layerlift.engine.model.base import Model
 from layerlift.engine.offload import Offloader, OffloadReport
-from layerlift.engine.plan import LookupPlan, check_plans
+from layerlift.engine.plan import LookupPlan, take_plans
 from layerlift.engine.restore import RestoreStage
 from layerlift.engine.results import PrefillResult
 from layerlift.engine.stores import StoreHandle, open_store_owned
@@ -349,9 +349,11 @@ class Engine:
         fit alone; the plans are released then. Raises ``ValueError``, and
         releases nothing, for no plans, a plan listed twice, or a plan that
         is not live: made by another engine, released (``release_plan``, or
-        its handle finished) or loaded before."""
+        its handle finished) or loaded before. The plans are checked and
+        taken at once, before the wait: from then on they are this load's
+        (``release_plan`` and another ``load`` refuse them)."""
         ctx = self._context()
-        check_plans(plans, ctx)
+        take_plans(plans, ctx)  # checked and taken with no await between
         started = time.perf_counter() - max((p.lookup_time for p in plans), default=0.0)
         try:
             await _acquire(ctx.lock, self.cfg.layer_wait_timeout_s)
@@ -394,8 +396,9 @@ class Engine:
             raise ValueError(f"plan {plan.request_id} was made by another engine: release it "
                              "with the engine whose lookup() made it")
         if plan.taken and not plan.released:
-            raise ValueError(f"plan {plan.request_id} is loaded: its handle releases it "
-                             "(forward, or abort and aclose)")
+            raise ValueError(f"plan {plan.request_id} is loaded (or being loaded): its load "
+                             "releases it (a failed load, or its handle: forward, or abort "
+                             "and aclose)")
         release_plan(ctx, plan)
 
     def _context(self) -> EngineContext:

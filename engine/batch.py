@@ -71,6 +71,7 @@ from layerlift.engine.forward import (
     insert_computed,
     run_forward,
 )
+from layerlift.engine.hostforward import HostForward
 from layerlift.engine.model.api import ForwardRequest
 from layerlift.engine.plan import LookupPlan
 from layerlift.engine.record import RequestRecord, RequestStatus
@@ -148,6 +149,9 @@ class Batch:
         self._holds_device = False
         self._ext_runs: list[ForwardRun] = []
         self._ext_deps: list[ReadinessView] = []
+        self._host = HostForward(asyncio.get_running_loop())  # a host's own forward
+        self._host_call: str | None = None  # external_done / external_failed in progress
+        self._left_behind = False  # the exit gave up on a host forward: its pages stay
         self._forward_idle = asyncio.Event()  # no forward thread of this batch runs
         self._forward_idle.set()
         self._forward_stop: threading.Event | None = None
@@ -218,7 +222,8 @@ class Batch:
             rec.compute = alloc_compute(ctx.pool, ctx.tree, plan)
         if rec.compute is None:  # not in this batch: the caller serves it in a later one
             self.records.pop()
-            plan.taken = False
+            # Still taken: the caller (load, prefill) waits for room with it or
+            # releases it; nobody else may release or load it meanwhile.
             plan.boundary, plan.fallback_reason = boundary, reason
             return False
         return True
@@ -297,6 +302,8 @@ class Batch:
         return readiness
 
     def _unpin(self, rids: frozenset[Hashable] | None = None) -> None:
+        if self._left_behind:  # a host forward may still read them: they stay pinned
+            return
         for rec in self.records:
             if rids is None or rec.rid in rids:
                 rec.unpin(self.ctx.pool)
@@ -385,9 +392,10 @@ class Batch:
 
     async def _after_good_pass(self) -> bool:
         """The pass ran through: True once every restore it read had landed
-        in full; otherwise the failed ones are set up to recompute (False)."""
-        if self.restore.ended:  # the load had ended before this pass
-            return True
+        in full; otherwise the failed ones are set up to recompute (False).
+        Always waits for the load's end to have *finished* (a load whose end
+        had finished before this pass returns at once: what failed then is
+        recomputed already); an end that has only begun proves nothing."""
         ended = await self._end_load()
         self._check_open()
         # Requests that compute already (a refused COMMIT) read none of it.
@@ -427,8 +435,9 @@ class Batch:
         """COMMIT if needed and hand the forward to the host: one request per
         plan (page tables, state slot, COW source, checkpoints to capture).
         The host calls :meth:`wait_layer` before each layer, writes only the
-        pages and slots it was given, and ends with :meth:`external_done` or
-        :meth:`external_failed`."""
+        pages and slots it was given, says when its forward returned
+        (:meth:`host_returned`; done and failed say it too) and ends with
+        :meth:`external_done` or :meth:`external_failed`."""
         if self.state is BatchState.LOADING:
             self.commit()
         self._to(BatchState.RUNNING)
@@ -443,23 +452,58 @@ class Batch:
         """The host's per-layer wait (any thread but the event loop's):
         returns once layer ``layer`` of every restore may be read (on CUDA,
         ``stream`` waits on the load's event). Raises ``LayerLoadError`` or
-        ``LayerWaitTimeout``: pass it to :meth:`external_failed`."""
+        ``LayerWaitTimeout``: pass it to :meth:`external_failed`. The first
+        wait marks the host's forward running (:meth:`host_started`); once
+        the batch's exit began it raises ``EngineError`` (the forward must
+        stop: its pages are being released)."""
         check_layer(layer, self.ctx.pool.spec.num_layers)
+        self.host_started()
         for dep in self._ext_deps:
             dep.wait(layer, timeout, stream=stream)
+
+    def host_started(self) -> None:
+        """The host's forward runs (any thread; idempotent): the exit waits
+        for :meth:`host_returned` before it releases a page. ``EngineError``
+        once the exit began: the forward must not start."""
+        if not self._host.start():
+            if self._abort_reason is not None:
+                raise self._aborted_error()
+            raise EngineError("this batch has ended (its results were taken, or it failed): "
+                              "a host forward must not run on its pages any more")
+
+    def host_returned(self) -> None:
+        """The host's forward returned and touches none of the batch's pages
+        any more (any thread; idempotent). A batch whose exit gave up waiting
+        for it releases what it left behind now."""
+        self._host.returned()
+
+    def _claim_host_call(self, what: str) -> None:
+        """``RuntimeError`` unless the batch runs a host forward and no
+        other done()/failed() is in progress; then ``what`` holds the claim
+        (checked and taken with no await between)."""
+        if self.state is not BatchState.RUNNING or self._exit_task is not None:
+            raise RuntimeError("this batch is not running a host forward")
+        if self._host_call is not None:
+            raise RuntimeError(
+                f"{what} was called while {self._host_call} of the same forward is still "
+                "running: call done() or failed() once per forward, and await it first")
+        self._host_call = what
 
     async def external_failed(self, error: BaseException) -> list[ForwardRequest]:
         """The host's forward raised ``error``. A failed or late layer load:
         the affected requests are recomputed and the requests to run again
         are returned (their page tables changed). Anything else aborts the
-        batch and is raised again."""
-        if self.state is not BatchState.RUNNING or self._exit_task is not None:
-            raise RuntimeError("this batch is not running a host forward")
-        if not isinstance(error, LayerLoadError | LayerWaitTimeout):
-            await self.close(error)
-            raise error
-        await self._guard(self._after_failed_pass(error))
-        return self._external_requests()
+        batch and is raised again. Says that the host's forward returned."""
+        self.host_returned()
+        self._claim_host_call("failed()")
+        try:
+            if not isinstance(error, LayerLoadError | LayerWaitTimeout):
+                await self.close(error)
+                raise error
+            await self._guard(self._after_failed_pass(error))
+            return self._external_requests()
+        finally:
+            self._host_call = None
 
     async def external_done(self, next_token_logprobs: torch.Tensor,
                             timings: Timings | None = None) -> list[PrefillResult]:
@@ -470,16 +514,35 @@ class Batch:
         carries the requests to run again. Otherwise inserts the computed
         pages, offloads them, exits and returns the results. ``timings``: the
         host's per-layer compute, if it measured it (the cost model learns
-        nothing about compute otherwise)."""
+        nothing about compute otherwise). Says that the host's forward
+        returned. ``RuntimeError`` while another done()/failed() of the
+        batch is in progress; ``ValueError`` for logprobs of another shape
+        than ``[requests, vocab]`` (nothing changes: call it again)."""
+        self.host_returned()
         if self.state is not BatchState.RUNNING or self._exit_task is not None:
             raise RuntimeError("this batch is not running a host forward")
-        if next_token_logprobs.shape[0] != len(self.plans):
-            raise ValueError(f"next_token_logprobs has {next_token_logprobs.shape[0]} rows "
-                             f"for {len(self.plans)} requests")
-        if not await self._guard(self._after_good_pass()):
-            raise RerunRequired(self._external_requests())
-        mine = dataclasses.replace(timings) if timings is not None else Timings()  # not the host's
-        return await self._guard(self._finish(self._ext_runs, next_token_logprobs, mine))
+        self._check_logprobs(next_token_logprobs)
+        self._claim_host_call("done()")
+        try:
+            if not await self._guard(self._after_good_pass()):
+                raise RerunRequired(self._external_requests())
+            mine = dataclasses.replace(timings) if timings is not None else Timings()
+            return await self._guard(self._finish(self._ext_runs, next_token_logprobs, mine))
+        finally:
+            self._host_call = None
+
+    def _check_logprobs(self, logprobs: torch.Tensor) -> None:
+        n, vocab = len(self.plans), self.ctx.vocab_size
+        if logprobs.ndim != 2:
+            raise ValueError(f"next_token_logprobs must be [requests, vocab] = [{n}, {vocab}], "
+                             f"got {logprobs.ndim} dimension(s) {tuple(logprobs.shape)}")
+        if logprobs.shape[0] != n:
+            raise ValueError(f"next_token_logprobs has {logprobs.shape[0]} rows "
+                             f"for {n} requests")
+        if logprobs.shape[1] != vocab:
+            raise ValueError(f"next_token_logprobs has {logprobs.shape[1]} columns for a model "
+                             f"of {vocab} tokens: give each request's log-probabilities over "
+                             "the whole vocabulary")
 
     def _restoring(self) -> frozenset[Hashable]:
         return frozenset(p.request_id for p in self.plans if p.restores)
@@ -591,16 +654,24 @@ class Batch:
                 exc.add_note(f"while the batch's exit was {what}")
                 problems.append(exc)
 
+        lost: EngineError | None = None
         try:
+            self._host.close()  # a host forward that has not started must not start now
             if error is not None:
                 self._stop(f"batch aborted: {error!r}")
             await self._forward_idle.wait()  # the forward's pages are its own until it returns
+            if not await self._host.wait_returned(ctx.cfg.layer_wait_timeout_s):
+                lost = self._host_lost()
             try:
                 await self._end_load()
             except Exception as exc:
                 problems.append(exc)
-            for rec in self.records:  # record by record, each step on its own
-                step(f"releasing request {rec.rid}", functools.partial(self._release, rec))
+            if lost is not None:  # a host forward may still write them: leave them be
+                self._host.on_late_return(functools.partial(self._release_late,
+                                                            list(self.records)))
+            else:
+                for rec in self.records:  # record by record, each step on its own
+                    step(f"releasing request {rec.rid}", functools.partial(self._release, rec))
             step("flushing deferred frees", ctx.pool.flush_deferred)
             step("settling the readiness",
                  lambda: self.restore.readiness.cancel("the batch has ended"))
@@ -615,10 +686,41 @@ class Batch:
         if problems:
             for problem in problems:
                 log.error("batch exit: %r", problem, exc_info=problem)
-            if error is None:
+            ended: BaseException | None = error if error is not None else lost
+            if ended is None:
                 raise EngineError(f"the batch's cleanup failed: {problems[0]!r}") from problems[0]
             for problem in problems:
-                error.add_note(f"and during the cleanup: {problem!r}")
+                ended.add_note(f"and during the cleanup: {problem!r}")
+        if lost is not None:
+            log.error("batch exit: %s", lost)
+            raise lost from error
+
+    def _host_lost(self) -> EngineError:
+        """The error of an exit whose host forward never said it returned."""
+        self._left_behind = True
+        rids = [r.rid for r in self.records]
+        return EngineError(
+            f"the host's forward over requests {rids} did not return within "
+            f"{self.ctx.cfg.layer_wait_timeout_s} s (layer_wait_timeout_s) of the batch's "
+            "end: an external runner must say when its forward returned (leave "
+            "ExternalForward.running(), or call returned(), done() or failed()). Its pages "
+            "and slots are left allocated (not freed under a forward that may still write "
+            "them) until it does")
+
+    def _release_late(self, records: list[RequestRecord]) -> None:
+        """The host forward an exit gave up on returned: release what it left."""
+        ctx = self.ctx
+        for rec in records:
+            try:
+                self._release(rec)
+            except Exception as exc:
+                log.error("releasing request %s after its host forward returned: %r",
+                          rec.rid, exc, exc_info=exc)
+        self._left_behind = False
+        try:
+            ctx.pool.flush_deferred()
+        finally:
+            ctx.room_freed()
 
     def _defer(self, rec: RequestRecord) -> None:
         """Take a request whose restore failed out of this batch (its

@@ -10,7 +10,9 @@ once no thread of the batch runs any more.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -105,6 +107,23 @@ class ExternalForward:
     ``done`` raises :class:`RerunRequired` (carrying new requests) when a
     restore the host read had not landed.
 
+    The forward-returned rule: the batch's pages and slots are the host
+    forward's while it runs, and nothing releases them under it. The forward
+    counts as running from its first :meth:`wait` (or from entering
+    :meth:`running`) until the host says it returned: leaving ``with
+    run.running():``, :meth:`returned`, ``done`` or ``failed``. Every exit
+    (:meth:`abort` then :meth:`aclose`, ``Engine.close``) waits for that.
+    After an abort the host's next :meth:`wait` raises ``EngineError`` (stop
+    there). A host that does not say it returned within
+    ``layer_wait_timeout_s`` of the exit gets an ``EngineError`` from
+    ``aclose`` (and ``Engine.close``) naming this rule; its batch's pages
+    then stay allocated, logged, until it does say so: never freed under a
+    forward that may still write them. On a GPU "returned" means the host's
+    work on those pages has completed (synchronize its stream first). Run
+    the forward as ``with run.running(): model(...)`` in the thread that runs
+    it, so that every way out of it (an exception, a cancelled caller) says
+    so.
+
     Timings (what ``restore="auto"`` learns the compute cost from): the host
     passes its per-layer compute to ``done(..., timings=Timings(layer_compute
     =[...]))``; without them they are measured between the waits when that
@@ -123,12 +142,39 @@ class ExternalForward:
     def wait(self, layer: int, timeout: float | None = None, *, stream: Any = None) -> None:
         """Block until layer ``layer`` may be read (default timeout: the
         engine's ``layer_wait_timeout_s``); on CUDA ``stream`` (None: the
-        current one) waits on the load's event instead of the host."""
+        current one) waits on the load's event instead of the host. Marks
+        the forward running (see the class docstring); ``EngineError`` once
+        the batch is aborted or ended: stop the forward."""
         self._clock.called(layer, stream)
         self._batch.wait_layer(layer, timeout, stream=stream)
         self._clock.returned(layer)
 
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        """``with run.running(): <the host's forward>``, in the thread that
+        runs it: the forward counts as running inside, and as returned once
+        the block is left, however it is left. ``EngineError`` on entry if
+        the batch is aborted or ended already (do not run the forward)."""
+        self._batch.host_started()
+        try:
+            yield
+        finally:
+            self._batch.host_returned()
+
+    def returned(self) -> None:
+        """The host's forward has returned: it reads and writes none of the
+        batch's pages and slots any more (on a GPU: its work on them has
+        completed). Any thread; idempotent. ``done`` and ``failed`` say it
+        too; call it yourself before :meth:`abort` when the forward ran."""
+        self._batch.host_returned()
+
     async def failed(self, error: BaseException) -> list[ForwardRequest]:
+        """The host's forward raised ``error`` (it has returned). A failed
+        or late layer load (``LayerLoadError``, ``LayerWaitTimeout``): the
+        affected requests are recomputed and the requests to run again are
+        returned; anything else aborts the batch and is raised again.
+        ``RuntimeError`` if the batch is not running a host forward or
+        ``done``/``failed`` is in progress for it."""
         self.requests = await self._batch.external_failed(error)
         self._clock.reset()  # the requests run again: a new forward to time
         return self.requests
@@ -138,7 +184,11 @@ class ExternalForward:
         """The forward finished: results (see the class docstring).
         ``timings``: the host's own measurement, ``layer_compute`` with one
         entry per cache layer (seconds; ``layer_wait`` optional, the same
-        length). ``ValueError`` for timings of another length or negative."""
+        length). The forward has returned (see the class docstring).
+        ``ValueError`` for timings of another length or negative, or logprobs
+        that are not ``[requests, vocab]``; ``RuntimeError`` if the batch is
+        not running a host forward or ``done``/``failed`` is in progress for
+        it (a second concurrent call)."""
         end = time.perf_counter()
         if timings is not None:
             check_host_timings(timings, self._layers)
@@ -151,10 +201,16 @@ class ExternalForward:
             raise
 
     def abort(self) -> None:
-        """Abandon the host forward: ABORT the batch (``await aclose()``)."""
+        """Abandon the host forward: ABORT the batch (then ``await aclose()``).
+        The host's next :meth:`wait` raises; the exit releases nothing until
+        the forward returned (see the class docstring)."""
         self._batch.abort()
 
     async def aclose(self) -> None:
+        """Wait for the exit that :meth:`abort` started: once the forward
+        returned, everything is released. ``EngineError`` (pages left
+        allocated) if the forward does not say it returned within
+        ``layer_wait_timeout_s``."""
         await self._batch.aclose()
 
 

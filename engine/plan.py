@@ -13,7 +13,7 @@ from layerlift.linker.restorable import choose_boundary, intersect_ranks
 from layerlift.pools.spec import Component, ModelSpec
 from layerlift.pools.tree import MatchResult
 
-__all__ = ["LookupPlan", "check_plans"]
+__all__ = ["LookupPlan", "check_plans", "take_plans"]
 
 
 @dataclass(eq=False)
@@ -69,7 +69,13 @@ class LookupPlan:
     def restrict_to(self, other_ranks: Iterable[frozenset[int]]) -> None:
         """Intersect this rank's restorable set with the other ranks' (tensor
         parallelism: a restore must end where every rank can restore) and
-        choose the deepest common boundary. Call before ``Engine.load``."""
+        choose the deepest common boundary. Call before ``Engine.load``:
+        ``ValueError`` for a plan a batch has taken (its pages and restore
+        slots are sized for the boundary it had)."""
+        if self.taken:
+            raise ValueError(f"plan {self.request_id} was loaded: restrict_to() must come "
+                             "before Engine.load (its batch's pages are sized for the "
+                             "boundary it had then)")
         common = intersect_ranks([self.restorable, *other_ranks])
         if not common:  # the plan is left as it was: still loadable at its own boundary
             raise ValueError("the ranks share no restorable boundary, not even the device hit")
@@ -94,6 +100,16 @@ class LookupPlan:
         """Compute from the device boundary instead of restoring."""
         self.boundary = self.device_pages
         self.fallback_reason = reason
+
+
+def take_plans(plans: Sequence[LookupPlan], owner: object) -> None:
+    """:func:`check_plans`, then mark every plan taken, with no await
+    between: from here on the plans are the caller's load (``release_plan``
+    and a second ``load`` refuse them); the load releases them on every
+    failure path."""
+    check_plans(plans, owner)
+    for plan in plans:
+        plan.taken = True
 
 
 def check_plans(plans: Sequence[LookupPlan], owner: object) -> None:
