@@ -47,6 +47,7 @@ from layerlift.linker.store_base import (
     StoreError,
     StoreIOError,
     StoreKeyMissing,
+    StoreObjectLeased,
     StoreTimeout,
     StoreUnavailable,
     TensorLike,
@@ -102,8 +103,9 @@ class MooncakeStore(Store):
     (see `MooncakeConfig`: it holds the GIL). A master that is gone shows as
     StoreUnavailable (error -900) or StoreTimeout. `close()` waits for calls in
     flight (bounded), unregisters buffers, then closes the client; stores that
-    are never closed are closed at interpreter exit. `remove` is best effort: an
-    object read within the master's lease TTL (`--default_kv_lease_ttl`) stays.
+    are never closed are closed at interpreter exit. `remove` raises
+    StoreObjectLeased for an object read (or checked with `exists`) within the
+    master's lease TTL (`--default_kv_lease_ttl`): it stays until then.
     `get_ranges` needs a get session: call it inside `open_session(keys)`, or it
     opens and closes one itself around the call.
 
@@ -422,6 +424,9 @@ class MooncakeStore(Store):
         bad = [(k, c) for k, c in zip(keys, codes, strict=True) if c not in (0, MISSING, LEASED)]
         if bad:
             raise code_error("remove", bad[0][1], [k for k, _ in bad])
+        leased = [k for k, c in zip(keys, codes, strict=True) if c == LEASED]
+        if leased:
+            raise StoreObjectLeased(leased)
 
     def close(self) -> None:
         with self._lock:

@@ -89,6 +89,18 @@ class StoreKeyMissing(StoreError):
         )
 
 
+class StoreObjectLeased(StoreError):
+    """`remove` could not remove these objects (`.keys`) now: a read lease
+    holds them (Mooncake: -706 until its ``--default_kv_lease_ttl`` after the
+    last read or ``exists``). Every other key of the call was removed."""
+
+    def __init__(self, keys: Sequence[str]) -> None:
+        self.keys: tuple[str, ...] = tuple(keys)
+        shown = ", ".join(self.keys[:4]) + (" ..." if len(self.keys) > 4 else "")
+        super().__init__(f"{len(self.keys)} object(s) are leased by a read and were not "
+                         f"removed: {shown}")
+
+
 class StoreIOError(StoreError):
     """A transfer failed: short read, size mismatch or a bad return code."""
 
@@ -297,8 +309,10 @@ class Store(ABC):
 
     @abstractmethod
     def remove(self, keys: Sequence[str]) -> None:
-        """Remove objects, best effort: missing keys are ignored; a backend may
-        keep an object that is being read (Mooncake: read lease) until later."""
+        """Remove objects; missing keys are ignored. An object a backend keeps
+        because it is being read (Mooncake: a read lease, granted by reads and
+        by `exists`) is not removed: the call removes the others and raises
+        StoreObjectLeased naming the kept ones (retry after the lease)."""
 
     @abstractmethod
     def close(self) -> None:
