@@ -29,7 +29,8 @@ import torch
 
 from layerlift.linker.integrity import CHECK_BYTES
 
-__all__ = ["LayerParts", "Part", "PoolLayout", "fingerprint", "pool_layouts"]
+__all__ = ["LayerParts", "Part", "PoolLayout", "fingerprint", "pool_layouts",
+           "refuse_unmoved_state"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,10 +214,38 @@ def pool_layouts(kvcache: Any, req_to_token_pool: Any, page_size: int,
     return {name: layouts[name] for name in sorted(wanted)}
 
 
+def refuse_unmoved_state(params: Any, components: Sequence[str]) -> None:
+    """ValueError, with a sentence, for pool features whose state this linker
+    does not move (restoring the rest would leave that state wrong under valid
+    checksums). SGLang refuses the same features for its own direct linker at
+    start-up (``linker_pool_assembler``)."""
+    rtp = params.req_to_token_pool
+    if "MAMBA" in components:
+        if getattr(rtp, "mamba_ckpt_pool", None) is not None:
+            raise ValueError(
+                "LayerLiftLinker does not support int8 Mamba checkpoints "
+                "(--enable-int8-mamba-checkpoint): the tree's Mamba values are then ids in the "
+                "checkpoint pool, whose states LayerLift does not move; launch without it")
+        for name, what in (("short_conv_pool", "short-conv"), ("ngram_pool", "n-gram")):
+            side = getattr(rtp, name, None)
+            if side is not None and getattr(side, "enabled", False):
+                raise ValueError(
+                    f"LayerLiftLinker does not support Mamba side states ({what} state, "
+                    f"{name}): LayerLift moves the Mamba pool's temporal and conv states only")
+    for name in ("mtp_draft_device_pools", "sidecar_draft_device_pools", "mtp_draft_mamba_pools"):
+        if tuple(getattr(params, name, None) or ()):
+            raise ValueError(
+                f"LayerLiftLinker does not support draft KV pools ({name}: speculative "
+                "decoding's draft model): it would restore the target's KV but not the "
+                "draft's; launch without speculative decoding or without the linker")
+
+
 def fingerprint(model: str, layouts: dict[str, PoolLayout], stage: str) -> str:
     """A key fingerprint naming the model and every byte-layout fact of its
-    objects (pools, layers, row sizes, dtypes, page size) and the pipeline /
-    context-parallel stage: a different layout never matches a key."""
+    objects (pools, layers, row sizes, dtypes, page size) and the parallel
+    layout (``stage``: TP size, attention TP/DP/CP layout, pipeline stage;
+    with the rank in the key it fixes the rank's head range): a different
+    layout never matches a key."""
     facts = [stage]
     for name, p in sorted(layouts.items()):
         facts.append(f"{name}:{p.component}:{p.unit_tokens}")

@@ -46,14 +46,15 @@ from sglang.srt.mem_cache.unified_cache.unified_cache_linker import UnifiedCache
 from layerlift.linker.keys import KeySchema
 from layerlift.linker.master import EmbeddedMaster
 from layerlift.linker.mooncake_store import MooncakeConfig, MooncakeStore
-from layerlift.linker.store_base import Store, StoreError
+from layerlift.linker.store_base import Store
 from layerlift.overlap.base import LoadPolicy
 from layerlift.overlap.lanes import CpuLane
 from layerlift.overlap.scheduler import LoadScheduler
 
-from .layout import PoolLayout, fingerprint, pool_layouts
+from .layout import PoolLayout, fingerprint, pool_layouts, refuse_unmoved_state
 from .load import BatchLoad, LoadCounter, LoadItem, LoopThread
-from .offload import Offloader, OffloadItem
+from .lookup import LookupGuard
+from .offload import Offloader, OffloadItem, Quarantine
 from .settings import LinkerSettings
 from .staging import Arena, Region
 
@@ -70,13 +71,37 @@ def _hash_bytes(page_hash: str) -> bytes:
         return page_hash.encode()
 
 
-def _rank_and_stage(params: Any) -> tuple[int, str]:
-    rank = 0
+def _parallel(name: str, default: int) -> int:
+    """A width or rank from SGLang's published parallel context (``default``
+    where it is not published or not written in this process)."""
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        value = getattr(get_parallel(), name)
+    except Exception:  # not published (a bare construction): the default
+        return default
+    return default if value is None else int(value)
+
+
+def _topology(params: Any) -> tuple[int, str]:
+    """This rank's index in its attention-TP cache group (the key's rank) and
+    the parallel layout every key fingerprints: TP size, attention TP size,
+    attention DP size, attention CP rank/size, decode CP size, pipeline
+    rank/size. The rank and the attention TP size fix which KV heads and
+    which Mamba shard this rank holds (with replicated KV heads, rank 1 holds
+    head 1 at tp=2 but head 0 at tp=4, in identical shapes)."""
+    tp_size = _parallel("tp_size", 1)
+    attn_tp_size = _parallel("attn_tp_size", tp_size)
+    rank = _parallel("attn_tp_rank", _parallel("tp_rank", 0))
     group = getattr(params, "attn_tp_cache_group", None) or getattr(params, "tp_cache_group", None)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         rank = torch.distributed.get_rank(group=group)
-    stage = f"pp{getattr(params, 'pp_rank', 0)}cp{getattr(params, 'attn_cp_rank', 0)}"
-    return rank, stage
+        attn_tp_size = torch.distributed.get_world_size(group=group)
+    layout = (f"tp{tp_size}.atp{attn_tp_size}.adp{_parallel('attn_dp_size', 1)}"
+              f".cp{getattr(params, 'attn_cp_rank', 0)}of{getattr(params, 'attn_cp_size', 1)}"
+              f".dcp{_parallel('attn_dcp_size', 1)}"
+              f".pp{getattr(params, 'pp_rank', 0)}of{getattr(params, 'pp_size', 1)}")
+    return rank, layout
 
 
 class LayerLiftLinker(UnifiedCacheLinker):  # type: ignore[misc,unused-ignore]
@@ -84,7 +109,8 @@ class LayerLiftLinker(UnifiedCacheLinker):  # type: ignore[misc,unused-ignore]
 
     Thread model: SGLang's scheduler thread calls every method; the forward
     calls ``layer_done_counter.wait_until``; loads run on LayerLift's lane
-    threads under an event loop of the linker's own, offloads on one thread.
+    threads under an event loop of the linker's own, offloads on one thread,
+    lookups' store calls on one more (``lookup.LookupGuard``).
     """
 
     def __init__(self, server_args: Any, params: Any, *, components: Any,
@@ -94,13 +120,15 @@ class LayerLiftLinker(UnifiedCacheLinker):  # type: ignore[misc,unused-ignore]
         self.forward_stream = forward_stream
         kvcache = params.token_to_kv_pool_allocator.get_kvcache()
         names = sorted(getattr(c, "name", str(c)) for c in components)
+        refuse_unmoved_state(params, names)
         self.layouts: dict[str, PoolLayout] = pool_layouts(
             kvcache, params.req_to_token_pool, int(params.page_size), names)
         self.pools: dict[PoolName, object] = {PoolName(n): p for n, p in self.layouts.items()}
         self.num_layers = 1 + max(lp.layer for p in self.layouts.values() for lp in p.layers)
-        rank, stage = _rank_and_stage(params)
+        rank, layout = _topology(params)
         model = s.model or getattr(server_args, "model_path", None) or "model"
-        self.key_schema = KeySchema(s.namespace, fingerprint(str(model), self.layouts, stage), rank)
+        self.key_schema = KeySchema(s.namespace, fingerprint(str(model), self.layouts, layout),
+                                    rank)
         self._master = EmbeddedMaster(http_metadata=False, lease_ttl_ms=5000).start() \
             if s.embedded_master else None
         address = self._master.master_address if self._master else s.master_address
@@ -121,19 +149,29 @@ class LayerLiftLinker(UnifiedCacheLinker):  # type: ignore[misc,unused-ignore]
             if self._master is not None:
                 self._master.stop()
             raise
-        self.layer_done_counter = LoadCounter()
+        self.layer_done_counter = LoadCounter(self.num_layers)
         if "mamba" in self.layouts:
             params.req_to_token_pool.register_layer_transfer_counter(self.layer_done_counter)
         self._loop = LoopThread("layerlift-sglang-loop")
         self._lane = CpuLane(max_workers=s.depth, name="sglang")
         self._scheduler = LoadScheduler(self._lane, LoadPolicy.OVERLAP, max_in_flight=s.depth)
         self._pending: dict[str, tuple[list[LoadItem], Region]] = {}
+        self._failed_starts: set[int] = set()  # counter indices whose start failed
         self._next_index = 0
-        self._offloader = Offloader(self.store, self.arena)
+        self.quarantine = Quarantine()
+        self._offloader = Offloader(self.store, self.arena, self.quarantine, s.timeout_s)
+        self.lookups = LookupGuard(s.lookup_timeout_s, s.lookup_breaker_s, s.lookup_share)
         self.finished: deque[BatchLoad] = deque(maxlen=256)  # recent batches (timings, verdict)
+        self.errors = 0  # calls that failed by an unexpected error (logged; SGLang went on)
         self._closed = False
 
     # ---- helpers -------------------------------------------------------------
+
+    def use_store(self, store: Store) -> None:
+        """Route every later store call (lookups, loads, offloads) through
+        ``store``: a wrapper of :attr:`store` (tests inject faults this way)."""
+        self.store = store
+        self._offloader._store = store
 
     def _items(self, transfers: list[Any]) -> list[tuple[PoolLayout, list[str], list[int]]]:
         """(layout, store keys, first rows) per transfer with keys; ValueError
@@ -150,13 +188,37 @@ class LayerLiftLinker(UnifiedCacheLinker):  # type: ignore[misc,unused-ignore]
             out.append((layout, keys, rows))
         return out
 
+    def _unexpected(self, what: str) -> None:
+        self.errors += 1
+        _log.exception("LayerLift %s failed by an unexpected error; SGLang goes on without it",
+                       what)
+
+    def staging_fits(self, pages: int, window: int, mamba: bool) -> bool:
+        """Whether a load of ``pages`` FULL pages, the SWA window's last
+        ``window`` pages and (``mamba``) one Mamba state fits the staging."""
+        need = 0
+        for name, units in (("kv", pages), ("swa", min(window, pages)), ("mamba", int(mamba))):
+            layout = self.layouts.get(name)
+            if layout is not None:
+                need += units * layout.object_bytes
+        return need <= self.arena.nbytes
+
     # ---- UnifiedCacheLinker ------------------------------------------------------
 
     def lookup(self, rid: str, transfers: list[Any]) -> list[int]:
         """Every boundary ``b`` (pages of the tail) at which each pool of the
         lookup restores: FULL pages ``[0, b)``, the SWA window ending at ``b``
         (as many pages as the SWA transfer carries), the Mamba checkpoint of
-        page ``b - 1``. A store failure is logged and reads as no hit."""
+        page ``b - 1``; none whose load would not fit the staging, none with
+        a quarantined (corrupt) object. Bounded (``lookup.LookupGuard``); any
+        failure is logged and reads as no hit."""
+        try:
+            return self._lookup(rid, transfers)
+        except Exception:
+            self._unexpected(f"lookup for {rid}")
+            return []
+
+    def _lookup(self, rid: str, transfers: list[Any]) -> list[int]:
         by_name = {PoolName(t.name).value: t for t in transfers}
         kv = by_name.get("kv")
         if kv is None or not kv.keys:
@@ -165,11 +227,10 @@ class LayerLiftLinker(UnifiedCacheLinker):  # type: ignore[misc,unused-ignore]
         n = len(hashes)
         pools = [p for p in ("kv", "swa", "mamba") if p in by_name and p in self.layouts]
         keys = [k for p in pools for k in self.key_schema.keys(self.layouts[p].component, hashes)]
-        try:
-            flags = self.store.exists(keys)
-        except StoreError as exc:
-            _log.warning("LayerLift lookup for %s failed (%s); treated as a miss", rid, exc)
+        answer = self.lookups.exists(self.store, keys)
+        if answer is None:
             return []
+        flags = [f and not q for f, q in zip(answer, self.quarantine.holds(keys), strict=True)]
         have = {p: flags[i * n:(i + 1) * n] for i, p in enumerate(pools)}
         window = len(by_name["swa"].keys or ()) if "swa" in have else 0
         out = []
@@ -180,24 +241,36 @@ class LayerLiftLinker(UnifiedCacheLinker):  # type: ignore[misc,unused-ignore]
                 continue
             if "mamba" in have and not have["mamba"][b - 1]:
                 continue
+            if not self.staging_fits(b, window, "mamba" in have):
+                break
             out.append(b)
         return out
 
     def load(self, rid: str, transfers: list[Any]) -> bool:
         """Queue ``rid``'s load and reserve its staging; False (SGLang then
-        recomputes) when staging has no room. ValueError for a malformed transfer."""
-        if rid in self._pending:
-            raise ValueError(f"LayerLiftLinker: a load for {rid} is already queued")
-        items = [LoadItem(rid, layout, tuple(keys), tuple(rows))
-                 for layout, keys, rows in self._items(transfers)]
-        if not items:
+        recomputes) when staging has no room or a transfer is malformed
+        (logged). Never raises into SGLang's scheduler."""
+        try:
+            if rid in self._pending:
+                _log.error("LayerLift: a load for %s is already queued; this one is recomputed",
+                           rid)
+                return False
+            items = [LoadItem(rid, layout, tuple(keys), tuple(rows))
+                     for layout, keys, rows in self._items(transfers)]
+            if not items:
+                return False
+            region = self.arena.allocate(sum(item.nbytes for item in items))
+            if region is None:
+                _log.warning("LayerLift: no staging room for %s's load; it is recomputed", rid)
+                return False
+            self._pending[rid] = (items, region)
+            return True
+        except ValueError as exc:
+            _log.error("LayerLift: %s's load is refused (%s); it is recomputed", rid, exc)
             return False
-        region = self.arena.allocate(sum(item.nbytes for item in items))
-        if region is None:
-            _log.warning("LayerLift: no staging room for %s's load; it is recomputed", rid)
+        except Exception:
+            self._unexpected(f"load for {rid}")
             return False
-        self._pending[rid] = (items, region)
-        return True
 
     def cancel_queued_load(self, rid: str) -> bool:
         entry = self._pending.pop(rid, None)
@@ -211,9 +284,17 @@ class LayerLiftLinker(UnifiedCacheLinker):  # type: ignore[misc,unused-ignore]
             return -1
         pending, self._pending = list(self._pending.values()), {}
         index, self._next_index = self._next_index, self._next_index + 1
-        batch = BatchLoad(index, pending, self.num_layers, self.store, self.settings.load_timeout_s)
+        try:
+            batch = BatchLoad(index, pending, self.num_layers, self.store,
+                              self.settings.load_timeout_s, self.quarantine)
+            jobs = batch.jobs()
+        except Exception:  # nothing was read: the verdict is False, SGLang aborts them
+            self._unexpected(f"start of load batch {index}")
+            for _, region in pending:
+                region.release()
+            self._failed_starts.add(index)
+            return index
         self.layer_done_counter.add(batch)
-        jobs = batch.jobs()
 
         async def run() -> None:
             try:
@@ -228,46 +309,72 @@ class LayerLiftLinker(UnifiedCacheLinker):  # type: ignore[misc,unused-ignore]
         return index
 
     def finish_layer_wise_loading(self, counter_index: int) -> bool:
+        if counter_index in self._failed_starts:
+            self._failed_starts.discard(counter_index)
+            return False
         batch = self.layer_done_counter.take(counter_index)
         if batch is None:
             return True
-        ok = batch.finish()
+        try:
+            ok = batch.finish()
+        except Exception:
+            self._unexpected(f"finish of load batch {counter_index}")
+            batch.stop()
+            return False
         self.finished.append(batch)
         if not ok:
             _log.error("LayerLift: load batch %d failed: %s", counter_index, batch.error)
         return ok
 
     def offload(self, transfers: list[Any], session_id: str | None = None) -> bool:
-        items = [OffloadItem(layout, tuple(keys), tuple(rows))
-                 for layout, keys, rows in self._items(transfers)]
-        if not items:
+        """Queue one node's offload; False (SGLang unlocks the node at once)
+        for a malformed transfer or any failure. Never raises."""
+        try:
+            items = [OffloadItem(layout, tuple(keys), tuple(rows))
+                     for layout, keys, rows in self._items(transfers)]
+            if not items:
+                return False
+            self._offloader.submit(items)
+            return True
+        except ValueError as exc:
+            _log.error("LayerLift: an offload is refused (%s)", exc)
             return False
-        self._offloader.submit(items)
-        return True
+        except Exception:
+            self._unexpected("offload")
+            return False
 
     def num_completed_offloads(self) -> int:
         return self._offloader.completed()
 
     def pop_completed_offload(self) -> bool:
-        return self._offloader.pop()
+        try:
+            return self._offloader.pop()
+        except IndexError:  # SGLang pops only what it counted; read as failed if not
+            return False
 
     def reset(self) -> None:
-        """Quiesce: drop queued loads, finish batches in flight (bounded by
-        ``load_timeout_s``), run queued offloads (bounded by ``timeout_s`` each),
-        then forget every result."""
-        for _, region in self._pending.values():
-            region.release()
-        self._pending.clear()
-        for batch in self.layer_done_counter.batches():
-            batch.finish()
-            if not batch.quiet.wait(self.settings.timeout_s + 1.0):
-                _log.warning("LayerLift reset: load batch %d still has a read running "
-                             "(it writes into staging only)", batch.index)
-        queued = self._offloader.pending()
-        if not self._offloader.drain(self.settings.timeout_s * (queued + 2)):
-            _log.warning("LayerLift reset: offloads still running after their bound")
-        self._offloader.clear()
-        self.layer_done_counter.reset()
+        """Quiesce, as SGLang's contract asks before ``flush_cache`` frees every
+        slot: drop queued loads, finish batches in flight (bounded by
+        ``load_timeout_s``), drop queued offloads (they never start) and wait
+        for the one running (bounded by ``timeout_s + 1``), forget every
+        result. From its return no transfer taken before it touches a slot: a
+        put still running sends the bytes it snapshotted before."""
+        try:
+            for _, region in self._pending.values():
+                region.release()
+            self._pending.clear()
+            self._failed_starts.clear()
+            for batch in self.layer_done_counter.batches():
+                batch.finish()
+                if not batch.quiet.wait(self.settings.timeout_s + 1.0):
+                    _log.warning("LayerLift reset: load batch %d still has a read running "
+                                 "(it writes into staging only)", batch.index)
+            if not self._offloader.quiesce(self.settings.timeout_s + 1.0):
+                _log.warning("LayerLift reset: an offload's put still runs past its bound; it "
+                             "sends the bytes it snapshotted before the reset")
+            self.layer_done_counter.reset()
+        except Exception:
+            self._unexpected("reset")
 
     def close(self) -> None:
         if self._closed:
@@ -275,6 +382,7 @@ class LayerLiftLinker(UnifiedCacheLinker):  # type: ignore[misc,unused-ignore]
         self._closed = True
         self.reset()
         self._offloader.stop(self.settings.timeout_s + 1.0)
+        self.lookups.close()
         self._loop.stop()
         self._lane.close()
         deadline = time.monotonic() + self.settings.timeout_s

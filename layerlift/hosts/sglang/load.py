@@ -43,11 +43,18 @@ from typing import Any
 import numpy as np
 
 from layerlift.linker.integrity import CHECK_BYTES, mismatches, slice_seed
-from layerlift.linker.store_base import Store, StoreError, StoreIntegrityError, StoreTimeout
+from layerlift.linker.store_base import (
+    Store,
+    StoreError,
+    StoreIntegrityError,
+    StoreIOError,
+    StoreTimeout,
+)
 from layerlift.overlap.base import LayerJob, LayerLoadCancelled, LayerLoadError, LayerWaitTimeout
 from layerlift.overlap.readiness import LayerReadiness
 
 from .layout import PoolLayout
+from .offload import Quarantine
 from .staging import Region, hand_over
 
 __all__ = ["BatchLoad", "LoadCounter", "LoadItem", "LoopThread"]
@@ -105,8 +112,10 @@ class BatchLoad:
     thread; ``finish`` on the scheduler thread."""
 
     def __init__(self, index: int, requests: Sequence[tuple[Sequence[LoadItem], Region]],
-                 num_layers: int, store: Store, bound_s: float) -> None:
+                 num_layers: int, store: Store, bound_s: float,
+                 quarantine: Quarantine | None = None) -> None:
         self.index = index
+        self.quarantine = quarantine
         self.items = tuple(item for items, _ in requests for item in items)
         self.regions = tuple(region for _, region in requests)
         self.store = store
@@ -174,12 +183,19 @@ class BatchLoad:
             for region in self.regions:
                 hand_over(exc, region)
             raise
+        except StoreIOError:
+            # An object this read could not take as it is (truncated, a slice
+            # outside it); the error names no key, so every object of the read
+            # is quarantined: the next offloads write them again.
+            self._quarantine(keys)
+            raise
         for s in slices:
             n = len(s.item.keys)
             expected = np.ctypeslib.as_array((ctypes.c_uint32 * n).from_address(s.footers))
             bad = mismatches([s.stage + i * s.size for i in range(n)], s.size, expected,
                              [slice_seed(k, s.position) for k in s.item.keys])
             if bad:
+                self._quarantine([s.item.keys[i] for i in bad])
                 raise StoreIntegrityError(
                     f"layer {layer}: {len(bad)} {s.item.layout.name} slice(s) failed their "
                     f"checksum (corrupt, foreign or truncated object), e.g. {s.item.keys[bad[0]]}")
@@ -197,10 +213,14 @@ class BatchLoad:
             self.landed[layer] = True
             self.ready_at[layer] = time.perf_counter()
 
+    def _quarantine(self, keys: Sequence[str]) -> None:
+        if self.quarantine is not None:
+            self.quarantine.add(keys)
+
     def wait_layer(self, layer: int) -> None:
         """Forward thread: return once ``layer`` landed, or (failed, or past the
         bound) once the batch is stopped and its unlanded slots zeroed."""
-        if self.landed[layer]:
+        if self.landed[layer] or self._stopped:  # stopped: its slots are zeroed, the gate shut
             return
         remaining = self.deadline - time.monotonic()
         try:
@@ -251,9 +271,16 @@ class BatchLoad:
 class LoadCounter:
     """The ``layer_done_counter`` of :class:`LayerLiftLinker`: what SGLang's KV
     pools and Mamba pool call before reading layer ``l`` (``wait_until``), and
-    what the model runner points at the batch in flight (``set_consumer``)."""
+    what the model runner points at the batch in flight (``set_consumer``).
 
-    def __init__(self) -> None:
+    As SGLang's own ``LayerWiseLoadCounter``: ``num_layers`` layers, and
+    ``wait_until(L)`` is a prefix barrier (layers ``0..L`` have landed or the
+    batch was stopped): SGLang waits on ``num_layers - 1`` for a whole batch
+    (``prefill_cuda_graph_runner``) and on the last Mamba layer only before
+    copying Mamba states."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.num_layers = num_layers
         self.consumer_index = -1
         self._batches: dict[int, BatchLoad] = {}
         self._lock = threading.Lock()
@@ -266,12 +293,13 @@ class LoadCounter:
         self.consumer_index = index
 
     def wait_until(self, threshold: int) -> None:
-        """Block until layer ``threshold`` of the consumer batch landed or the
-        batch was stopped (bounded; see :class:`BatchLoad`). Never raises."""
+        """Block until layers ``0..threshold`` of the consumer batch landed or
+        the batch was stopped (bounded; see :class:`BatchLoad`). Never raises."""
         batch = self._batches.get(self.consumer_index)
-        if batch is None or not 0 <= threshold < len(batch.landed):
+        if batch is None:
             return
-        batch.wait_layer(threshold)
+        for layer in range(min(threshold, len(batch.landed) - 1) + 1):
+            batch.wait_layer(layer)
 
     def take(self, index: int) -> BatchLoad | None:
         with self._lock:

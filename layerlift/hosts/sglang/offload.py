@@ -8,20 +8,33 @@ again: a node that gained a checkpoint sends only the checkpoint), a copy of
 the missing units' bytes into staging while the node is still locked, their
 per-layer CRC-32 footers computed over that copy, then one ``put``.
 
-A put that outlives the store's timeout is reported failed at once; its
-staging stays held until the call really ended, so if it lands later it lands
-the bytes the slots held when the offload was taken, under checksums of those
-same bytes: never another request's bytes under these keys.
+Promises (each a test in ``tests/hosts/sglang_host``):
+
+- **Quiesce** (:meth:`Offloader.quiesce`, what ``reset`` calls): every queued
+  offload is dropped and never starts; no offload snapshots slots after
+  ``quiesce`` returned (the snapshot runs under the epoch lock ``quiesce``
+  takes); results of offloads taken before it are discarded, so they never
+  unlock the nodes of later offloads. A put still running when the bound
+  passed sends the bytes it snapshotted before ``quiesce`` returned.
+- A put that outlives the store's timeout is reported failed at once; its
+  staging stays held until the call really ended, so if it lands later it
+  lands the bytes the slots held when the offload was taken, under checksums
+  of those same bytes: never another request's bytes under these keys.
+- Any exception of an offload (a bug, a store client's ``RuntimeError``) is
+  logged and reported as a failed offload; the thread goes on with the next.
+- **Repair** (:class:`Quarantine`): a key whose object failed its checks on
+  a load is removed from the store and offered by no lookup until it is gone;
+  the next offload of that key writes fresh bytes.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
-import queue
 import threading
+import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,9 +45,10 @@ from layerlift.linker.store_base import Store, StoreError, StoreTimeout
 from .layout import PoolLayout
 from .staging import Arena, Region, hand_over
 
-__all__ = ["OffloadItem", "Offloader"]
+__all__ = ["OffloadItem", "Offloader", "Quarantine"]
 
 _log = logging.getLogger(__name__)
+_REPAIR_EVERY_S = 0.25  # how often the worker retries removing quarantined keys
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +58,42 @@ class OffloadItem:
     layout: PoolLayout
     keys: tuple[str, ...]
     rows: tuple[int, ...]
+
+
+class Quarantine:
+    """Keys whose stored object failed its checks on a load (corrupt, foreign,
+    truncated). ``lookup`` treats them as missing; the offload thread removes
+    them from the store (Mooncake refuses a remove while a read's lease is
+    held: it retries) and forgets a key once the store no longer has it, or
+    once an offload replaced it. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._keys: dict[str, float] = {}  # key -> when quarantined
+        self._lock = threading.Lock()
+        self.removed = 0  # objects this linker removed from the store
+
+    def add(self, keys: Iterable[str]) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for key in keys:
+                self._keys.setdefault(key, now)
+
+    def discard(self, keys: Iterable[str]) -> None:
+        with self._lock:
+            for key in keys:
+                self._keys.pop(key, None)
+
+    def holds(self, keys: Sequence[str]) -> list[bool]:
+        with self._lock:
+            return [k in self._keys for k in keys]
+
+    def keys(self) -> list[str]:
+        with self._lock:
+            return list(self._keys)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._keys)
 
 
 def _stage(items: Sequence[OffloadItem], region: Region) -> tuple[list[str], list[int], list[int]]:
@@ -71,92 +121,171 @@ def _stage(items: Sequence[OffloadItem], region: Region) -> tuple[list[str], lis
 
 class Offloader:
     """Runs offloads on one daemon thread, first in first out; results are
-    read in the same order (``completed`` / ``pop``). Thread-safe."""
+    read in the same order (``completed`` / ``pop``). Thread-safe.
 
-    def __init__(self, store: Store, arena: Arena) -> None:
+    ``remove_bound_s``: how long one offload keeps retrying the removal of a
+    quarantined key it is about to replace (a read's lease blocks removal)."""
+
+    def __init__(self, store: Store, arena: Arena, quarantine: Quarantine,
+                 remove_bound_s: float) -> None:
         self._store = store
         self._arena = arena
-        self._queue: queue.Queue[list[OffloadItem] | None] = queue.Queue()
+        self.quarantine = quarantine
+        self._remove_bound_s = remove_bound_s
+        self._cond = threading.Condition()
+        self._epoch_lock = threading.Lock()  # held by a snapshot and by quiesce's epoch bump
+        self._epoch = 0
+        self._queue: deque[tuple[int, list[OffloadItem]]] = deque()
         self._results: deque[bool] = deque()
-        self._lock = threading.Lock()
+        self._running = False
+        self._stopping = False
         self.timed_out = 0  # puts still running after their timeout (held staging)
+        self.errors = 0  # offloads that failed by an exception other than a StoreError
         self._thread = threading.Thread(target=self._run, name="layerlift-offload", daemon=True)
         self._thread.start()
 
     def submit(self, items: list[OffloadItem]) -> None:
-        self._queue.put(items)
+        with self._cond:
+            if self._stopping:
+                raise RuntimeError("the offload thread is stopped")
+            self._queue.append((self._epoch, items))
+            self._cond.notify_all()
 
     def pending(self) -> int:
         """Offloads queued or running."""
-        return self._queue.unfinished_tasks
+        with self._cond:
+            return len(self._queue) + int(self._running)
 
     def completed(self) -> int:
-        with self._lock:
+        with self._cond:
             return len(self._results)
 
     def pop(self) -> bool:
         """The oldest result. Raises IndexError when none is waiting."""
-        with self._lock:
+        with self._cond:
             return self._results.popleft()
 
-    def drain(self, timeout_s: float) -> bool:
-        """Wait until every queued offload ran (True) or ``timeout_s`` passed."""
-        done = threading.Event()
-
-        def wait() -> None:
-            self._queue.join()
-            done.set()
-
-        threading.Thread(target=wait, name="layerlift-offload-drain", daemon=True).start()
-        return done.wait(timeout_s)
-
-    def clear(self) -> None:
-        with self._lock:
+    def quiesce(self, timeout_s: float) -> bool:
+        """Drop every queued offload, forget every result, and wait (at most
+        ``timeout_s``) for the one running to return. From the moment this
+        returns no offload taken before it snapshots a slot; True when the
+        thread is idle."""
+        with self._epoch_lock, self._cond:
+            self._epoch += 1
+            dropped = len(self._queue)
+            self._queue.clear()
             self._results.clear()
+        if dropped:
+            _log.info("LayerLift reset: %d queued offload(s) dropped", dropped)
+        with self._cond:
+            quiet = self._cond.wait_for(lambda: not self._running, timeout_s)
+            self._results.clear()
+        return quiet
 
     def stop(self, timeout_s: float) -> None:
-        self._queue.put(None)
+        with self._cond:
+            self._stopping = True
+            self._queue.clear()
+            self._cond.notify_all()
         self._thread.join(timeout_s)
 
     def _run(self) -> None:
         while True:
-            items = self._queue.get()
-            try:
-                if items is None:
+            with self._cond:
+                while not self._queue and not self._stopping:
+                    if not self._cond.wait(_REPAIR_EVERY_S if len(self.quarantine) else None):
+                        break  # the repair timer fired
+                if self._stopping:
                     return
-                ok = self._offload(items)
-                with self._lock:
+                task = self._queue.popleft() if self._queue else None
+                self._running = task is not None
+            if task is None:
+                self._repair()
+                continue
+            epoch, items = task
+            try:
+                ok = self._offload(epoch, items)
+            except Exception:  # a bug or a client's own error: this offload failed, go on
+                self.errors += 1
+                _log.exception("LayerLift offload failed by an unexpected error; reported failed")
+                ok = False
+            with self._cond:
+                if epoch == self._epoch:
                     self._results.append(ok)
-            finally:
-                self._queue.task_done()
+                self._running = False
+                self._cond.notify_all()
 
-    def _offload(self, items: list[OffloadItem]) -> bool:
+    def _repair(self) -> None:
+        """Remove quarantined keys from the store; forget those it no longer has."""
+        keys = self.quarantine.keys()
+        if not keys:
+            return
         try:
-            present = self._store.exists([k for item in items for k in item.keys])
+            self._remove(keys)
+        except Exception as exc:  # retried at the next tick
+            _log.debug("LayerLift: removing %d quarantined object(s) failed: %s", len(keys), exc)
+
+    def _remove(self, keys: list[str]) -> list[str]:
+        """One removal pass; returns the keys the store still has (leased)."""
+        self._store.remove(keys)
+        left = [k for k, f in zip(keys, self._store.exists(keys), strict=True) if f]
+        gone = [k for k in keys if k not in set(left)]
+        self.quarantine.removed += len(gone)
+        self.quarantine.discard(gone)
+        return left
+
+    def _replace(self, keys: list[str]) -> set[str]:
+        """Remove quarantined ``keys`` before this offload writes them again,
+        retrying for ``remove_bound_s`` while a lease blocks it; returns the keys
+        still stored (this offload must not send them: a put would not replace them)."""
+        deadline = time.monotonic() + self._remove_bound_s
+        pause = 0.01
+        while True:
+            left = self._remove(keys)
+            if not left or time.monotonic() + pause > deadline:
+                return set(left)
+            time.sleep(pause)  # a read's lease (Mooncake's kv lease TTL) blocks the removal
+            pause = min(pause * 2, 0.25)
+            keys = left
+
+    def _offload(self, epoch: int, items: list[OffloadItem]) -> bool:
+        all_keys = [k for item in items for k in item.keys]
+        try:
+            present = self._store.exists(all_keys)
+            bad = [k for k, q in zip(all_keys, self.quarantine.holds(all_keys), strict=True) if q]
+            kept = self._replace(bad) if bad else set()
         except StoreError as exc:
             _log.warning("LayerLift offload: exists failed (%s); the offload is reported failed",
                          exc)
             return False
-        it = iter(present)
+        replaced = set(bad) - kept
+        it = iter(zip(present, all_keys, strict=True))
         missing = []
         for item in items:
-            flags = [next(it) for _ in item.keys]
+            flags = [(f and k not in replaced) or k in kept for f, k in (next(it) for _ in item.keys)]
             keep = [i for i, f in enumerate(flags) if not f]
             if keep:
                 missing.append(OffloadItem(item.layout, tuple(item.keys[i] for i in keep),
                                            tuple(item.rows[i] for i in keep)))
+        if kept:
+            _log.warning("LayerLift offload: %d corrupt object(s) could not be removed yet "
+                         "(a read holds a lease); they stay unoffered", len(kept))
         if not missing:
-            return True
+            return not kept
         region = self._arena.allocate(sum(len(m.keys) * m.layout.object_bytes for m in missing))
         if region is None:
             _log.warning("LayerLift offload: the staging buffer is full; offload reported failed")
             return False
         try:
-            keys, ptrs, sizes = _stage(missing, region)
+            with self._epoch_lock:
+                if epoch != self._epoch:  # reset ran since this offload was taken
+                    return False
+                keys, ptrs, sizes = _stage(missing, region)
             self._store.put(keys, ptrs, sizes)
-            return True
+            self.quarantine.discard(keys)
+            return not kept
         except StoreTimeout as exc:
-            with self._lock:
+            with self._cond:
                 self.timed_out += 1
             hand_over(exc, region, self._timed_out_ended)
             _log.warning("LayerLift offload: put timed out (%s); reported failed", exc)
@@ -168,5 +297,5 @@ class Offloader:
             region.release()
 
     def _timed_out_ended(self) -> None:
-        with self._lock:
+        with self._cond:
             self.timed_out -= 1

@@ -10,7 +10,13 @@ __all__ = ["LinkerSettings"]
 
 @dataclass(frozen=True, slots=True)
 class LinkerSettings:
-    """``linker_extra_config`` of the launch flag. Raises ValueError naming a bad field."""
+    """``linker_extra_config`` of the launch flag. Raises ValueError naming a bad field.
+
+    ``timeout_s`` bounds each store call of loads and offloads; ``load_timeout_s``
+    a whole load batch; ``lookup_timeout_s`` one lookup on SGLang's scheduler
+    thread, ``lookup_breaker_s`` how long lookups are misses after one timed
+    out, ``lookup_share`` the share of the scheduler's time lookups may spend
+    (``lookup``)."""
 
     master_address: str | None = None
     embedded_master: bool = False
@@ -21,6 +27,9 @@ class LinkerSettings:
     model: str | None = None
     timeout_s: float = 5.0
     load_timeout_s: float = 30.0
+    lookup_timeout_s: float = 0.5
+    lookup_breaker_s: float = 5.0
+    lookup_share: float = 0.25
     depth: int = 2
     staging_mib: int = 64
     segment_mib: int = 256
@@ -38,9 +47,12 @@ class LinkerSettings:
         if (settings.master_address is None) == (not settings.embedded_master):
             raise ValueError("LayerLiftLinker needs exactly one of master_address "
                              "('HOST:PORT' of a mooncake_master) or embedded_master: true")
-        for name in ("timeout_s", "load_timeout_s"):
+        for name in ("timeout_s", "load_timeout_s", "lookup_timeout_s", "lookup_breaker_s"):
             if not float(getattr(settings, name)) > 0:
                 raise ValueError(f"LayerLiftLinker: {name} must be a positive number of seconds")
+        if not 0 < float(settings.lookup_share) <= 1:
+            raise ValueError("LayerLiftLinker: lookup_share (the share of the scheduler's time "
+                             "lookups may spend) must be in (0, 1]")
         for name in ("depth", "staging_mib"):
             if int(getattr(settings, name)) < 1:
                 raise ValueError(f"LayerLiftLinker: {name} must be an integer >= 1")
