@@ -42,12 +42,30 @@ What it promises (each is a test in ``tests/hosts/vllm_host``):
   (vLLM's default) the request ends with an error. Nothing writes into the
   blocks after the report. A stalled master costs at most ``store_timeout_s``
   per store call; the connector never raises into the forward.
+* Nothing computed in a step whose synchronous restore failed is offloaded,
+  nor a local prefix-cache hit as the hitting request's own pages (worker
+  and planner docstrings).
+* Keys cover what vLLM's own block hashes cover (tokens, LoRA adapter,
+  ``cache_salt``, multimodal inputs, prompt embeddings), the model identity
+  (name, revision, dtype, quantization, KV-cache dtype, ``hf_overrides``)
+  and the tensor-parallel size; each worker reads and writes its own TP
+  rank's keys. Pipeline parallelism is refused (ValueError).
+* The lookup never waits for the store on vLLM's engine-core thread (it
+  answers None, "ask again", while its ``exists`` runs on LayerLift's lookup
+  thread; `BlockPlanner` states the bound).
+* The cache is best effort (``requires_kv_delivery`` is False): a dropped
+  offload is a later miss.
+* With ``segment_bytes=0`` the cluster's memory comes from other processes
+  (a ``layerlift store-node``); a cluster with none stores nothing, and the
+  worker says so in one log line at start-up.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import uuid
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[import-not-found, unused-ignore]
@@ -64,6 +82,7 @@ from layerlift.hosts.vllm.layout import Layout, classify_groups
 from layerlift.hosts.vllm.meta import StepMeta
 from layerlift.hosts.vllm.planner import BlockPlanner
 from layerlift.hosts.vllm.worker import BlockWorker
+from layerlift.linker.store_base import Store, StoreError, StoreFull, StoreTimeout
 
 if TYPE_CHECKING:
     import torch
@@ -111,10 +130,12 @@ class LayerLiftConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,
         self.config = engine_config(dict(self._kv_transfer_config.kv_connector_extra_config))
         self.groups, self.page_size = classify_groups(kv_cache_config)
         parallel = vllm_config.parallel_config
-        self._identity = (str(vllm_config.model_config.model),
-                          str(vllm_config.model_config.dtype),
-                          int(getattr(parallel, "rank", 0)) % max(1, parallel.world_size),
-                          int(parallel.world_size))
+        if int(getattr(parallel, "pipeline_parallel_size", 1)) > 1:
+            raise ValueError("LayerLiftConnector does not support pipeline parallelism "
+                             "(pipeline_parallel_size > 1): its keys do not name the stage.")
+        self._model_id = model_identity(vllm_config)
+        self._dtype = str(vllm_config.model_config.dtype)
+        self._tp_size = int(getattr(parallel, "tensor_parallel_size", 1))
         self._store: StoreHandle | None = None
         self._planner: BlockPlanner | None = None
         self._worker: BlockWorker | None = None
@@ -122,21 +143,30 @@ class LayerLiftConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,
             layer_bytes = _spec_bytes(kv_cache_config)
             layout = self._layout(layer_bytes)
             self._store = open_store(dataclasses.replace(self.config, segment_bytes=0))
-            self._planner = BlockPlanner(self._store.store, layout,
-                                         layout.schema(self.config.namespace),
-                                         offload=self.config.offload)
+            self._planner = BlockPlanner(self._store.store, layout, self.config.namespace,
+                                         offload=self.config.offload,
+                                         lookup_timeout_s=self.config.store_timeout_s)
             log.info("LayerLiftConnector: %d KV cache groups (%s), page %d tokens, keys %s",
                      len(self.groups), ", ".join(g.component for g in self.groups),
                      self.page_size, layout.schema(self.config.namespace).prefix)
 
-    def _layout(self, layer_bytes: dict[str, int]) -> Layout:
-        model, dtype, rank, world = self._identity
-        return Layout(tuple(self.groups), self.page_size, layer_bytes, model, dtype, rank, world)
+    def _layout(self, layer_bytes: dict[str, int], rank: int = 0) -> Layout:
+        return Layout(tuple(self.groups), self.page_size, layer_bytes, self._model_id,
+                      self._dtype, rank, self._tp_size)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """A best-effort cache: a dropped offload is a later miss."""
+        return False
 
     # ---- worker side ----------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Check every restored layer's blocks are contiguous; start the worker."""
+        """Check every restored layer's cache is one tensor of vLLM's blocks
+        (one row per KV cache manager block: a backend that splits a block
+        into kernel blocks is refused); start the worker with its TP rank's
+        keys; log one line when the cluster has no memory to offload into."""
+        num_blocks = int(getattr(self._kv_cache_config, "num_blocks", 0))
         layer_bytes = {}
         for group in self.groups:
             for name in group.layer_names:
@@ -144,18 +174,31 @@ class LayerLiftConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,
                 if kv is None or not hasattr(kv, "stride") or not kv[0].is_contiguous():
                     raise ValueError(f"LayerLiftConnector: layer {name}'s KV cache is not one "
                                      "tensor with contiguous blocks; cannot restore it.")
+                if num_blocks and int(kv.shape[0]) != num_blocks:
+                    raise ValueError(
+                        f"LayerLiftConnector: layer {name}'s KV cache has {int(kv.shape[0])} "
+                        f"blocks where vLLM's KV cache manager has {num_blocks} (the attention "
+                        "backend splits a block into kernel blocks); LayerLift restores whole "
+                        "manager blocks only.")
                 layer_bytes[name] = kv[0].numel() * kv.element_size()
         layout = self._layout(layer_bytes)
+        rank = tp_rank(self._tp_size)
+        keys = self._layout(_spec_bytes(self._kv_cache_config), rank).schema(self.config.namespace)
         self._store = open_store(self.config)
         self._worker = BlockWorker(
-            self._store.store, layout, kv_caches,
+            self._store.store, layout, kv_caches, schema=keys,
             staging_bytes=self.config.client_buffer_bytes,
             max_in_flight=self.config.max_in_flight,
             load_timeout_s=self.config.layer_wait_timeout_s)
+        if rank == 0 and self.config.segment_bytes == 0:
+            warn_if_no_memory(self._store.store, self.config.store, keys.prefix)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        if self._worker is None:
+            return
+        self._worker.begin_step()
         meta = self._step()
-        if meta is not None and self._worker is not None and meta.loads:
+        if meta is not None and meta.loads:
             self._worker.start_loads(meta.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -182,7 +225,10 @@ class LayerLiftConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,
         return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        done, _ = self._worker.results() if self._worker is not None else (set(), set())
+        """Successful asynchronous restores only (vLLM 0.32 calls
+        `get_transfer_results` instead): a failed one is never reported as
+        finished here; it stays for `get_transfer_results`."""
+        done = self._worker.successes() if self._worker is not None else set()
         return None, done or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -192,6 +238,8 @@ class LayerLiftConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,
         return self._worker.step_errors() if self._worker is not None else set()
 
     def shutdown(self) -> None:
+        if self._planner is not None:
+            self._planner.close()
         if self._worker is not None:
             self._worker.close()
             self._worker = None
@@ -209,8 +257,12 @@ class LayerLiftConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,
 
     def get_num_new_matched_tokens(self, request: Any,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Never waits for the store: None (vLLM asks again next step) while
+        the lookup runs off this thread (bound: `BlockPlanner`)."""
         assert self._planner is not None
         n = self._planner.matched_tokens(request, num_computed_tokens)
+        if n is None:
+            return None, False
         return n, n > 0 and not self._planner.sync_loads
 
     def update_state_after_alloc(self, request: Any, blocks: Any,
@@ -227,8 +279,10 @@ class LayerLiftConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,
 
     def update_connector_output(self, connector_output: Any) -> None:
         if self._planner is not None:
-            self._planner.loads_reported(set(connector_output.finished_recving or ()),
-                                         set(connector_output.failed_recving or ()))
+            self._planner.loads_reported(
+                set(connector_output.finished_recving or ()),
+                set(connector_output.failed_recving or ()),
+                set(getattr(connector_output, "invalid_block_ids", None) or ()))
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Offloads never hold blocks (every completed page was staged in the
@@ -241,6 +295,76 @@ class LayerLiftConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,
     def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, dict[str, Any] | None]:
         return self.request_finished(request, [])
+
+
+def model_identity(vllm_config: Any) -> str:
+    """Everything besides the layout that changes a model's KV bytes: name,
+    revision, dtype, quantization, KV-cache dtype, ``hf_overrides`` (JSON)."""
+    model = vllm_config.model_config
+    cache = getattr(vllm_config, "cache_config", None)
+    overrides = getattr(model, "hf_overrides", None)
+    desc = {
+        "model": str(model.model), "revision": str(getattr(model, "revision", None)),
+        "dtype": str(model.dtype), "quantization": str(getattr(model, "quantization", None)),
+        "kv_cache_dtype": str(getattr(cache, "cache_dtype", None)),
+        "hf_overrides": (json.dumps(overrides, sort_keys=True, default=repr)
+                         if isinstance(overrides, dict) else repr(overrides)),
+    }
+    return json.dumps(desc, sort_keys=True)
+
+
+def tp_rank(tp_size: int) -> int:
+    """This worker's tensor-parallel rank (vLLM's TP group; 0 without TP).
+    Raises ValueError when TP > 1 and vLLM's TP group is not set up."""
+    if tp_size <= 1:
+        return 0
+    try:
+        from vllm.distributed import (  # type: ignore[import-not-found, unused-ignore]
+            get_tensor_model_parallel_rank,
+        )
+
+        return int(get_tensor_model_parallel_rank())
+    except (AssertionError, RuntimeError) as exc:
+        raise ValueError("LayerLiftConnector: tensor_parallel_size > 1 but vLLM's TP group is "
+                         "not initialised; cannot tell this worker's rank.") from exc
+
+
+def warn_if_no_memory(store: Store, url: str, prefix: str) -> bool:
+    """Put (and remove) one 64-byte probe object; log one line and return
+    False when the cluster has no memory to put into (no store-node, no
+    instance contributing ``segment_bytes``). True when it took the put, or
+    when the probe could not tell (another store error: logged by the
+    first real put)."""
+    from layerlift.linker.scratch import ScratchArena
+
+    arena = ScratchArena(store, 64)
+    key = f"{prefix}probe/0/{uuid.uuid4().hex}"
+    ok = True
+    try:
+        scratch = arena.take(64)
+        store.put([key], [scratch.ptr], [64])
+    except StoreFull:
+        log.warning("LayerLift: the Mooncake cluster at %s has no memory (segment_bytes=0 here "
+                    "and no store-node): nothing will be offloaded or restored. Start one: "
+                    "layerlift store-node --master HOST:PORT --metadata P2PHANDSHAKE "
+                    "--bytes 512M", url)
+        ok = False
+    except StoreTimeout as exc:
+        log.debug("LayerLift: the start-up memory probe timed out: %s", exc)
+        _KEPT.append(arena)  # the put may still read it: never freed
+        return True
+    except StoreError as exc:
+        log.debug("LayerLift: the start-up memory probe failed: %s", exc)
+    try:
+        if ok:
+            store.remove([key])
+        arena.close()
+    except StoreError:
+        pass
+    return ok
+
+
+_KEPT: list[Any] = []  # probe staging lent to a put that timed out
 
 
 def _spec_bytes(kv_cache_config: Any) -> dict[str, int]:

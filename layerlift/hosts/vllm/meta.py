@@ -2,7 +2,8 @@
 
 Plain picklable dataclasses (vLLM ships `SchedulerOutput` to the worker
 process). An *item* is one store object and the vLLM block it fills or
-comes from: ``(group index, store key, block id)``.
+comes from: ``(group index, page hash, block id)``; each worker turns the
+page hash into the key of its own tensor-parallel rank's shard.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from dataclasses import dataclass, field
 
 __all__ = ["Item", "LoadSpec", "SaveSpec", "StepMeta"]
 
-Item = tuple[int, str, int]
+Item = tuple[int, bytes, int]
 
 
 @dataclass(slots=True)

@@ -16,12 +16,15 @@ import numpy as np
 import torch
 
 from layerlift.hosts.vllm.layout import GroupLayout, Layout
-from layerlift.hosts.vllm.meta import Item
 from layerlift.linker.integrity import CHECK_BYTES, checksums, mismatches, slice_seed
 from layerlift.linker.scratch import Scratch
 from layerlift.linker.store_base import Store, StoreError, StoreIntegrityError, StoreTimeout
 
-__all__ = ["LoadRevoked", "block_bytes", "layer_fetch", "release_after", "stage_objects"]
+__all__ = ["KeyedItem", "LoadRevoked", "block_bytes", "layer_fetch", "release_after",
+           "stage_objects"]
+
+# (group index, store key, block id): an item with the key of this worker's rank
+KeyedItem = tuple[int, str, int]
 
 
 class LoadRevoked(StoreError):
@@ -34,7 +37,7 @@ def block_bytes(kv: torch.Tensor, block_id: int) -> torch.Tensor:
 
 
 def layer_fetch(store: Store, layout: Layout, kv: dict[str, torch.Tensor], group: GroupLayout,
-                j: int, items: Sequence[Item], scratch: Scratch, offsets: Sequence[int],
+                j: int, items: Sequence[KeyedItem], scratch: Scratch, offsets: Sequence[int],
                 gate: Callable[[], threading.Lock | None], timed_out: list[StoreTimeout],
                 corrupt: Callable[[list[str]], None]) -> Callable[[], None]:
     """The fetch of layer ``j`` of ``group`` for every item of that group.
@@ -82,7 +85,7 @@ def layer_fetch(store: Store, layout: Layout, kv: dict[str, torch.Tensor], group
     return fetch
 
 
-def stage_objects(layout: Layout, kv: dict[str, torch.Tensor], items: Sequence[Item],
+def stage_objects(layout: Layout, kv: dict[str, torch.Tensor], items: Sequence[KeyedItem],
                   scratch: Scratch) -> tuple[list[int], list[int]]:
     """Copy each item's layer blocks into ``scratch`` with its CRC footer;
     return the objects' addresses and sizes."""

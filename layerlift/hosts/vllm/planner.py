@@ -1,39 +1,66 @@
 """The scheduler side of `LayerLiftConnector`: lookups, load plans, offload plans.
 
-Runs in vLLM's scheduler (engine-core) process, on its thread. The only store
-call is one ``exists`` per lookup (bounded by ``store_timeout_s``); a store
-error there is a miss (logged), never an error for the request, and further
-lookups are skipped for ``_BACKOFF_S`` so a stalled master does not stall
-every scheduling step.
+Runs in vLLM's scheduler (engine-core) process, on its thread, and never
+waits for the store there. A lookup (`matched_tokens`) hashes the prompt
+(once per request: O(prompt pages)), hands the store's ``exists`` call to the
+planner's own lookup thread and answers None ("ask again next step", vLLM's
+non-blocking lookup contract) until that call answered; then it computes the
+boundary in one pass over the pages (O(groups x pages)). So one call blocks
+the engine core for O(prompt pages) of hashing and bookkeeping, never for a
+store call; a request waits for its lookup at most ``lookup_timeout_s``
+(``store_timeout_s`` by default) plus one step, after which it is a miss and
+computed. A store error is a miss (logged) and further lookups are skipped
+for ``_BACKOFF_S``.
 
-Per request it keeps one record (`_Track`): the prompt's page hashes, its
-block ids per KV cache group, how many pages were restored and how many are
-already offloaded.
+Per request it keeps one record (`_Track`): the page hashes (tokens plus
+what vLLM's own block hashes cover beyond them: LoRA adapter, ``cache_salt``,
+multimodal inputs, prompt embeddings, from vLLM's
+``generate_block_hash_extra_keys``), its block ids per KV cache group, how
+many pages were restored and how many are already offloaded. A request never
+offloads the pages of its local prefix-cache hit (another request computed,
+restored or is restoring them). Objects of a failed restore are *suspect*
+for ``_SUSPECT_S``: lookups treat them as missing and do not touch them (a
+lookup's ``exists`` renews Mooncake's read lease, which would keep the
+corrupt object from being removed and replaced).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from layerlift.hosts.vllm.layout import (
     GroupKind,
     Layout,
+    lookup_pages,
     needed_pages,
-    prompt_hashes,
+    request_hashes,
     restorable_pages,
 )
 from layerlift.hosts.vllm.meta import Item, LoadSpec, SaveSpec, StepMeta
-from layerlift.linker.keys import KeySchema
 from layerlift.linker.store_base import Store, StoreError
 
-__all__ = ["BlockPlanner"]
+__all__ = ["BlockPlanner", "page_extras"]
 
 log = logging.getLogger("vllm.layerlift")
 _BACKOFF_S = 5.0
+_SUSPECT_S = 30.0  # > Mooncake's read lease (5 s with `layerlift master`) + a replacement
+_REUSE_S = 1.0  # a lookup answered this recently is reused (the request was not admitted)
 _NULL_BLOCK = 0  # vLLM's null block (a skipped sliding-window block)
+
+
+@dataclass(slots=True)
+class _Lookup:
+    local: int
+    max_pages: int
+    pages: list[tuple[int, int]]  # (group index, page) asked, in `future`'s order
+    future: Future[list[bool]]
+    started: float
+    answered: float = 0.0
 
 
 @dataclass(slots=True)
@@ -43,18 +70,45 @@ class _Track:
     blocks: list[list[int]] = field(default_factory=list)
     plan: tuple[int, int] | None = None  # (local pages, restored boundary) promised
     restored: int = 0  # pages restored (0: none, or the load failed)
-    saved: int = 0  # prompt pages below this are offloaded (or restored)
+    saved: int = 0  # prompt pages below this are offloaded, restored or a local hit
     refused: bool = False  # a restore failed: vLLM recomputes it, never offer another
     loading: bool = False  # an asynchronous restore was issued and not reported yet
+    load: list[Item] = field(default_factory=list)  # the items of its restore
+    lookup: _Lookup | None = None
+
+
+def page_extras(request: Any, pages: int, page_size: int) -> dict[int, str]:
+    """What page ``p``'s KV depends on beyond its tokens, for the pages that
+    have any: vLLM's own block-hash extra keys (LoRA name and path, the
+    multimodal inputs in the page, ``cache_salt`` on page 0, the page's
+    prompt embeddings), from ``vllm.v1.core.kv_cache_utils``. Empty for a
+    plain text request (no call into vLLM then)."""
+    if not (getattr(request, "lora_request", None) or getattr(request, "mm_features", None)
+            or getattr(request, "cache_salt", None)
+            or getattr(request, "prompt_embeds", None) is not None):
+        return {}
+    from vllm.v1.core.kv_cache_utils import (  # type: ignore[import-not-found, unused-ignore]
+        generate_block_hash_extra_keys,
+    )
+
+    out: dict[int, str] = {}
+    mm = 0
+    for p in range(pages):
+        keys, mm = generate_block_hash_extra_keys(request, p * page_size, (p + 1) * page_size, mm)
+        if keys:
+            out[p] = repr(keys)
+    return out
 
 
 class BlockPlanner:
     """Scheduler-side state of the connector (one per vLLM scheduler)."""
 
-    def __init__(self, store: Store, layout: Layout, schema: KeySchema, *,
-                 offload: bool) -> None:
-        self.store, self.layout, self.schema = store, layout, schema
+    def __init__(self, store: Store, layout: Layout, namespace: str, *, offload: bool,
+                 lookup_timeout_s: float | None = None) -> None:
+        self.store, self.layout = store, layout
+        self.schemas = layout.schemas(namespace)  # one per TP rank: a restore needs them all
         self.offload = offload
+        self.lookup_timeout_s = store.timeout_s if lookup_timeout_s is None else lookup_timeout_s
         # vLLM 0.32 maps block-level load errors back to requests only with
         # one KV cache group (Scheduler._handle_invalid_blocks raises
         # otherwise): only then may a restore run during the forward.
@@ -62,42 +116,98 @@ class BlockPlanner:
         self._tracks: dict[str, _Track] = {}
         self._loads: list[LoadSpec] = []
         self._skip_until = 0.0
+        self._suspect: dict[tuple[int, bytes], float] = {}  # (group, page hash) -> until
+        self._lookups = ThreadPoolExecutor(1, thread_name_prefix="layerlift-lookup")
+
+    def close(self) -> None:
+        """Stop the lookup thread (a call in it ends within the store's bound)."""
+        self._lookups.shutdown(wait=False, cancel_futures=True)
 
     # ---- lookups ------------------------------------------------------------------
 
-    def matched_tokens(self, request: Any, num_computed: int) -> int:
+    def matched_tokens(self, request: Any, num_computed: int) -> int | None:
         """Tokens beyond ``num_computed`` the store can restore at a boundary
-        every group can restore (0 on a miss or a store error)."""
+        every group can restore; 0 on a miss, a store error or a lookup not
+        answered within ``lookup_timeout_s``; None while the lookup runs
+        (vLLM asks again next step). Never waits for the store."""
         track = self._track(request)
         page = self.layout.page_size
         local = num_computed // page
         max_pages = (len(track.tokens) - 1) // page  # at least one token is computed
+        track.saved = max(track.saved, local)  # the local hit is not this request's to offload
         track.plan = None
-        if track.refused or max_pages <= local or time.monotonic() < self._skip_until:
+        now = time.monotonic()
+        if track.refused or max_pages <= local or now < self._skip_until:
+            self._drop_lookup(track)
             return 0
-        wanted = sorted({(g.index, p) for b in range(local + 1, max_pages + 1)
-                         for g in self.layout.groups
-                         for p in needed_pages(self.layout, g, local, b)})
-        keys = [self._key(g, p, track) for g, p in wanted]
+        lk = track.lookup
+        stale = lk is not None and (lk.local > local or lk.max_pages != max_pages or (
+            lk.answered and now - lk.answered > _REUSE_S))
+        if lk is None or stale:
+            self._drop_lookup(track)
+            lk = track.lookup = self._start_lookup(track, local, max_pages, now)
+        if not lk.future.done():
+            if now - lk.started <= self.lookup_timeout_s:
+                return None
+            log.warning("LayerLift: lookup of %s not answered in %.1f s; computing",
+                        request.request_id, self.lookup_timeout_s)
+            self._drop_lookup(track)
+            return 0
         try:
-            found = self.store.exists(keys)
+            found = lk.future.result()
         except StoreError as exc:
+            self._drop_lookup(track)
             self._skip_until = time.monotonic() + _BACKOFF_S
             log.warning("LayerLift: lookup failed (%s); computing, lookups paused %.0f s",
                         exc, _BACKOFF_S)
             return 0
-        boundary = restorable_pages(self.layout, local, max_pages,
-                                    dict(zip(wanted, found, strict=True)))
+        lk.answered = lk.answered or now
+        ranks = len(self.schemas)
+        present: dict[tuple[int, int], bool] = {}
+        for i, gp in enumerate(lk.pages):
+            present[gp] = all(found[i * ranks:(i + 1) * ranks])
+        boundary = restorable_pages(self.layout, local, max_pages, present)
         if boundary <= local:
             return 0
         track.plan = (local, boundary)
         return boundary * page - num_computed
+
+    def pending_lookup(self, req_id: str) -> Future[list[bool]] | None:
+        """The store call of ``req_id``'s lookup while it runs (None otherwise)."""
+        track = self._tracks.get(req_id)
+        return track.lookup.future if track is not None and track.lookup is not None else None
+
+    def _start_lookup(self, track: _Track, local: int, max_pages: int, now: float) -> _Lookup:
+        """Submit the ``exists`` of every rank's object of every page a
+        boundary in ``(local, max_pages]`` may need (suspect ones left out)."""
+        self._expire_suspects(now)
+        groups = self.layout.groups
+        pages = [(g.index, p) for p in lookup_pages(local, max_pages) for g in groups
+                 if not self._suspect or (g.index, track.hashes[p]) not in self._suspect]
+        hashes = track.hashes
+
+        def ask() -> list[bool]:
+            keys = [schema.key(groups[g].component, hashes[p])
+                    for g, p in pages for schema in self.schemas]
+            return self.store.exists(keys)
+
+        return _Lookup(local, max_pages, pages, self._lookups.submit(ask), now)
+
+    def _drop_lookup(self, track: _Track) -> None:
+        if track.lookup is not None:
+            track.lookup.future.cancel()  # a call still queued never runs
+            track.lookup = None
+
+    def _expire_suspects(self, now: float) -> None:
+        if self._suspect:
+            self._suspect = {k: t for k, t in self._suspect.items() if t > now}
 
     def after_alloc(self, request: Any, block_ids: tuple[list[int], ...],
                     num_external: int) -> None:
         """Record the request's blocks; plan its restore if tokens were promised."""
         track = self._track(request)
         track.blocks = [list(b) for b in block_ids]
+        track.lookup = None
         if num_external <= 0 or track.plan is None:
             return
         local, boundary = track.plan
@@ -109,30 +219,57 @@ class BlockPlanner:
                 at = 0 if group.kind is GroupKind.MAMBA else p
                 block = blocks[at] if at < len(blocks) else _NULL_BLOCK
                 refused |= block == _NULL_BLOCK
-                items.append((group.index, self._key(group.index, p, track), block))
+                items.append((group.index, track.hashes[p], block))
         self._loads.append(LoadSpec(request.request_id, items, refused, self.sync_loads))
+        track.load = items
         track.loading = not self.sync_loads
         track.restored = boundary
         track.saved = max(track.saved, boundary)
 
-    def loads_reported(self, finished: set[str], failed: set[str]) -> None:
-        """The worker reported these asynchronous restores (``failed`` ⊆ ``finished``)."""
+    def loads_reported(self, finished: set[str], failed: set[str],
+                       invalid_blocks: set[int] | None = None) -> None:
+        """The worker reported these asynchronous restores (``failed`` ⊆
+        ``finished``) and these blocks of synchronous restores that did not
+        land verified (vLLM recomputes from the first such block)."""
         for req_id in finished:
             track = self._tracks.get(req_id)
             if track is not None:
                 track.loading = False
         self.load_failed(failed)
+        if invalid_blocks:
+            self.blocks_failed(invalid_blocks)
 
     def load_failed(self, req_ids: set[str]) -> None:
         """vLLM recomputes these requests from token 0: offload what they
-        compute, and never offer them a restore again (the same objects would
-        fail again: a lookup right after the failure still finds a corrupt
-        object that a read lease keeps in the store)."""
+        compute, never offer them a restore again, and leave their objects
+        out of lookups for a while (the same objects would fail again; a
+        lookup would keep a corrupt one leased)."""
         for req_id in req_ids:
             track = self._tracks.get(req_id)
             if track is not None:
                 track.restored = track.saved = 0
                 track.refused = True
+                self._suspect_items(track.load)
+
+    def blocks_failed(self, blocks: set[int]) -> None:
+        """Single-group models: vLLM recomputes every running request that
+        holds one of ``blocks`` from the first one. Its pages from there on
+        are offloaded again once recomputed; the restore that filled them is
+        suspect and never offered again."""
+        for track in self._tracks.values():
+            own = track.blocks[0] if track.blocks else []
+            first = next((p for p, b in enumerate(own[:track.saved]) if b in blocks), None)
+            if track.load and any(b in blocks for _, _, b in track.load):
+                self._suspect_items(track.load)
+                track.refused = True
+                track.restored = 0
+            if first is not None:
+                track.saved = min(track.saved, first)
+
+    def _suspect_items(self, items: Sequence[Item]) -> None:
+        until = time.monotonic() + _SUSPECT_S
+        for g, h, _ in items:
+            self._suspect[(g, h)] = until
 
     # ---- per step -----------------------------------------------------------------
 
@@ -171,6 +308,8 @@ class BlockPlanner:
         vLLM must then keep them until the worker reports the restore (it
         frees them on that report)."""
         track = self._tracks.pop(request.request_id, None)
+        if track is not None:
+            self._drop_lookup(track)
         return track is not None and track.loading
 
     # ---- helpers ------------------------------------------------------------------
@@ -179,12 +318,11 @@ class BlockPlanner:
         track = self._tracks.get(request.request_id)
         if track is None:
             tokens = list(request.prompt_token_ids or [])
-            track = _Track(tokens, prompt_hashes(tokens, self.layout.page_size))
+            page = self.layout.page_size
+            extras = page_extras(request, len(tokens) // page, page)
+            track = _Track(tokens, request_hashes(tokens, page, extras))
             self._tracks[request.request_id] = track
         return track
-
-    def _key(self, group_index: int, page: int, track: _Track) -> str:
-        return self.schema.key(self.layout.groups[group_index].component, track.hashes[page])
 
     def _plan_save(self, meta: StepMeta, req_id: str, track: _Track, end: int) -> None:
         """Offload the prompt pages completed by a step ending at token ``end``;
@@ -196,12 +334,11 @@ class BlockPlanner:
             blocks = track.blocks[group.index] if group.index < len(track.blocks) else []
             if group.kind is GroupKind.MAMBA:
                 if end % page == 0 and track.saved < end // page <= len(track.hashes) and blocks:
-                    items.append((group.index, self._key(group.index, end // page - 1, track),
-                                  blocks[0]))
+                    items.append((group.index, track.hashes[end // page - 1], blocks[0]))
                 continue
             for p in range(track.saved, upto):
                 if p < len(blocks) and blocks[p] != _NULL_BLOCK:
-                    items.append((group.index, self._key(group.index, p, track), blocks[p]))
+                    items.append((group.index, track.hashes[p], blocks[p]))
         track.saved = max(track.saved, upto)
         if items:
             meta.saves.append(SaveSpec(req_id, items))

@@ -19,6 +19,18 @@ Threads and ownership:
   started is revoked and reported failed. Synchronous loads (single-group
   models: vLLM runs the forward meanwhile, layer ``l`` waits for layer ``l``)
   are reported by `step_errors` at the end of the step, as block ids.
+* Nothing computed in a step whose synchronous load failed (or did not land
+  verified) is offloaded: vLLM ran that step's forward over blocks that never
+  got their bytes (every request of the batch may have read them: a local
+  prefix-cache hit shares them) and calls `save` before it asks for the
+  errors. Blocks a load of this step filled are never offloaded either.
+* Keys are this worker's own: an item names a page hash, the worker's
+  `KeySchema` (its tensor-parallel rank) makes the key.
+* An object that failed its check is replaced by the next offload of its key
+  (bytes computed, never restored): the worker removes it first, retrying
+  for up to ``replace_wait_s`` while a read lease keeps it (the scheduler
+  leaves such objects out of its lookups, so only reads already under way
+  renew the lease); until then the key is skipped and stays marked.
 """
 
 from __future__ import annotations
@@ -37,10 +49,11 @@ import torch
 
 from layerlift.engine.threads import run_owned
 from layerlift.hosts.vllm.layout import Layout
-from layerlift.hosts.vllm.meta import LoadSpec, SaveSpec
-from layerlift.hosts.vllm.objects import layer_fetch, release_after, stage_objects
+from layerlift.hosts.vllm.meta import Item, LoadSpec, SaveSpec
+from layerlift.hosts.vllm.objects import KeyedItem, layer_fetch, release_after, stage_objects
+from layerlift.linker.keys import KeySchema
 from layerlift.linker.scratch import ScratchArena
-from layerlift.linker.store_base import Store, StoreError, StoreTimeout
+from layerlift.linker.store_base import Store, StoreError, StoreObjectLeased, StoreTimeout
 from layerlift.overlap import (
     CpuLane,
     LayerJob,
@@ -54,11 +67,13 @@ from layerlift.overlap import (
 __all__ = ["BlockWorker"]
 
 log = logging.getLogger("vllm.layerlift")
+REPLACE_WAIT_S = 15.0  # > the 5 s read lease of `layerlift master`, with margin
 
 
 @dataclass(slots=True)
 class _Load:
     spec: LoadSpec
+    items: list[KeyedItem]
     readiness: LayerReadiness
     lock: threading.Lock = field(default_factory=threading.Lock)
     revoked: bool = False
@@ -73,9 +88,11 @@ class BlockWorker:
     """Restores `LoadSpec`s and offloads `SaveSpec`s for one vLLM worker."""
 
     def __init__(self, store: Store, layout: Layout, kv_caches: dict[str, torch.Tensor], *,
-                 staging_bytes: int, max_in_flight: int, load_timeout_s: float) -> None:
-        self.store, self.layout, self.kv = store, layout, kv_caches
+                 schema: KeySchema, staging_bytes: int, max_in_flight: int,
+                 load_timeout_s: float, replace_wait_s: float = REPLACE_WAIT_S) -> None:
+        self.store, self.layout, self.kv, self.schema = store, layout, kv_caches, schema
         self.load_timeout_s = load_timeout_s
+        self.replace_wait_s = replace_wait_s
         self._layers = [(g, j) for g in layout.groups for j in range(len(g.layer_names))]
         self._index = {g.layer_names[j]: i for i, (g, j) in enumerate(self._layers)}
         self._groups = {g.index: g for g in layout.groups}
@@ -85,6 +102,8 @@ class BlockWorker:
         self._done: set[str] = set()
         self._failed: set[str] = set()
         self._sync: list[_Load] = []  # this step's synchronous loads
+        self._step_failed = False  # a synchronous load of this step failed
+        self._step_loaded: set[tuple[int, int]] = set()  # (group, block) this step's loads fill
         # Objects that failed their check: removed before the next put of
         # the key (a put never overwrites; a fresh read lease may keep the
         # object through an immediate remove).
@@ -103,13 +122,25 @@ class BlockWorker:
 
     # ---- called by vLLM's model-runner thread -------------------------------------
 
+    def keyed(self, items: Sequence[Item]) -> list[KeyedItem]:
+        """``items`` with this worker's keys (its rank's shard)."""
+        groups = self._groups
+        return [(g, self.schema.key(groups[g].component, h), b) for g, h, b in items]
+
+    def begin_step(self) -> None:
+        """A new step starts (vLLM's ``start_load_kv``, called every step)."""
+        self._sync = []
+        self._step_loaded.clear()
+        self._step_failed = False
+
     def start_loads(self, specs: Sequence[LoadSpec]) -> None:
         """Issue the restores of ``specs`` (never blocks on the store)."""
         for spec in specs:
-            load = _Load(spec, LayerReadiness(len(self._layers),
-                                              default_timeout=self.load_timeout_s))
+            load = _Load(spec, self.keyed(spec.items),
+                         LayerReadiness(len(self._layers), default_timeout=self.load_timeout_s))
             if spec.sync:
                 self._sync.append(load)
+                self._step_loaded.update((g, b) for g, _, b in spec.items)
             if spec.refused or not spec.items:
                 load.readiness.cancel("refused by the scheduler")
                 self._settle(load, ok=False)
@@ -132,7 +163,14 @@ class BlockWorker:
                 log.warning("LayerLift: restore of %s failed at %s: %s; vLLM recomputes it",
                             load.spec.req_id, layer_name, getattr(exc, "cause", None) or exc)
                 load.bad = True
+                self._step_failed = True
                 self._settle(load, ok=False)
+
+    def step_failed(self) -> bool:
+        """Whether a synchronous load of this step failed or has not landed
+        verified (then nothing this step computed may be offloaded)."""
+        return self._step_failed or any(
+            load.bad or not load.readiness.all_done() for load in self._sync)
 
     def step_errors(self) -> set[int]:
         """Block ids of this step's synchronous loads that did not land
@@ -140,6 +178,7 @@ class BlockWorker:
         bad: set[int] = set()
         for load in self._sync:
             if load.bad or not load.readiness.all_done():
+                self._step_failed = True
                 self._settle(load, ok=False)
                 bad.update(block for _, _, block in load.spec.items if block != 0)
         self._sync = []
@@ -148,9 +187,19 @@ class BlockWorker:
     def save(self, specs: Sequence[SaveSpec]) -> None:
         """Copy the blocks of ``specs`` to staging now (vLLM may reuse them
         once this returns) and put them in the background. A save that does
-        not fit the staging is dropped (a later miss, never a wrong token)."""
+        not fit the staging is dropped (a later miss, never a wrong token).
+        Nothing is saved in a step whose synchronous load failed (vLLM
+        calls this before `step_errors`, and may call it after), nor from a
+        block a load of this step filled."""
+        if not specs:
+            return
+        if self.step_failed():
+            log.warning("LayerLift: a restore of this step failed; its %d offloads are skipped "
+                        "(computed over blocks that never got their bytes)", len(specs))
+            return
         for spec in specs:
-            total = sum(self.layout.object_bytes(self._groups[g]) for g, _, _ in spec.items)
+            items = [it for it in self.keyed(spec.items) if (it[0], it[2]) not in self._step_loaded]
+            total = sum(self.layout.object_bytes(self._groups[g]) for g, _, _ in items)
             if total == 0 or total > self._arena.free_bytes:
                 if total:
                     log.warning("LayerLift: staging full, offload of %s skipped", spec.req_id)
@@ -160,8 +209,8 @@ class BlockWorker:
             except StoreError as exc:
                 log.warning("LayerLift: offload of %s skipped: %s", spec.req_id, exc)
                 continue
-            ptrs, sizes = stage_objects(self.layout, self.kv, spec.items, scratch)
-            keys = [k for _, k, _ in spec.items]
+            ptrs, sizes = stage_objects(self.layout, self.kv, items, scratch)
+            keys = [k for _, k, _ in items]
             self._submit(self._put(keys, ptrs, sizes, scratch))
 
     def results(self, wait_s: float = 0.0) -> tuple[set[str], set[str]]:
@@ -174,6 +223,15 @@ class BlockWorker:
             self._done.clear()
             self._failed.clear()
         return done, failed
+
+    def successes(self) -> set[str]:
+        """The asynchronous loads that succeeded since the last call; failed
+        ones stay for `results` (a caller that can report successes only,
+        like vLLM's ``get_finished``, never reports a failure as one)."""
+        with self._lock:
+            done = set(self._done)
+            self._done.clear()
+        return done
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Wait (bounded) for loads and puts in flight, then stop the loop."""
@@ -229,7 +287,7 @@ class BlockWorker:
     async def _run_load(self, load: _Load) -> None:
         """One request's restore: a session, one job per layer, the outcome;
         staging is released once no thread or store call touches it."""
-        items = load.spec.items
+        items = load.items
         offsets = np.cumsum([0] + [self.layout.object_bytes(self._groups[g])
                                    for g, _, _ in items]).tolist()
         try:
@@ -285,28 +343,43 @@ class BlockWorker:
         return False
 
     def _mark_corrupt(self, keys: list[str]) -> None:
-        """Lane thread: remember (and try to remove) objects that failed."""
+        """Lane thread: remember (and try to remove) objects that failed; the
+        read that found them holds a lease, so the next offload of the key
+        usually removes it (`_put_replacing`)."""
         with self._lock:
             self._corrupt.update(keys)
         try:
             self.store.remove(keys)
+        except StoreObjectLeased:
+            pass  # expected: removed before the next put of the key
         except StoreError as exc:
             log.warning("LayerLift: removing %d corrupt objects failed: %s", len(keys), exc)
+        else:
+            with self._lock:
+                self._corrupt.difference_update(keys)
 
     def _put_replacing(self, keys: list[str], ptrs: list[int], sizes: list[int]) -> None:
         """Worker thread: remove the corrupt objects among ``keys`` (retrying
-        for up to ~1 s while a read lease keeps one), then put. An object
-        still there is skipped and stays marked for the next offload."""
+        for up to ``replace_wait_s`` while a read lease keeps one: it ends
+        ``--default_kv_lease_ttl`` after the last read), then put. An object
+        still leased then is skipped and stays marked for the next offload."""
         with self._lock:
             stale = [k for k in keys if k in self._corrupt]
+        deadline = time.monotonic() + self.replace_wait_s
         pause = 0.05
         while stale:
-            self.store.remove(stale)
-            stale = [k for k, there in zip(stale, self.store.exists(stale), strict=True) if there]
-            if not stale or pause > 0.5:
+            try:
+                self.store.remove(stale)
+                stale = []
+            except StoreObjectLeased as exc:
+                stale = [k for k in stale if k in set(exc.keys)]
+            if not stale or time.monotonic() + pause > deadline:
                 break
-            time.sleep(pause)  # a read lease (the master's --default_kv_lease_ttl) ends
-            pause *= 2
+            time.sleep(pause)  # only time ends a read lease
+            pause = min(2 * pause, 1.0)
+        if stale:
+            log.warning("LayerLift: %d corrupt objects still leased after %.0f s; replaced by a "
+                        "later offload", len(stale), self.replace_wait_s)
         with self._lock:
             self._corrupt.difference_update(set(keys) - set(stale))
         keep = [i for i, k in enumerate(keys) if k not in stale]

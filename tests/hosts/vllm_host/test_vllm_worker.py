@@ -2,7 +2,9 @@
 a vLLM process: blocks offloaded by one worker are restored by another; a
 layer held at a gate, a corrupt object or a refused load is reported, and
 nothing writes into the blocks once it was (the held read is released after
-the report and must change no byte)."""
+the report and must change no byte); nothing computed in a step whose
+synchronous load failed is offloaded; each TP rank has its own objects; a
+corrupt object is replaced under `layerlift master`'s 5 s read lease."""
 
 from __future__ import annotations
 
@@ -24,8 +26,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.mooncake]
 
 BLOCK = 4096  # bytes of one block of one layer
 LAYERS = ("l0", "l1")
-
-
+HASHES = [bytes([i]) * 16 for i in range(4)]  # page hashes 0..3
 class HeldStore(ForwardingStore):
     """Forwards to ``inner``; the ranged read of slice offset ``held_offset``
     reads, then waits for ``release`` before it returns (``started`` set when
@@ -65,61 +66,85 @@ def store(mooncake_master: EmbeddedMaster) -> Iterator[MooncakeStore]:
         s.close()
 
 
-def _layout() -> Layout:
+def _layout(rank: int = 0, tp_size: int = 1) -> Layout:
     group = GroupLayout(0, GroupKind.FULL, LAYERS)
-    return Layout((group,), 16, dict.fromkeys(LAYERS, BLOCK), "unit", "float32")
+    return Layout((group,), 16, dict.fromkeys(LAYERS, BLOCK), "unit", "float32", rank, tp_size)
 
 
-def _kv(fill: bool) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(3)
+def _kv(fill: bool, seed: int = 3) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
     return {n: (torch.randn(8, BLOCK // 4, generator=gen) if fill else torch.zeros(8, BLOCK // 4))
             for n in LAYERS}
 
 
-def _worker(store: Store, kv: dict[str, torch.Tensor], timeout_s: float = 10.0) -> BlockWorker:
-    return BlockWorker(store, _layout(), kv, staging_bytes=1 << 20, max_in_flight=2,
-                       load_timeout_s=timeout_s)
+def _worker(store: Store, kv: dict[str, torch.Tensor], ns: str, timeout_s: float = 10.0,
+            layout: Layout | None = None) -> BlockWorker:
+    layout = layout or _layout()
+    return BlockWorker(store, layout, kv, schema=layout.schema(ns), staging_bytes=1 << 20,
+                       max_in_flight=2, load_timeout_s=timeout_s)
 
 
-def _offload(store: MooncakeStore, ns: str) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """Blocks 1 and 2 of a filled cache, offloaded under two keys."""
-    kv = _kv(fill=True)
-    keys = [f"{ns}/unit.l2/full0/0/{i:032x}" for i in (1, 2)]
-    source = _worker(store, kv)
+def _key(ns: str, page: int, layout: Layout | None = None) -> str:
+    return (layout or _layout()).schema(ns).key("full0", HASHES[page])
+
+
+def _offload(store: MooncakeStore, ns: str, seed: int = 3,
+             layout: Layout | None = None) -> dict[str, torch.Tensor]:
+    """Blocks 1 and 2 of a filled cache, offloaded as pages 1 and 2."""
+    kv = _kv(fill=True, seed=seed)
+    source = _worker(store, kv, ns, layout=layout)
     try:
-        source.save([SaveSpec("src", [(0, keys[0], 1), (0, keys[1], 2)])])
+        source.save([SaveSpec("src", [(0, HASHES[1], 1), (0, HASHES[2], 2)])])
     finally:
         source.close()
-    assert store.exists(keys) == [True, True]
-    return kv, keys
+    assert store.exists([_key(ns, 1, layout), _key(ns, 2, layout)]) == [True, True]
+    return kv
 
 
-def _spec(keys: list[str], sync: bool) -> LoadSpec:
-    return LoadSpec("r", [(0, keys[0], 5), (0, keys[1], 6)], sync=sync)
+def _spec(sync: bool) -> LoadSpec:
+    return LoadSpec("r", [(0, HASHES[1], 5), (0, HASHES[2], 6)], sync=sync)
 
 
-def test_sync_restore_lands_each_layer(store: MooncakeStore, mooncake_namespace: str) -> None:
-    src, keys = _offload(store, mooncake_namespace)
+def _restore(store: Store, ns: str, layout: Layout | None = None
+             ) -> tuple[tuple[set[str], set[str]], dict[str, torch.Tensor]]:
+    """A fresh worker's asynchronous restore of pages 1 and 2 into blocks 5, 6."""
     kv = _kv(fill=False)
-    worker = _worker(store, kv)
+    worker = _worker(store, kv, ns, layout=layout)
     try:
-        worker.start_loads([_spec(keys, sync=True)])
-        for name in LAYERS:
-            worker.wait_layer(name)
-            assert torch.equal(kv[name][5], src[name][1]) and torch.equal(kv[name][6], src[name][2])
-        assert worker.step_errors() == set()
+        worker.start_loads([_spec(sync=False)])
+        return worker.results(wait_s=30), kv
     finally:
         worker.close()
 
 
+def test_sync_restore_lands_each_layer(store: MooncakeStore, mooncake_namespace: str) -> None:
+    src = _offload(store, mooncake_namespace)
+    kv = _kv(fill=False)
+    worker = _worker(store, kv, mooncake_namespace)
+    try:
+        worker.begin_step()
+        worker.start_loads([_spec(sync=True)])
+        for name in LAYERS:
+            worker.wait_layer(name)
+            assert torch.equal(kv[name][5], src[name][1]) and torch.equal(kv[name][6], src[name][2])
+        assert not worker.step_failed()
+        # a block a load of this step filled is never offloaded (restored bytes)
+        worker.save([SaveSpec("q", [(0, HASHES[3], 5)])])
+        assert worker.step_errors() == set()
+    finally:
+        worker.close()
+    assert store.exists([_key(mooncake_namespace, 3)]) == [False]
+
+
 def test_late_layer_is_reported_and_never_written(store: MooncakeStore,
                                                   mooncake_namespace: str) -> None:
-    src, keys = _offload(store, mooncake_namespace)
+    src = _offload(store, mooncake_namespace)
     kv = _kv(fill=False)
     held = HeldStore(store, held_offset=BLOCK)  # layer l1's slice
-    worker = _worker(held, kv, timeout_s=3.0)  # the bound; l0 must land well within it
+    worker = _worker(held, kv, mooncake_namespace, timeout_s=3.0)  # l0 lands well within it
     try:
-        worker.start_loads([_spec(keys, sync=True)])
+        worker.begin_step()
+        worker.start_loads([_spec(sync=True)])
         worker.wait_layer("l0")
         assert torch.equal(kv["l0"][5], src["l0"][1])
         worker.wait_layer("l1")  # bounded: returns after 3 s, does not raise
@@ -135,12 +160,12 @@ def test_late_layer_is_reported_and_never_written(store: MooncakeStore,
 
 def test_async_late_load_fails_then_writes_nothing(store: MooncakeStore,
                                                    mooncake_namespace: str) -> None:
-    _, keys = _offload(store, mooncake_namespace)
+    _offload(store, mooncake_namespace)
     kv = _kv(fill=False)
     held = HeldStore(store, held_offset=BLOCK)
-    worker = _worker(held, kv, timeout_s=0.5)
+    worker = _worker(held, kv, mooncake_namespace, timeout_s=0.5)
     try:
-        worker.start_loads([_spec(keys, sync=False)])
+        worker.start_loads([_spec(sync=False)])
         assert worker.results(wait_s=30) == ({"r"}, {"r"})
         held.release.set()
         assert held.returned.wait(30)
@@ -150,42 +175,99 @@ def test_async_late_load_fails_then_writes_nothing(store: MooncakeStore,
     assert not kv["l1"][5].any() and not kv["l1"][6].any()
 
 
-def test_corrupt_object_fails_then_the_next_offload_replaces_it(
+def test_a_step_whose_sync_load_failed_offloads_nothing(
         store: MooncakeStore, mooncake_master: EmbeddedMaster, mooncake_namespace: str) -> None:
-    src, keys = _offload(store, mooncake_namespace)
+    """vLLM runs the forward over the failed blocks and calls wait_for_save
+    before it asks for the errors: neither another request's fresh page nor
+    the failed blocks (a prefix-cache sharer's "own" pages, under the corrupt
+    object's key) may be put; the corrupt object is never "repaired" with
+    unrestored bytes. Also in the deferred order (errors first, then save)."""
+    ns = mooncake_namespace
+    _offload(store, ns)
+    corrupt_object(mooncake_master, _key(ns, 2))
     kv = _kv(fill=False)
-    worker = _worker(store, kv)
+    kv["l0"][3].fill_(1.0)  # a fresh page another request computed in this step
+    worker = _worker(store, kv, ns)
     try:
-        worker.start_loads([_spec(keys, sync=False)])
-        assert worker.results(wait_s=30) == ({"r"}, set())
-        assert all(torch.equal(kv[n][5], src[n][1]) for n in LAYERS)
-        corrupt_object(mooncake_master, keys[1])
-        kv["l0"][6].zero_()
-        worker.start_loads([_spec(keys, sync=False)])
-        assert worker.results(wait_s=30) == ({"r"}, {"r"})
-        # the request is recomputed (here: its true blocks put back) and offloaded again
+        worker.begin_step()
+        worker.start_loads([_spec(sync=True)])
         for name in LAYERS:
-            kv[name][6].copy_(src[name][2])
-        worker.save([SaveSpec("r", [(0, keys[1], 6)])])
+            worker.wait_layer(name)
+        assert worker.step_failed()
+        worker.save([SaveSpec("fresh", [(0, HASHES[0], 3)]),
+                     SaveSpec("sharer", [(0, HASHES[2], 6)])])
+        assert worker.step_errors() == {5, 6}
+        worker.begin_step()  # the next step: a refused load, reported before the save
+        worker.start_loads([LoadSpec("s", [(0, HASHES[1], 7)], refused=True, sync=True)])
+        assert worker.step_errors() == {7}
+        worker.save([SaveSpec("fresh", [(0, HASHES[0], 3)])])
     finally:
         worker.close()
-    fresh = _kv(fill=False)
-    again = _worker(store, fresh)
+    assert store.exists([_key(ns, 0)]) == [False]
+    (done, failed), _ = _restore(store, ns)
+    assert (done, failed) == ({"r"}, {"r"})  # still the corrupt object: fails its check
+
+
+def test_each_tp_rank_offloads_and_restores_its_own_shard(store: MooncakeStore,
+                                                          mooncake_namespace: str) -> None:
+    """TP = 2: the same plan (page hashes) on two workers of different ranks
+    puts two objects; each rank restores its own bytes."""
+    ranks = [_layout(r, 2) for r in (0, 1)]
+    src = [_offload(store, mooncake_namespace, seed=10 + r, layout=lay)
+           for r, lay in enumerate(ranks)]
+    assert _key(mooncake_namespace, 1, ranks[0]) != _key(mooncake_namespace, 1, ranks[1])
+    for r, lay in enumerate(ranks):
+        (done, failed), kv = _restore(store, mooncake_namespace, lay)
+        assert (done, failed) == ({"r"}, set())
+        assert all(torch.equal(kv[n][5], src[r][n][1]) and torch.equal(kv[n][6], src[r][n][2])
+                   for n in LAYERS), f"rank {r} restored another rank's shard"
+
+
+@pytest.fixture(scope="module")
+def lease_master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedMaster]:
+    """A master with `layerlift master`'s 5 s read lease."""
+    log = tmp_path_factory.mktemp("lease5") / "mooncake_master.log"
+    with EmbeddedMaster(log_path=log, lease_ttl_ms=5000) as master:
+        yield master
+
+
+def test_corrupt_object_is_replaced_under_a_5s_lease(lease_master: EmbeddedMaster,
+                                                     mooncake_namespace: str) -> None:
+    """The read that finds a corrupt object leases it for 5 s (Mooncake
+    refuses remove then); the recompute's offload waits the lease out,
+    removes and puts; a new worker then restores the true bytes."""
+    ns = mooncake_namespace
+    store = MooncakeStore(lease_master.config(global_segment_size=64 << 20,
+                                              local_buffer_size=16 << 20, timeout_s=5.0))
     try:
-        again.start_loads([_spec(keys, sync=False)])
-        assert again.results(wait_s=30) == ({"r"}, set())
-        assert all(torch.equal(fresh[n][6], src[n][2]) for n in LAYERS)
+        src = _offload(store, ns)
+        corrupt_object(lease_master, _key(ns, 2))
+        kv = _kv(fill=False)
+        worker = _worker(store, kv, ns)
+        try:
+            worker.start_loads([_spec(sync=False)])
+            assert worker.results(wait_s=30) == ({"r"}, {"r"})
+            for name in LAYERS:  # the request is recomputed (here: its true blocks) ...
+                kv[name][6].copy_(src[name][2])
+            worker.begin_step()
+            worker.save([SaveSpec("r", [(0, HASHES[2], 6)])])  # ... and offloaded again
+        finally:
+            worker.close(timeout_s=60)
+        (done, failed), got = _restore(store, ns)
+        assert (done, failed) == ({"r"}, set()), "the corrupt object was not replaced"
+        assert all(torch.equal(got[n][6], src[n][2]) for n in LAYERS)
     finally:
-        again.close()
+        store.close()
 
 
-def test_refused_load_is_reported_without_a_read(store: MooncakeStore) -> None:
-    worker = _worker(store, _kv(fill=False))
+def test_refused_load_is_reported_without_a_read(store: MooncakeStore,
+                                                 mooncake_namespace: str) -> None:
+    worker = _worker(store, _kv(fill=False), mooncake_namespace)
     try:
-        worker.start_loads([LoadSpec("r", [(0, "x/unit.l2/full0/0/00", 0)], refused=True)])
+        worker.start_loads([LoadSpec("r", [(0, HASHES[0], 0)], refused=True)])
         assert worker.results(wait_s=5) == ({"r"}, {"r"})
-        worker.start_loads([LoadSpec("s", [(0, "x/unit.l2/full0/0/00", 0),
-                                           (0, "x/unit.l2/full0/0/01", 3)], True, True)])
+        worker.begin_step()
+        worker.start_loads([LoadSpec("s", [(0, HASHES[0], 0), (0, HASHES[1], 3)], True, True)])
         worker.wait_layer("l0")  # returns at once: the load failed
         assert worker.step_errors() == {3}  # the null block 0 is never reported
     finally:
