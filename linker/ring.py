@@ -224,6 +224,7 @@ class StagingRing:
         self._own = 0  # overflow regions out
         self._close_pending = False
         self._watcher: queue.SimpleQueue[tuple[DeviceEvent, Region]] | None = None
+        self._finalizer: weakref.finalize[Any, Any] | None = None
 
     @property
     def store(self) -> Store:
@@ -258,6 +259,10 @@ class StagingRing:
                 raise ValueError(f"the ring's allocator must return {self.capacity} uint8 bytes")
             self._base = self.store.register(buffer)
             self._buffer = buffer
+            # A ring dropped while registered (no region is alive then: each
+            # holds its ring) unregisters, so the address may be registered again.
+            self._finalizer = weakref.finalize(self, _unregister_quietly, self._store,
+                                               self._base)
         return self._buffer
 
     def acquire(self, nbytes: int, *, timeout_s: float | None = None, zero: bool = False,
@@ -374,6 +379,9 @@ class StagingRing:
     def _close_locked(self) -> tuple[Store, int] | None:
         buffer, self._buffer = self._buffer, None
         base, self._base = self._base, 0
+        if self._finalizer is not None:
+            self._finalizer.detach()
+            self._finalizer = None
         self._free = [(0, self.capacity)]
         self._close_pending = False
         store = self._store()
@@ -425,6 +433,16 @@ class StagingRing:
                     return False
                 self._freed.wait(left)
             return True
+
+
+def _unregister_quietly(store_ref: weakref.ref[Store], base: int) -> None:
+    store = store_ref()
+    if store is None:  # a collected store took its registrations
+        return
+    try:
+        store.unregister(base)
+    except StoreError:  # a closed store forgot it already
+        return
 
 
 def _watch_events(pending: queue.SimpleQueue[tuple[DeviceEvent, Region]]) -> None:

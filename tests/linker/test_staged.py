@@ -1,0 +1,391 @@
+"""The staged transfer: fetch -> verify -> gated copy, snapshot -> put, through a bounded ring.
+
+On the in-memory store for the logic and its faults, on a real Mooncake
+master for the registered-memory path (a transfer 8x larger than the ring,
+and a read that outlives its timeout and must land in staging still owned).
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+import zlib
+from collections.abc import Iterator, Sequence
+
+import pytest
+import torch
+
+from layerlift.linker.daemon_pool import DaemonPool
+from layerlift.linker.integrity import slice_seed
+from layerlift.linker.master import EmbeddedMaster
+from layerlift.linker.memory_store import MemoryStore
+from layerlift.linker.mooncake_store import MooncakeStore
+from layerlift.linker.ring import StagingRing, StagingTimeout
+from layerlift.linker.staged import (
+    CorruptSlices,
+    Gate,
+    HostSink,
+    HostSnapshot,
+    LoadChunk,
+    LoadPart,
+    ObjectLayout,
+    OffloadChunk,
+    OffloadPart,
+    StagedLoad,
+    StagedOffload,
+    TransferRevoked,
+)
+from layerlift.linker.store_base import ForwardingStore, Store, StoreTimeout, call_bounded
+
+LAYOUT = ObjectLayout(((0, 1000), (1000, 1000), (2000, 1000)), 3000)
+SENTINEL = 0x5A
+
+
+def encode(key: str, page: torch.Tensor, layout: ObjectLayout = LAYOUT) -> bytes:
+    """The object as ``linker/integrity.py`` lays it out (written independently)."""
+    raw = bytes(page.numpy())
+    crcs = b"".join(zlib.crc32(raw[o : o + n], slice_seed(key, j)).to_bytes(4, "little")
+                    for j, (o, n) in enumerate(layout.slices))
+    return raw + crcs
+
+
+def put_raw(store: Store, objects: dict[str, bytes]) -> None:
+    """Put pre-encoded objects (not through the code under test)."""
+    for key, data in objects.items():
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        ptr = store.register(buf)
+        try:
+            store.put([key], [ptr], [len(data)])
+        finally:
+            store.unregister(ptr)
+
+
+def pages(n: int, seed: int, layout: ObjectLayout = LAYOUT) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n, layout.page_bytes), dtype=torch.uint8, generator=g)
+
+
+class Rows:
+    """A destination: ``rows[slot]`` is one page; part ``target`` = the slots."""
+
+    def __init__(self, n: int, layout: ObjectLayout = LAYOUT) -> None:
+        self.layout = layout
+        self.rows = torch.full((n, layout.page_bytes), SENTINEL, dtype=torch.uint8)
+        self.writes = 0
+
+    def scatter(self, chunk: LoadChunk, part: LoadPart, rows: torch.Tensor) -> None:
+        offset, size = part.layout.slices[chunk.local]
+        slots = torch.tensor(part.target[chunk.lo : chunk.hi], dtype=torch.int64)
+        self.rows[:, offset : offset + size].index_copy_(0, slots, rows)
+        self.writes += 1
+
+
+def one_part_load(ring: StagingRing, store: Store, keys: list[str], dest: Rows,
+                  **kw: object) -> StagedLoad:
+    part = LoadPart(LAYOUT, tuple(keys), list(range(len(keys))))
+    layers = [[(0, j)] for j in range(len(LAYOUT.slices))]
+    return StagedLoad(ring, store, [part], layers, HostSink(dest.scatter), **kw)  # type: ignore[arg-type]
+
+
+def offload(ring: StagingRing, store: Store, keys: list[str], src: torch.Tensor,
+            **kw: object) -> StagedOffload:
+    part = OffloadPart(LAYOUT, tuple(keys), src)
+
+    def gather(chunk: OffloadChunk, p: OffloadPart) -> torch.Tensor:
+        return p.source[chunk.lo : chunk.hi]
+
+    return StagedOffload(ring, store, [part], HostSnapshot(gather), **kw)  # type: ignore[arg-type]
+
+
+def round_trip(store: Store, ring: StagingRing, n: int, ns: str) -> None:
+    """Offload ``n`` pages and load them back through ``ring``; byte-exact,
+    and the stored objects are exactly the independently encoded ones."""
+    keys = [f"{ns}/p{i}" for i in range(n)]
+    src = pages(n, 1)
+    off = offload(ring, store, keys, src, depth=2)
+    assert len(off.chunks) >= 8
+    freed: list[int] = []
+    outcome = off.run(lambda: freed.append(1))
+    assert outcome.ok and outcome.objects == n and freed == [1]
+    got = torch.zeros(LAYOUT.object_bytes, dtype=torch.uint8)
+    ptr = store.register(got)
+    try:
+        for i in (0, n // 2, n - 1):
+            assert store.get([keys[i]], [ptr], [LAYOUT.object_bytes]) == [True]
+            assert bytes(got.numpy()) == encode(keys[i], src[i])
+    finally:
+        store.unregister(ptr)
+    dest = Rows(n)
+    load = one_part_load(ring, store, keys, dest, depth=2)
+    assert sum(load.nbytes(j) for j in range(len(LAYOUT.slices))) >= 8 * ring.capacity
+    assert all(len(c) > 2 for c in load.chunks)  # every layer streams in several chunks
+    with store.open_session(keys):  # as the adapters do around a load
+        for layer in range(len(LAYOUT.slices)):
+            assert load.fetch_layer(layer) is None
+    assert torch.equal(dest.rows, src)
+    assert load.wait_quiet(30.0) and ring.wait_idle(30.0)
+
+
+def test_a_transfer_8x_the_ring_round_trips_byte_exact() -> None:
+    store = MemoryStore()
+    ring = StagingRing(store, 64 << 10)
+    n = 8 * (64 << 10) // LAYOUT.page_bytes + 3
+    round_trip(store, ring, n, "mem")
+
+
+def test_at_most_depth_chunks_hold_staging_while_layers_run_at_once() -> None:
+    store = MemoryStore()
+    ring = StagingRing(store, 32 << 10, timeout_s=30.0)
+    n = 60
+    keys = [f"d/p{i}" for i in range(n)]
+    src = pages(n, 2)
+    assert offload(ring, store, keys, src).run().ok
+    dest = Rows(n)
+    seen: list[int] = []
+    inner = dest.scatter
+
+    def scatter(chunk: LoadChunk, part: LoadPart, rows: torch.Tensor) -> None:
+        seen.append(len(ring.live()))
+        inner(chunk, part, rows)
+
+    dest.scatter = scatter  # type: ignore[method-assign]
+    load = one_part_load(ring, store, keys, dest, depth=2)
+    threads = [threading.Thread(target=load.fetch_layer, args=(j,)) for j in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60.0)
+    assert torch.equal(dest.rows, src)
+    assert seen and max(seen) <= 2, f"more than depth chunks held staging: {max(seen)}"
+
+
+def test_a_corrupt_slice_never_reaches_the_destination() -> None:
+    store = MemoryStore()
+    ring = StagingRing(store, 16 << 10)
+    n = 12
+    keys = [f"c/p{i}" for i in range(n)]
+    src = pages(n, 3)
+    objects = {k: encode(k, src[i]) for i, k in enumerate(keys)}
+    bad = bytearray(objects[keys[7]])
+    bad[1000 + 17] ^= 0xFF  # a flipped byte in slice 1 of page 7
+    objects[keys[7]] = bytes(bad)
+    objects[keys[9]] = encode(keys[2], src[9])  # a foreign object (its own valid footer)
+    put_raw(store, objects)
+    dest = Rows(n)
+    reported: list[str] = []
+    load = one_part_load(ring, store, keys, dest, on_corrupt=reported.extend)
+    with pytest.raises(CorruptSlices) as info:
+        load.fetch_layer(0)  # page 9 is foreign in every slice
+    assert keys[9] in info.value.keys and info.value.layer == 0
+    with pytest.raises(CorruptSlices) as info:
+        load.fetch_layer(1)
+    assert info.value.keys == (keys[7],) and set(reported) == {keys[7], keys[9]}
+    # nothing of a failed chunk was copied; the corrupt bytes never arrived
+    assert bool((dest.rows[9] == SENTINEL).all())
+    assert bool((dest.rows[7, 1000:2000] == SENTINEL).all())
+    assert load.wait_quiet(10.0) and ring.idle()
+
+
+def test_a_closed_gate_copies_nothing() -> None:
+    store = MemoryStore()
+    ring = StagingRing(store, 16 << 10)
+    keys = [f"g/p{i}" for i in range(4)]
+    put_raw(store, {k: encode(k, p) for k, p in zip(keys, pages(4, 4), strict=True)})
+    dest, gate = Rows(4), Gate()
+    load = one_part_load(ring, store, keys, dest, gate=gate)
+    gate.close()
+    with pytest.raises(TransferRevoked):
+        load.fetch_layer(0)
+    assert dest.writes == 0 and bool((dest.rows == SENTINEL).all()) and ring.idle()
+
+
+def test_a_full_ring_fails_the_chunk_with_a_staging_timeout() -> None:
+    store = MemoryStore()
+    ring = StagingRing(store, 16 << 10, timeout_s=0.05)
+    keys = ["f/p0"]
+    put_raw(store, {"f/p0": encode("f/p0", pages(1, 5)[0])})
+    hog = ring.acquire(16 << 10)
+    dest = Rows(1)
+    with pytest.raises(StagingTimeout):
+        one_part_load(ring, store, keys, dest).fetch_layer(0)
+    hog.release()
+    assert bool((dest.rows == SENTINEL).all())
+
+
+def test_what_does_not_fit_the_ring_is_refused_up_front() -> None:
+    store = MemoryStore()
+    ring = StagingRing(store, 2048)
+    with pytest.raises(ValueError, match="does not fit the 2048-byte staging ring"):
+        offload(ring, store, ["x"], pages(1, 6))
+    big = ObjectLayout(((0, 4096),), 4096)
+    with pytest.raises(ValueError, match="one slice of 4100 bytes"):
+        StagedLoad(ring, store, [LoadPart(big, ("x",))], [[(0, 0)]], HostSink(lambda *a: None))
+    with pytest.raises(ValueError, match="reads slice 3"):
+        StagedLoad(ring, store, [LoadPart(LAYOUT, ("x",))], [[(0, 3)]],
+                   HostSink(lambda *a: None))
+
+
+def test_a_timed_out_read_lands_in_staging_still_owned() -> None:
+    store = MemoryStore(timeout_s=0.2)
+    ring = StagingRing(store, 16 << 10)
+    keys = [f"t/p{i}" for i in range(3)]
+    src = pages(3, 7)
+    put_raw(store, {k: encode(k, p) for k, p in zip(keys, src, strict=True)})
+    dest = Rows(3)
+    load = one_part_load(ring, store, keys, dest)
+    store.stall()
+    with pytest.raises(StoreTimeout) as info:
+        load.fetch_layer(0)
+    exc = info.value
+    assert exc.owned and exc.future is not None and load.timed_out == [exc]
+    ((offset, span),) = ring.live()  # still owned by the running call
+    assert not load.quiet
+    other = ring.acquire(span)
+    assert other.offset != offset, "staging a running read writes into was lent again"
+    other.release()
+    store.resume()
+    assert exc.wait_finished(30.0)
+    assert load.wait_quiet(30.0) and ring.wait_idle(30.0)
+    assert ring.buffer is not None
+    landed = ring.buffer[offset : offset + 3 * 1000].view(3, 1000)
+    assert torch.equal(landed, src[:, :1000]), "the late read did not land in its staging"
+    assert dest.writes == 0 and bool((dest.rows == SENTINEL).all())
+
+
+def test_a_put_that_lands_late_sends_the_snapshot_bytes() -> None:
+    store = MemoryStore(timeout_s=0.2)
+    ring = StagingRing(store, 16 << 10)
+    keys = ["o/p0", "o/p1"]
+    src = pages(2, 8)
+    snap = src.clone()
+    ended = threading.Event()
+    off = offload(ring, store, keys, src, on_late_end=ended.set)
+    store.stall()
+    outcome = off.run()
+    assert isinstance(outcome.error, StoreTimeout) and outcome.error.owned
+    src.fill_(0xEE)  # the host reuses its slots right after the failure was reported
+    assert not ring.idle()
+    store.resume()
+    assert ended.wait(30.0) and ring.wait_idle(30.0)
+    assert store.object_bytes(keys[0]) == encode(keys[0], snap[0])
+    assert store.exists([keys[1]]) == [False]  # the offload stopped at its failed chunk
+
+
+def test_the_engine_rule_waits_for_a_timed_out_put_and_counts_it_late() -> None:
+    store = MemoryStore(timeout_s=0.2)
+    ring = StagingRing(store, 16 << 10)
+    src = pages(1, 9)
+    off = offload(ring, store, ["w/p0"], src, wait_timed_out=True)
+    store.stall()
+    resumer = threading.Thread(target=lambda: (store.timed_out.wait(30.0), store.resume()))
+    resumer.start()
+    outcome = off.run()
+    resumer.join(30.0)
+    assert outcome.ok and outcome.late == 1 and outcome.objects == 1
+    assert store.object_bytes("w/p0") == encode("w/p0", src[0])
+    assert ring.idle()
+
+
+def test_a_failed_put_stops_the_offload_and_frees_the_source() -> None:
+    store = MemoryStore()
+    ring = StagingRing(store, 8 << 10)
+    keys = [f"s/p{i}" for i in range(6)]
+    off = offload(ring, store, keys, pages(6, 10), depth=4)
+    assert len(off.chunks) == 6
+    ring.open()
+    store.fail_call(2)  # the second put
+    freed: list[int] = []
+    outcome = off.run(lambda: freed.append(1))
+    assert not outcome.ok and outcome.objects == 1 and freed == [1]
+    assert store.exists(keys) == [True] + [False] * 5  # nothing after the failure was sent
+
+
+# ---- a real Mooncake master ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def long_lease_master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedMaster]:
+    """A master of this module's own (stopping the session's would stall other tests)."""
+    log = tmp_path_factory.mktemp("staged") / "mooncake_master.log"
+    with EmbeddedMaster(log_path=log, lease_ttl_ms=5000) as master:
+        yield master
+
+
+@pytest.mark.mooncake
+def test_mooncake_a_transfer_8x_the_ring_round_trips_byte_exact(
+        long_lease_master: EmbeddedMaster) -> None:
+    """Through a ring registered once with a real client (the session
+    master's 50 ms lease is shorter than 2 800 objects' session start plus
+    reads on a loaded machine: this module's master leases for 5 s)."""
+    store = MooncakeStore(long_lease_master.config(global_segment_size=64 << 20,
+                                                  local_buffer_size=16 << 20, timeout_s=10.0))
+    try:
+        ring = StagingRing(store, 1 << 20)
+        n = 8 * (1 << 20) // LAYOUT.page_bytes + 5
+        round_trip(store, ring, n, f"rt-{uuid.uuid4().hex[:8]}")
+        assert ring.close()
+    finally:
+        store.close()
+
+
+class LateReads(ForwardingStore):
+    """A real store whose ranged reads start only once ``gate`` is set, on a
+    worker the caller waits for at most ``timeout_s`` (as a slow transfer:
+    the caller gets StoreTimeout, the read goes on and lands later)."""
+
+    def __init__(self, inner: Store, gate: threading.Event, timeout_s: float) -> None:
+        super().__init__(inner)
+        self.gate, self.timeout_s = gate, timeout_s
+        self._pool = DaemonPool(2, "late-reads")
+
+    def get_ranges(self, keys: Sequence[str], dst_ptrs: Sequence[Sequence[int]],
+                   sizes: Sequence[Sequence[int]], src_offsets: Sequence[Sequence[int]]) -> None:
+        def late() -> None:
+            self.gate.wait(30.0)
+            self.inner.get_ranges(keys, dst_ptrs, sizes, src_offsets)
+
+        call_bounded(self._pool.submit, late, self.timeout_s, "a ranged read timed out")
+
+    def close(self) -> None:
+        self._pool.stop()
+
+
+@pytest.mark.mooncake
+def test_mooncake_a_timed_out_read_lands_in_staging_still_owned(
+        long_lease_master: EmbeddedMaster) -> None:
+    mooncake = MooncakeStore(long_lease_master.config(
+        global_segment_size=32 << 20, local_buffer_size=16 << 20, timeout_s=10.0))
+    ns = f"late-{uuid.uuid4().hex[:8]}"
+    gate = threading.Event()
+    store = LateReads(mooncake, gate, timeout_s=0.2)
+    try:
+        ring = StagingRing(store, 1 << 20)
+        keys = [f"{ns}/p{i}" for i in range(4)]
+        src = pages(4, 11)
+        assert offload(ring, store, keys, src).run().ok
+        ring.buffer.fill_(0)  # type: ignore[union-attr]
+        dest = Rows(4)
+        load = one_part_load(ring, store, keys, dest)
+        with store.open_session(keys):  # the adapters' read session
+            with pytest.raises(StoreTimeout) as info:
+                load.fetch_layer(2)
+            exc = info.value
+            assert exc.owned and exc.future is not None
+            ((at, span),) = ring.live()  # its staging stays owned
+            assert not load.quiet
+            other = ring.acquire(span, timeout_s=0)
+            assert other.offset != at, "staging a running read writes into was lent again"
+            other.release()
+            gate.set()  # the read goes on now, into the region it was lent
+            assert exc.wait_finished(30.0)
+            assert load.wait_quiet(30.0) and ring.wait_idle(30.0)
+            assert ring.buffer is not None
+            assert torch.equal(ring.buffer[at : at + 4000].view(4, 1000), src[:, 2000:3000])
+            assert dest.writes == 0 and bool((dest.rows == SENTINEL).all())
+            for layer in range(3):  # the same load reads normally afterwards
+                load.fetch_layer(layer)
+        assert torch.equal(dest.rows, src)
+        assert ring.wait_idle(30.0) and ring.close()
+    finally:
+        store.close()
+        mooncake.close()
