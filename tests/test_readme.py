@@ -44,6 +44,23 @@ def test_the_readme_has_python_examples() -> None:
     assert len(readme) >= 2, "README.md lost its python examples"
 
 
+README_MAX_LINES = 250
+GUIDES = sorted((ROOT / "docs" / "guide").glob("*.md"))
+
+
+def test_the_readme_reads_in_five_minutes() -> None:
+    """What a user reads first stays short: the two commands CI and the
+    headline script rely on, and a link to every guide; the rest lives in
+    docs/."""
+    text = (ROOT / "README.md").read_text()
+    lines = text.count("\n")
+    assert lines <= README_MAX_LINES, f"README.md has {lines} lines (at most {README_MAX_LINES})"
+    assert "make bench   # the main job" in text and "make test    # " in text
+    assert "**Headline:**" in text  # scripts/readme_headline.py rewrites the figure after it
+    unlinked = [g.name for g in GUIDES if f"docs/guide/{g.name}" not in text]
+    assert not unlinked, f"README.md links no guide {unlinked}"
+
+
 def test_skips_are_few_and_give_a_reason() -> None:
     skipped = [(name, why) for name, _, why in BLOCKS if why is not None]
     assert all(why.strip() for _, why in skipped)
