@@ -25,7 +25,7 @@ from layerlift.linker.integrity import (
     mismatches,
     slice_seed,
 )
-from layerlift.linker.scratch import Scratch, scratch_for
+from layerlift.linker.ring import Region, ring_for
 from layerlift.linker.store_base import Store, StoreIntegrityError, StoreTimeout
 from layerlift.overlap.base import LayerJob
 from layerlift.overlap.device import Device, device_of
@@ -90,9 +90,9 @@ class BatchLoad:
         self._staging_ptr = 0
         self._layer_offsets: list[int] = []
         # Integrity: footer entries read beside each slice land here (a region
-        # of the store's registered scratch arena), one per layer (or per component
+        # of the store's staging ring, ``ring_for``), one per layer (or per component
         # for a whole read); see ``linker/integrity.py``.
-        self._checks: Scratch | None = None
+        self._checks: Region | None = None
         self._checks_ptr = 0
         self._check_offsets: dict[int | Component, int] = {}
         # Per-layer loads read each component's footers whole once, with its
@@ -177,7 +177,7 @@ class BatchLoad:
             for layer in range(spec.num_layers):  # one entry per object, when read alone
                 self._check_offsets[layer] = total
                 total += CHECK_BYTES * len(self.items[spec.kinds[layer]])
-        self._checks = scratch_for(self.store).take(total)
+        self._checks = ring_for(self.store).acquire(total, zero=True, overflow=True)
         self._checks_ptr = self._checks.ptr
 
     def _expected(self, region: int | Component, count: int) -> np.ndarray:

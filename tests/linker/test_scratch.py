@@ -1,4 +1,5 @@
-"""ScratchArena: regions of one registered arena; close unregisters it."""
+"""ScratchArena (the staging ring under its old name): regions of one registered
+buffer; close unregisters it. The engine's ring (``ring_for``) holds its store weakly."""
 
 from __future__ import annotations
 
@@ -28,16 +29,16 @@ def test_close_unregisters_and_a_later_take_registers_again() -> None:
 
 
 def test_an_arena_does_not_keep_its_store_alive() -> None:
-    """``scratch_for`` keys arenas weakly by store; the arena must not hold
-    the store strongly, or no store would ever be freed (a fleet replay grew
-    ~1 GB per grid cell)."""
+    """``ring_for`` (formerly ``scratch_for``) keys rings weakly by store; the
+    ring must not hold the store strongly, or no store would ever be freed (a
+    fleet replay grew ~1 GB per grid cell)."""
     import gc
     import weakref
 
-    from layerlift.linker.scratch import scratch_for
+    from layerlift.linker.ring import ring_for
 
     store = MemoryStore()
-    region = scratch_for(store).take(64)
+    region = ring_for(store).acquire(64, zero=True, overflow=True)
     region.release()
     gone = weakref.ref(store)
     del store, region
