@@ -35,7 +35,7 @@ from layerlift.engine.threads import run_owned
 from layerlift.linker.components import ComponentLinker
 from layerlift.linker.contract import LinkerTransferPhase, PoolTransfer
 from layerlift.linker.integrity import footer_bytes, object_bytes, page_footers
-from layerlift.linker.scratch import scratch_for
+from layerlift.linker.ring import ring_for
 from layerlift.linker.store_base import Store, StoreError, StoreFull, StoreTimeout
 from layerlift.overlap.device import device_of
 from layerlift.pools.base import KVPool
@@ -218,7 +218,7 @@ class Offloader:
     def _put_objects(self, keys: list[str], pages: list[tuple[Component, int]],
                      ptrs: list[int], sizes: list[int]) -> None:
         """Worker thread: put each page (zero-copy at ``ptrs``) plus its
-        checksum footer (one region of the store's registered scratch arena), in one
+        checksum footer (one region of the store's staging ring, ``ring_for``), in one
         batch put. A put that times out is waited for until it really ended
         (the pages and the footers are its memory until then); one that then
         succeeded counts as landed (``report.late``), one that failed raises
@@ -228,7 +228,7 @@ class Offloader:
         starts = [0]
         for f in fsizes:
             starts.append(starts[-1] + f)
-        scratch = scratch_for(self.store).take(starts[-1])
+        scratch = ring_for(self.store).acquire(starts[-1], zero=True, overflow=True)
         flat = scratch.tensor.numpy()
         for comp in {c for c, _ in pages}:
             rows = [i for i, (c, _) in enumerate(pages) if c is comp and fsizes[i]]
