@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["HybridShape", "Restore", "SGLangHost", "model_bytes"]
+__all__ = ["Admission", "HybridShape", "Restore", "SGLangHost", "model_bytes"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +43,7 @@ class HybridShape:
     head_dim: int = 16
     kv_tokens: int = 4096
     mamba_slots: int = 24
+    chunked_prefill_size: int | None = None
 
     def layers(self, kind: str) -> list[int]:
         return [i for i, k in enumerate(self.kinds) if k == kind]
@@ -55,6 +56,17 @@ def model_bytes(tokens: list[int], layer: int, shape: tuple[int, ...],
     seed = zlib.crc32(array("q", tokens).tobytes(), layer * 7919 + 1)
     gen = torch.Generator().manual_seed(seed)
     return (torch.rand(shape, generator=gen) * 4 - 2).to(dtype)
+
+
+@dataclass
+class Admission:
+    """One request admitted into the batch being built (``SGLangHost.admit``)."""
+
+    tokens: list[int]
+    req: Any
+    restore: Restore
+    aborted: bool = False
+    done: bool = False  # released (nothing to load, aborted before start, or finished)
 
 
 @dataclass
@@ -77,7 +89,15 @@ class SGLangHost:
     """One SGLang cache with a linker from ``create_unified_cache_linker``."""
 
     def __init__(self, shape: HybridShape, *, backend: str, config: dict[str, Any] | None,
-                 model_path: str = "dummy") -> None:
+                 model_path: str = "dummy", server_args_extra: dict[str, Any] | None = None,
+                 req_pool_extra: dict[str, Any] | None = None,
+                 params_extra: dict[str, Any] | None = None,
+                 parallel: dict[str, int] | None = None) -> None:
+        """``server_args_extra``, ``req_pool_extra``, ``params_extra``: more
+        arguments of SGLang's ``ServerArgs``, ``HybridReqToTokenPool`` and
+        ``CacheInitParams`` (features a test turns on). ``parallel``: the
+        parallel layout this rank sees while its linker is built (SGLang's
+        ``get_parallel().override``, e.g. ``tp_size``, ``attn_tp_rank``)."""
         from sglang.srt.configs.mamba_utils import (
             Mamba2CacheParams,
             Mamba2StateDType,
@@ -90,12 +110,13 @@ class SGLangHost:
         from sglang.srt.mem_cache.unified_cache.components import ComponentType
         from sglang.srt.mem_cache.unified_cache.linker_factory import create_unified_cache_linker
         from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
-        from sglang.srt.runtime_context import publish
+        from sglang.srt.runtime_context import get_parallel, publish
         from sglang.srt.server_args import ServerArgs
 
         self.shape = s = shape
         self.server_args = ServerArgs(model_path=model_path, page_size=s.page_size,
-                                      mamba_radix_cache_strategy="extra_buffer")
+                                      mamba_radix_cache_strategy="extra_buffer",
+                                      **(server_args_extra or {}))
         self.server_args._mamba_cache_chunk_size = s.page_size
         publish(self.server_args, role="scheduler")
         state = Mamba2StateShape.create(tp_world_size=1, intermediate_size=16, n_groups=1,
@@ -106,7 +127,7 @@ class SGLangHost:
             device="cpu", enable_memory_saver=False, mamba_layer_ids=mamba_ids,
             cache_params=Mamba2CacheParams(shape=state, layers=mamba_ids, dtype=Mamba2StateDType(
                 conv=torch.float32, temporal=torch.float32)),
-            enable_mamba_extra_buffer=True)
+            enable_mamba_extra_buffer=True, **(req_pool_extra or {}))
         self.kv = SWAKVPool(size=s.kv_tokens, size_swa=s.kv_tokens, page_size=s.page_size,
                             dtype=torch.bfloat16, head_num=s.head_num, head_dim=s.head_dim,
                             swa_attention_layer_ids=s.layers("S"),
@@ -117,15 +138,18 @@ class SGLangHost:
         self.params = CacheInitParams(
             disable=False, req_to_token_pool=self.req_pool, token_to_kv_pool_allocator=self.alloc,
             page_size=s.page_size, sliding_window_size=s.window, enable_mamba_extra_buffer=True,
-            tree_components=(ComponentType.FULL, ComponentType.SWA, ComponentType.MAMBA))
+            tree_components=(ComponentType.FULL, ComponentType.SWA, ComponentType.MAMBA),
+            chunked_prefill_size=s.chunked_prefill_size, **(params_extra or {}))
         self.cache = UnifiedRadixCache(self.params)
         # As sglang/srt/mem_cache/registry.py attaches a linker:
-        self.linker = create_unified_cache_linker(
-            self.server_args, self.params, backend=backend, config=config,
-            components=set(self.cache.components), forward_stream=None)
+        with get_parallel().override(**(parallel or {})):
+            self.linker = create_unified_cache_linker(
+                self.server_args, self.params, backend=backend, config=config,
+                components=set(self.cache.components), forward_stream=None)
         self.cache.init_cache_linker(self.linker)
         self.kv.register_layer_transfer_counter(self.linker.layer_done_counter)
         self._rid = 0
+        self._started = 0.0
 
     # ---- the producer side: compute, insert, offload ------------------------------
 
@@ -211,10 +235,15 @@ class SGLangHost:
 
     # ---- the consumer side: match, load back, forward, finish ---------------------
 
-    def _forward(self, req: Any, restore: Restore, tail: torch.Tensor, compute_s: float) -> None:
-        """The forward stand-in: layer by layer, read the request's loaded slots
-        through the pools' accessors (each waits on the linker's counter), then
-        spend ``compute_s`` as the layer's compute (a sleep: it uses no CPU)."""
+    def forward(self, adm: Admission, compute_s: float = 0.0) -> None:
+        """The forward stand-in for one request of the batch: layer by layer,
+        read its loaded slots through the pools' accessors (each waits on the
+        linker's counter), then spend ``compute_s`` as the layer's compute (a
+        sleep: it uses no CPU)."""
+        if adm.done:
+            return
+        req, restore, tail = adm.req, adm.restore, adm.restore.tail
+        assert tail is not None
         started = time.perf_counter()
         swa_tail = self.alloc.translate_loc_from_full_to_swa(tail)
         w_pages = -(-self.shape.window // self.shape.page_size) * self.shape.page_size
@@ -234,18 +263,14 @@ class SGLangHost:
                 time.sleep(compute_s)
         restore.forward_s = time.perf_counter() - started
 
-    def restore(self, tokens: list[int], before_start: Callable[[], None] | None = None,
-                compute_s: float = 0.0) -> Restore:
-        """One request for ``tokens`` (the last token is the one to compute)
-        through SGLang's admission path; a request whose load landed inserts
-        its restored prefix into the tree, one whose load failed is released.
-        ``before_start`` runs between ``init_load_back`` and the start of the
-        layer-wise load (a test's fault point)."""
-        from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams, InsertParams
-        from sglang.srt.mem_cache.radix_cache import RadixKey
-        from sglang.srt.mem_cache.unified_cache.components import ComponentType
+    def admit(self, tokens: list[int]) -> Admission:
+        """Admit one request for ``tokens`` (the last token is the one to
+        compute) as SGLang's scheduler does before a batch starts: a request
+        row, ``Req.init_next_round_input`` (match, with the linker's lookup),
+        ``init_load_back`` (the linker's ``load``). A request with nothing
+        to load is released at once (``Admission.restore.loaded_tokens == 0``)."""
+        from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
 
-        SWA = ComponentType.SWA
         req = self._req(tokens)
         self.req_pool.alloc([req])
         req.init_next_round_input(self.cache)
@@ -253,41 +278,97 @@ class SGLangHost:
         loaded, req.last_node = self.cache.init_load_back(InitLoadBackParams(
             best_match_node=req.best_match_node, host_hit_length=hit, req=req))
         restore = Restore(req.rid, hit, int(loaded), ok=False)
+        adm = Admission(tokens, req, restore)
         if not loaded:
             self._release(req, None)
-            return restore
-        tail = self.cache.linker.private_load_indices[req.rid].clone()
-        restore.tail = tail
+            adm.done = True
+            return adm
+        restore.tail = self.cache.linker.private_load_indices[req.rid].clone()
         restore.mamba_slot = int(req.kv.mamba_pool_idx)
+        return adm
+
+    def abort(self, adm: Admission) -> None:
+        """SGLang's path for a request aborted while queued or loading
+        (``release_request``); a load not started yet is cancelled, its slots
+        and row freed at once. One already started is finished by ``finish``."""
+        self.cache.linker.release_request(adm.req.rid)
+        adm.aborted = True
+        if adm.req.rid not in self.cache.linker.inflight_load_rids:
+            self._release(adm.req, adm.restore.tail)
+            adm.done = True
+
+    def start_loads(self) -> int:
+        """``ready_to_load_host_cache`` and the model runner's ``set_consumer``."""
+        self._started = time.perf_counter()
+        index = int(self.cache.ready_to_load_host_cache())
+        self.linker.layer_done_counter.set_consumer(index)
+        return index
+
+    def finish(self, adms: list[Admission]) -> list[str]:
+        """After the batch's forward: ``finish_external_linker_loads`` over the
+        batch's requests, then each request whose load landed inserts its
+        restored prefix into the tree and one whose load failed (or that was
+        aborted) is released. Returns the failed rids."""
+        live = [a for a in adms if not a.done]
+        failed = {r.rid for r in self.cache.finish_external_linker_loads([a.req for a in live])}
+        settled = time.perf_counter() - self._started
+        self.linker.layer_done_counter.set_consumer(-1)
+        for adm in live:
+            adm.restore.settled_s = settled
+            adm.restore.ok = adm.req.rid not in failed and not adm.aborted
+            self._complete(adm)
+        return sorted(failed)
+
+    def _complete(self, adm: Admission) -> None:
+        from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+        from sglang.srt.mem_cache.unified_cache.components import ComponentType
+
+        req, tail, adm.done = adm.req, adm.restore.tail, True
+        assert tail is not None
+        if not adm.restore.ok:
+            self._release(req, tail)
+            return
+        n = req.prefix_len + adm.restore.loaded_tokens
+        device = self.cache.tree_core.collect_full_device_indices(
+            req.last_node, self.cache.root_node_handle())[:req.prefix_len]
+        params = InsertParams(
+            key=RadixKey(array("q", adm.tokens[:n])), prev_prefix_len=req.prefix_len,
+            value=torch.cat([device.to(torch.int64), tail.to(torch.int64)]),
+            mamba_value=req.kv.mamba_pool_idx.unsqueeze(0))
+        # What SWA's prepare_for_caching_req passes: the SWA pages before the
+        # loaded window were never loaded and enter the tree as tombstones.
+        params.set_evicted_seqlen(ComponentType.SWA, req.kv.get_evicted_seqlen(ComponentType.SWA))
+        result = self.cache.insert(params)
+        if result.mamba_exist:
+            self.req_pool.mamba_allocator.free(req.kv.mamba_pool_idx.unsqueeze(0))
+        req.kv.mamba_pool_idx = None
+        self._release(req, None)
+
+    def restore(self, tokens: list[int], before_start: Callable[[], None] | None = None,
+                compute_s: float = 0.0) -> Restore:
+        """One request for ``tokens`` alone in its batch: ``admit``, the
+        layer-wise load, the forward stand-in, ``finish``. ``before_start``
+        runs between ``init_load_back`` and the start of the layer-wise load
+        (a test's fault point)."""
+        adm = self.admit(tokens)
+        if adm.done:
+            return adm.restore
         if before_start is not None:
             before_start()
-        started = time.perf_counter()
-        index = self.cache.ready_to_load_host_cache()
-        self.linker.layer_done_counter.set_consumer(index)
-        self._forward(req, restore, tail, compute_s)
-        failed = self.cache.finish_external_linker_loads([req])
-        restore.settled_s = time.perf_counter() - started
-        self.linker.layer_done_counter.set_consumer(-1)
-        restore.ok = not failed
-        if restore.ok:
-            n = req.prefix_len + int(loaded)
-            device = self.cache.tree_core.collect_full_device_indices(
-                req.last_node, self.cache.root_node_handle())[:req.prefix_len]
-            params = InsertParams(
-                key=RadixKey(array("q", tokens[:n])), prev_prefix_len=req.prefix_len,
-                value=torch.cat([device.to(torch.int64), tail.to(torch.int64)]),
-                mamba_value=req.kv.mamba_pool_idx.unsqueeze(0))
-            # What SWA's prepare_for_caching_req passes: the SWA pages before the
-            # loaded window were never loaded and enter the tree as tombstones.
-            params.set_evicted_seqlen(SWA, req.kv.get_evicted_seqlen(SWA))
-            result = self.cache.insert(params)
-            if result.mamba_exist:
-                self.req_pool.mamba_allocator.free(req.kv.mamba_pool_idx.unsqueeze(0))
-            req.kv.mamba_pool_idx = None
-            self._release(req, None)
-        else:
-            self._release(req, tail)
-        return restore
+        self.start_loads()
+        self.forward(adm, compute_s)
+        self.finish([adm])
+        return adm.restore
+
+    def flush_cache(self) -> None:
+        """What SGLang's ``Scheduler.flush_cache`` does to the cache on an idle
+        server (and a weight update): ``tree_cache.reset()`` (the linker's
+        ``reset`` first), then the pools' and allocators' clears."""
+        self.cache.reset()
+        self.req_pool.clear()
+        self.alloc.clear()
+        self.req_pool.reset_aux_cache_allocator()
 
     def _release(self, req: Any, tail: torch.Tensor | None) -> None:
         """Give back what the request held: its private slots (a failed load),

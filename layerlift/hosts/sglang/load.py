@@ -43,13 +43,7 @@ from typing import Any
 import numpy as np
 
 from layerlift.linker.integrity import CHECK_BYTES, mismatches, slice_seed
-from layerlift.linker.store_base import (
-    Store,
-    StoreError,
-    StoreIntegrityError,
-    StoreIOError,
-    StoreTimeout,
-)
+from layerlift.linker.store_base import Store, StoreError, StoreIntegrityError, StoreTimeout
 from layerlift.overlap.base import LayerJob, LayerLoadCancelled, LayerLoadError, LayerWaitTimeout
 from layerlift.overlap.readiness import LayerReadiness
 
@@ -182,12 +176,6 @@ class BatchLoad:
         except StoreTimeout as exc:
             for region in self.regions:
                 hand_over(exc, region)
-            raise
-        except StoreIOError:
-            # An object this read could not take as it is (truncated, a slice
-            # outside it); the error names no key, so every object of the read
-            # is quarantined: the next offloads write them again.
-            self._quarantine(keys)
             raise
         for s in slices:
             n = len(s.item.keys)

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from layerlift.linker.integrity import CHECK_BYTES, checksums, slice_seed
-from layerlift.linker.store_base import Store, StoreError, StoreTimeout
+from layerlift.linker.store_base import Store, StoreError, StoreObjectLeased, StoreTimeout
 
 from .layout import PoolLayout
 from .staging import Arena, Region, hand_over
@@ -226,9 +226,13 @@ class Offloader:
             _log.debug("LayerLift: removing %d quarantined object(s) failed: %s", len(keys), exc)
 
     def _remove(self, keys: list[str]) -> list[str]:
-        """One removal pass; returns the keys the store still has (leased)."""
-        self._store.remove(keys)
-        left = [k for k, f in zip(keys, self._store.exists(keys), strict=True) if f]
+        """One removal pass; returns the keys the store still has (a read's
+        lease holds them: Mooncake refuses the removal until its lease TTL)."""
+        try:
+            self._store.remove(keys)
+            left: list[str] = []
+        except StoreObjectLeased as exc:
+            left = list(exc.keys)
         gone = [k for k in keys if k not in set(left)]
         self.quarantine.removed += len(gone)
         self.quarantine.discard(gone)

@@ -11,10 +11,21 @@ import pytest
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # Mooncake's glog level, read at client start
 
-from sglang_testkit import SHAPE
+from sglang_testkit import SHAPE, RawStore
 
 from layerlift.linker.master import EmbeddedMaster
+from layerlift.testing.faults import ProcessStall
 from layerlift.testing.sglang_harness import SGLangHost
+
+
+@pytest.fixture(scope="session")
+def mooncake_master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedMaster]:
+    """The session's mooncake_master for the SGLang tests, with a 1 s read
+    lease (the suite's default 50 ms expires inside one batch's reads on a
+    loaded machine: LEASE_EXPIRED fails the load); a removal waits it out."""
+    log = tmp_path_factory.mktemp("mooncake-sglang") / "mooncake_master.log"
+    with EmbeddedMaster(log_path=log, lease_ttl_ms=1000) as master:
+        yield master
 
 
 def linker_config(master: EmbeddedMaster, namespace: str, **extra: Any) -> dict[str, Any]:
@@ -30,16 +41,35 @@ def linker_config(master: EmbeddedMaster, namespace: str, **extra: Any) -> dict[
 def make_host(mooncake_master: EmbeddedMaster,
               mooncake_namespace: str) -> Iterator[Callable[..., SGLangHost]]:
     """``make_host(**extra)``: a new SGLang cache whose LayerLift linker (made
-    by SGLang's dynamic loader) uses this test's namespace; closed after."""
+    by SGLang's dynamic loader) uses this test's namespace; closed after.
+    ``shape`` and ``host`` (a dict of ``SGLangHost`` options) shape the cache;
+    the rest is ``linker_extra_config``."""
     hosts: list[SGLangHost] = []
 
     def make(**extra: Any) -> SGLangHost:
         namespace = extra.pop("namespace", mooncake_namespace)
-        host = SGLangHost(SHAPE, backend="dynamic",
-                          config=linker_config(mooncake_master, namespace, **extra))
+        shape = extra.pop("shape", SHAPE)
+        options = extra.pop("host", {})
+        host = SGLangHost(shape, backend="dynamic",
+                          config=linker_config(mooncake_master, namespace, **extra), **options)
         hosts.append(host)
         return host
 
     yield make
     for host in reversed(hosts):
         host.close()
+
+
+@pytest.fixture
+def raw(mooncake_master: EmbeddedMaster) -> Iterator[RawStore]:
+    client = RawStore(mooncake_master)
+    yield client
+    client.store.close()
+
+
+@pytest.fixture
+def stall(mooncake_master: EmbeddedMaster) -> Iterator[ProcessStall]:
+    assert mooncake_master.pid is not None
+    s = ProcessStall(mooncake_master.pid)
+    yield s
+    s.release()

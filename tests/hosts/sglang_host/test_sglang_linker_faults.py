@@ -14,92 +14,31 @@
 
 from __future__ import annotations
 
-import ctypes
 import time
 from array import array
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import pytest
-import torch
 from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
-from sglang_testkit import PAGE, SHAPE, is_zero, page_hashes, tokens
+from sglang_testkit import (
+    PAGE,
+    SHAPE,
+    RawStore,
+    exact_or_zero,
+    full_key,
+    is_zero,
+    on_device,
+    reseal,
+    tokens,
+)
 
-from layerlift.linker.integrity import checksums, slice_seed
-from layerlift.linker.master import EmbeddedMaster
-from layerlift.linker.mooncake_store import MooncakeStore
 from layerlift.linker.store_base import Store, StoreTimeout
 from layerlift.testing.faults import ProcessStall
 from layerlift.testing.sglang_harness import SGLangHost
 
 pytestmark = [pytest.mark.sglang, pytest.mark.mooncake]
-
-
-class RawStore:
-    """A plain client of the test's master, to read and plant whole objects."""
-
-    def __init__(self, master: EmbeddedMaster) -> None:
-        self.store = MooncakeStore(master.config(
-            global_segment_size=0, local_buffer_size=16 << 20, timeout_s=5.0,
-            metadata_server="P2PHANDSHAKE"))  # as the linkers' clients
-        self.buf = torch.zeros(1 << 20, dtype=torch.uint8)
-        self.store.register(self.buf)
-
-    def get(self, key: str, size: int) -> bytes:
-        assert self.store.get([key], [self.buf.data_ptr()], [size]) == [True]
-        return bytes(self.buf[:size].numpy())
-
-    def plant(self, key: str, data: bytes) -> None:
-        """Put ``data`` under ``key`` (before the cache offloads it: its own
-        put then finds the key taken and leaves this object)."""
-        ctypes.memmove(self.buf.data_ptr(), data, len(data))
-        self.store.put([key], [self.buf.data_ptr()], [len(data)])
-
-
-def reseal(obj: bytes, layout: Any, key: str) -> bytes:
-    """``obj``'s page bytes with a footer valid for ``key`` (a well-formed object of ``key``)."""
-    page = bytearray(obj[: layout.page_bytes])
-    base = ctypes.addressof((ctypes.c_char * len(page)).from_buffer(page))
-    sums = [int(checksums([base + off], size, [slice_seed(key, j)])[0])
-            for j, (off, size) in enumerate(layout.slices)]
-    return bytes(page) + np.asarray(sums, dtype="<u4").tobytes()
-
-
-@pytest.fixture
-def raw(mooncake_master: EmbeddedMaster) -> Iterator[RawStore]:
-    client = RawStore(mooncake_master)
-    yield client
-    client.store.close()
-
-
-@pytest.fixture
-def stall(mooncake_master: EmbeddedMaster) -> Iterator[ProcessStall]:
-    assert mooncake_master.pid is not None
-    s = ProcessStall(mooncake_master.pid)
-    yield s
-    s.release()
-
-
-def full_key(host: SGLangHost, toks: list[int], page: int) -> str:
-    return host.linker.key_schema.key("full", bytes.fromhex(page_hashes(toks)[page]))
-
-
-def on_device(host: SGLangHost, toks: list[int]) -> int:
-    return int(host.cache.match_prefix(
-        MatchPrefixParams(key=RadixKey(array("q", toks)))).device_prefix_len)
-
-
-def exact_or_zero(host: SGLangHost, restore: Any, toks: list[int]) -> dict[int, bool]:
-    """Per layer: True when exact, False when zero; fails on any other bytes."""
-    expected = host.expected(toks[: restore.loaded_tokens])
-    out = {}
-    for layer, got in restore.layers.items():
-        same = all(torch.equal(g, e) for g, e in zip(got, expected[layer], strict=True))
-        assert same or all(is_zero(g) for g in got), f"layer {layer} holds wrong bytes"
-        out[layer] = same
-    return out
 
 
 def _corrupt(scratch: list[bytes], layout: Any, key: str, other_key: str) -> bytes:
