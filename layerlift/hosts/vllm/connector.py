@@ -78,7 +78,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[
 
 from layerlift.engine.config import EngineConfig
 from layerlift.engine.stores import StoreHandle, open_store
-from layerlift.hosts.vllm.layout import Layout, classify_groups
+from layerlift.hosts.vllm.layout import GroupKind, Layout, classify_groups
 from layerlift.hosts.vllm.meta import StepMeta
 from layerlift.hosts.vllm.planner import BlockPlanner
 from layerlift.hosts.vllm.worker import BlockWorker
@@ -174,7 +174,8 @@ class LayerLiftConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,
                 if kv is None or not hasattr(kv, "stride") or not kv[0].is_contiguous():
                     raise ValueError(f"LayerLiftConnector: layer {name}'s KV cache is not one "
                                      "tensor with contiguous blocks; cannot restore it.")
-                if num_blocks and int(kv.shape[0]) != num_blocks:
+                attention = group.kind is not GroupKind.MAMBA
+                if attention and num_blocks and int(kv.shape[0]) != num_blocks:
                     raise ValueError(
                         f"LayerLiftConnector: layer {name}'s KV cache has {int(kv.shape[0])} "
                         f"blocks where vLLM's KV cache manager has {num_blocks} (the attention "

@@ -272,3 +272,29 @@ def test_refused_load_is_reported_without_a_read(store: MooncakeStore,
         assert worker.step_errors() == {3}  # the null block 0 is never reported
     finally:
         worker.close()
+
+
+def test_a_cluster_without_memory_is_said_at_start_up(
+        lease_master: EmbeddedMaster, caplog: pytest.LogCaptureFixture) -> None:
+    """The README's `vllm serve` line with just a master (segment_bytes=0):
+    nothing can be stored; the worker says so in one line naming the
+    store-node command. With a store-node's memory the line is absent."""
+    from layerlift.hosts.vllm.connector import warn_if_no_memory
+
+    bare = MooncakeStore(lease_master.config(global_segment_size=0, local_buffer_size=8 << 20))
+    try:
+        with caplog.at_level("WARNING", logger="vllm.layerlift"):
+            assert not warn_if_no_memory(bare, "mooncake://m", "probe-ns/x.l2/")
+        lines = [r.getMessage() for r in caplog.records if "has no memory" in r.getMessage()]
+        assert len(lines) == 1 and "layerlift store-node --master" in lines[0]
+        caplog.clear()
+        node = MooncakeStore(lease_master.config(global_segment_size=16 << 20,
+                                                 local_buffer_size=8 << 20))
+        try:
+            with caplog.at_level("WARNING", logger="vllm.layerlift"):
+                assert warn_if_no_memory(bare, "mooncake://m", "probe-ns/x.l2/")
+            assert not [r for r in caplog.records if "has no memory" in r.getMessage()]
+        finally:
+            node.close()
+    finally:
+        bare.close()
