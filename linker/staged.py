@@ -429,8 +429,11 @@ class DeviceSnapshot:
                 ready = device.event()
                 ready.record(device.current_stream())
         ready.wait(self.stream)
-        device.launch(self.stream,
-                      lambda: pages.copy_(gather(chunk, part), non_blocking=True))
+
+        def work() -> None:
+            pages.copy_(gather(chunk, part), non_blocking=True)
+
+        device.launch(self.stream, work)
         done = device.event()
         done.record(self.stream)
         done.synchronize()
