@@ -14,6 +14,17 @@ recompute. TTFT is the wall time of a ``max_tokens=1`` generate call;
 reported: median and 95% bootstrap interval per configuration, the tokens
 vLLM reports cached, and whether the first token matches the no-connector run.
 
+What traffic the figures hold for: each prompt's prefix (a whole number of
+pages) is served once *by itself* first, then the timed prompts are that
+prefix plus ``--suffix`` tokens. For a Mamba hybrid (``--model nemotron_h``)
+this is the only traffic that restores: the connector stores a Mamba group's
+state only at the end of a prefill that ended on a page boundary, so a
+prefix that only ever arrives with a question after it (prefix-plus-question
+traffic) leaves no checkpoint and restores nothing; the nemotron_h TTFT
+holds for page-multiple prompts that were served alone first, not for such
+traffic. Attention-only and sliding-window models restore any offloaded
+prefix.
+
 The link is real Mooncake TCP on loopback (no emulated NIC: the store is
 vLLM's own, not LayerLift's). vLLM's connector refuses Mamba groups outside
 ``mamba_cache_mode='align'`` (prefix caching, which fails on this CPU build),
@@ -38,6 +49,10 @@ __all__ = ["main", "render"]
 
 PAGE = 128
 CONNECTORS = ("none", "mooncake", "layerlift")
+TRAFFIC = ("each prefix (a page multiple) served alone first, then prefix + suffix timed; "
+           "a Mamba hybrid restores only such traffic (its state is stored at the end of a "
+           "prefill that ended on a page boundary), never prefix-plus-question traffic whose "
+           "prefix was never served alone")
 
 
 def _prompts(n: int, pages: int, suffix: int, seed: int) -> tuple[list[list[int]],
@@ -121,7 +136,8 @@ def run(kind: str, n: int, pages: int, suffix: int, repeats: int,
                     "MooncakeStoreConnector vs LayerLiftConnector, same prompts, same master",
             "model": kind, "hidden": hidden, "layers": layers, "prompts": n, "prefix_tokens": pages * PAGE,
             "prompt_tokens": pages * PAGE + suffix, "repeats": repeats,
-            "load_avg": list(os.getloadavg()), "cpus": os.cpu_count(), "rows": rows}
+            "traffic": TRAFFIC, "load_avg": list(os.getloadavg()), "cpus": os.cpu_count(),
+            "rows": rows}
 
 
 def render(record: dict[str, Any]) -> str:
@@ -138,7 +154,8 @@ def render(record: dict[str, Any]) -> str:
         lines.append(f"| {row['connector']} | {row['median_s'] * 1e3:.0f} | "
                      f"{lo * 1e3:.0f}-{hi * 1e3:.0f} | {cached:.0f} | "
                      f"{row['same_first_tokens']} |")
-    lines += ["", f"Command: `{record['meta']['command']}`"]
+    lines += ["", f"Traffic: {record.get('traffic', TRAFFIC)}.", "",
+              f"Command: `{record['meta']['command']}`"]
     return "\n".join(lines)
 
 
