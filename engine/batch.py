@@ -218,7 +218,7 @@ class Batch:
         if rec.compute is None and rec.txn is not None:
             txn, rec.txn, rec.status = rec.txn, None, RequestStatus.COMPUTING
             txn.abort()
-            plan.drop_restore("not enough device memory to restore")
+            plan.fall_back("not enough device memory to restore")
             rec.compute = alloc_compute(ctx.pool, ctx.tree, plan)
         if rec.compute is None:  # not in this batch: the caller serves it in a later one
             self.records.pop()
@@ -595,7 +595,7 @@ class Batch:
         assert rec.compute is not None
         comp, rec.compute = rec.compute, None
         free_compute(ctx.pool, comp)
-        rec.plan.drop_restore(reason)
+        rec.plan.fall_back(reason)
         rec.status = RequestStatus.RECOMPUTED
         rec.compute = alloc_compute(ctx.pool, ctx.tree, rec.plan)
 

@@ -192,13 +192,17 @@ class ExternalForward:
         end = time.perf_counter()
         if timings is not None:
             check_host_timings(timings, self._layers)
-        self.timings = timings if timings is not None else self._clock.timings(end)
+        used = timings if timings is not None else self._clock.timings(end)
         try:
-            return await self._batch.external_done(next_token_logprobs, self.timings)
+            results = await self._batch.external_done(next_token_logprobs, used)
         except RerunRequired as rerun:
+            self.timings = used
             self.requests = rerun.requests
             self._clock.reset()
             raise
+        # Set once the batch took this call (a refused one changes nothing).
+        self.timings = used
+        return results
 
     def abort(self) -> None:
         """Abandon the host forward: ABORT the batch (then ``await aclose()``).

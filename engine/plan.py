@@ -97,7 +97,18 @@ class LookupPlan:
                              "hold other data now; call lookup() again for a new one")
 
     def drop_restore(self, reason: str) -> None:
-        """Compute from the device boundary instead of restoring."""
+        """Compute from the device boundary instead of restoring. Call before
+        ``Engine.load``: ``ValueError`` for a plan a batch has taken (its
+        pages are sized for the boundary it had)."""
+        if self.taken:
+            raise ValueError(f"plan {self.request_id} was loaded: drop_restore() must come "
+                             "before Engine.load (its batch's pages are sized for the "
+                             "boundary it had then)")
+        self.fall_back(reason)
+
+    def fall_back(self, reason: str) -> None:
+        """What the engine does to a plan it has taken (a restore that does
+        not fit, a failed or refused one): compute from the device boundary."""
         self.boundary = self.device_pages
         self.fallback_reason = reason
 

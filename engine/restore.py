@@ -117,7 +117,7 @@ class RestoreStage:
         request = LinkRequest(plan.hashes[: plan.usable_pages], plan.device_pages, plan.boundary)
         txn = RestoreTransaction.load(self.linkers, request)
         if txn is None:
-            plan.drop_restore("not enough device memory to restore")
+            plan.fall_back("not enough device memory to restore")
             return None
         txn.prepare()
         return txn

@@ -33,7 +33,7 @@ from layerlift import Engine, EngineConfig, EngineError, HybridModel, ModelSpec
 from layerlift.engine.batch import Batch
 from layerlift.engine.handle import ExternalForward
 from layerlift.engine.model.api import ForwardRequest
-from layerlift.engine.results import PrefillResult
+from layerlift.engine.results import PrefillResult, Timings
 from layerlift.linker.memory_store import MemoryStore
 from layerlift.overlap.base import LayerLoadError
 from layerlift.pools.spec import Component
@@ -262,11 +262,13 @@ async def test_a_second_done_while_the_first_ends_the_load_raises(model: HybridM
         async with asyncio.timeout(WAIT_S):
             await entered.wait()
         assert not first.done()
+        theirs = Timings(layer_compute=[1.0] * model.spec.num_layers)
         with pytest.raises(RuntimeError, match="still running"):
-            await ext.done(logprobs)
+            await ext.done(logprobs, timings=theirs)
         with pytest.raises(RuntimeError, match="still running"):
             await ext.failed(LayerLoadError(0, RuntimeError("late")))
         got = await first
+        assert ext.timings is not theirs  # the refused call changed nothing
         assert all(r.restored_tokens > 0 and not r.recomputed_after_failure for r in got)
         assert_exact(got, ref)
         await engine.wait_offloads()
@@ -403,9 +405,11 @@ async def test_a_plan_waiting_for_room_stays_taken(model: HybridModel) -> None:
 
 # ---- 9. a taken plan's boundary is fixed; done() checks the vocabulary ------------------
 
-async def test_restrict_to_refuses_a_loaded_plan(model: HybridModel) -> None:
+@pytest.mark.parametrize("call", ["restrict_to", "drop_restore"])
+async def test_a_loaded_plans_boundary_cannot_move(model: HybridModel, call: str) -> None:
     """``restrict_to`` after ``load`` used to move the boundary under the
-    batch (16 -> 12 pages; the forward failed with a pool double free)."""
+    batch (16 -> 12 pages; the forward failed with a pool double free);
+    ``drop_restore`` is the same shape (found again): both refused."""
     prompt = random_prompts(model, 37, [900])[0]
     (ref,) = await cold_prefills(model, [prompt])
     cfg = EngineConfig(store="memory", pool_bytes=8 << 20)
@@ -417,8 +421,11 @@ async def test_restrict_to_refuses_a_loaded_plan(model: HybridModel) -> None:
         assert lower, plan.restorable
         before = (plan.restorable, plan.boundary)
         handle = await engine.load([plan])
-        with pytest.raises(ValueError, match=r"restrict_to\(\) must come before Engine.load"):
-            plan.restrict_to([lower])
+        with pytest.raises(ValueError, match=rf"{call}\(\) must come before Engine.load"):
+            if call == "restrict_to":
+                plan.restrict_to([lower])
+            else:
+                plan.drop_restore("the caller changed its mind")
         assert (plan.restorable, plan.boundary) == before
         handle.commit()
         (got,) = await handle.forward()
