@@ -12,10 +12,12 @@ life cycle and all of its cleanup live in ``engine/batch.py``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
 from types import TracebackType
+from typing import Literal
 
 import numpy as np
 import torch
@@ -55,6 +57,7 @@ from layerlift.pools.tree import UnifiedRadixTree
 __all__ = ["Engine", "EngineError", "min_pool_bytes"]
 
 log = logging.getLogger("layerlift.engine")
+Phase = Literal["closed", "starting", "started", "closing"]
 
 
 def min_pool_bytes(spec: ModelSpec) -> int:
@@ -104,7 +107,9 @@ class Engine:
         self._device = device
         self._injected = store
         self._handle: StoreHandle | None = None
-        self._started = False
+        # closed -> starting -> started -> closing -> closed (start again: a new life)
+        self._phase: Phase = "closed"
+        self._start_task: asyncio.Task[None] | None = None
         # What start() opened, as (what, close, blocking), closed in reverse.
         self._closers: list[tuple[str, Callable[[], None], bool]] = []
         self._close_task: asyncio.Task[None] | None = None
@@ -123,11 +128,22 @@ class Engine:
 
         A failure or a cancellation part-way closes, in reverse order, what
         was opened so far (registration, lane, store client, master) before
-        it propagates; nothing is left running. ``RuntimeError`` if the
-        engine is started already or still closing."""
-        if self._started or (self._close_task is not None and not self._close_task.done()):
+        it propagates; nothing is left running. A second ``start()`` while
+        one runs joins it (both return once it opened, or raise what it
+        raised); ``close()`` during ``start()`` stops the start, closes what
+        it had opened, and the start raises ``EngineError``.
+        ``RuntimeError`` if the engine is started already or still closing."""
+        if self._phase == "starting" and self._start_task is not None:
+            await self._join_start(self._start_task)
+            return
+        if self._phase != "closed":
             raise RuntimeError("this engine is started already (or still closing)")
-        self._close_task = None
+        self._phase, self._close_task = "starting", None
+        task = asyncio.get_running_loop().create_task(self._start())
+        self._start_task = task
+        await self._join_start(task)
+
+    async def _start(self) -> None:
         try:
             await self._open()
         except BaseException as exc:
@@ -135,8 +151,28 @@ class Engine:
                 await wait_through(asyncio.ensure_future(self._shutdown()))
             except Exception as problem:
                 exc.add_note(f"and while closing what start() had opened: {problem!r}")
+            if self._phase == "starting":
+                self._phase = "closed"
             raise
-        self._started = True
+        if self._phase == "starting":  # else close() began meanwhile: it closes this
+            self._phase = "started"
+
+    async def _join_start(self, task: asyncio.Task[None]) -> None:
+        """Wait for the start ``task``. A cancelled caller cancels it (what
+        it opened is closed) and is cancelled once it ended; a start that
+        ``close()`` stopped raises ``EngineError``."""
+        def stop() -> None:
+            task.cancel()
+
+        try:
+            await wait_through(task, on_cancel=stop)
+        except asyncio.CancelledError:
+            me = asyncio.current_task()
+            if me is not None and me.cancelling():
+                raise
+            raise EngineError("the engine was closed while it started") from None
+        if self._phase != "started":
+            raise EngineError("the engine was closed while it started")
 
     async def _open(self) -> None:
         """What ``start`` does; each resource opened pushes its closer first."""
@@ -189,38 +225,82 @@ class Engine:
         return CpuLane(max_workers=2)
 
     async def close(self) -> None:
-        """Abort the batches still in flight and wait until their threads
-        returned, wait for pending offloads (their puts), then close the
-        lane, unregister the pool, close the store and stop the master:
-        nothing a worker thread or a put uses is closed under it.
+        """Refuse everything new (every call waiting for a lock or for room
+        raises ``EngineError``), abort the batches in flight and wait until
+        their threads returned, wait for pending offloads (their puts), then
+        close the lane, unregister the pool, close the store and stop the
+        master: nothing a worker thread or a put uses is closed under it.
+
+        Bounded whatever the store does: pending offloads are waited for at
+        most ``store_timeout_s``; a put still running then (a stalled store)
+        is left to end on its own, and the registration, the store client
+        and the master are closed by its thread once it returned (logged).
 
         Owned end to end: a cancelled ``close()`` (``task.cancel()``, a
         ``wait_for`` timeout) still waits for all of that, and the
         cancellation is raised once it finished. Idempotent; a no-op on an
-        engine that never started."""
-        if self._close_task is None:
-            if not self._started:
-                return
-            self._started = False
+        engine that never started; during ``start()`` it stops the start
+        and closes what the start had opened."""
+        if self._phase == "starting":
+            self._phase = "closing"
+            self._close_task = asyncio.get_running_loop().create_task(self._close_start())
+        elif self._phase == "started":
+            self._phase = "closing"
             self._close_task = asyncio.get_running_loop().create_task(self._close())
+        elif self._close_task is None:
+            return
         await wait_through(self._close_task)
+
+    async def _close_start(self) -> None:
+        """``close()`` during ``start()``: stop the start (its failure path
+        closes what it opened); one that had opened everything first is
+        closed like a started engine."""
+        task = self._start_task
+        assert task is not None
+        task.cancel()
+        await asyncio.wait([task])
+        if not task.cancelled() and task.exception() is None:
+            await self._close()
+        self._phase = "closed"
 
     async def _close(self) -> None:
         problems: list[BaseException] = []
+        ctx = self._ctx
         try:
-            for batch in list(self._ctx.live):
-                batch.abort(EngineError("the engine is closing"))
-            for batch in list(self._ctx.live):
-                try:
-                    await batch.aclose()
-                except Exception as exc:  # the batch's own failure: keep closing
-                    problems.append(exc)
-            await self.wait_offloads()
+            ctx.begin_close()  # nothing new starts; every waiter raises
+            while ctx.live:  # a batch that started exiting meanwhile is waited for too
+                for batch in list(ctx.live):
+                    batch.abort(EngineError("the engine is closing"))
+                for batch in list(ctx.live):
+                    try:
+                        await batch.aclose()
+                    except Exception as exc:  # the batch's own failure: keep closing
+                        problems.append(exc)
+            self.offloader.closing = True
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.cfg.store_timeout_s):
+                    await self.offloader.wait()
         finally:
-            await self._shutdown()
+            try:
+                await self._shutdown_after_puts()
+            finally:
+                self._phase = "closed"
         if problems:
             raise EngineError(f"a batch failed while the engine closed: {problems[0]!r}") \
                 from problems[0]
+
+    async def _shutdown_after_puts(self) -> None:
+        """Run the closers now, or hand them to the last put thread still
+        running (a stalled store): it runs them once its put returned."""
+        closers, self._closers = self._closers, []
+        if self.offloader.hand_over(lambda: _run_closers(closers)):
+            log.warning("engine closed with offload puts still running (the store does not "
+                        "answer within store_timeout_s=%s): the pool's registration, the "
+                        "store client and the master are closed when they return",
+                        self.cfg.store_timeout_s)
+            return
+        self._closers = closers
+        await self._shutdown()
 
     async def _shutdown(self) -> None:
         """Run the closers in reverse order of opening, each whatever the
@@ -262,7 +342,8 @@ class Engine:
             # Prompts left over from a part are looked up again: the parts
             # before them may have put their prefixes on the device.
             part = todo[:take]
-            plans = await self._lookup_locked([prompts[i] for i in part], started)  # holds lock
+            plans = await self._lookup_locked([prompts[i] for i in part], started,
+                                              self.cfg.layer_wait_timeout_s)  # holds lock
             for i, plan in zip(part, plans, strict=True):
                 if i in compute_only and plan.restores:
                     plan.drop_restore("its restore failed in an earlier part")
@@ -304,14 +385,17 @@ class Engine:
                              started: float, wait_s: float | None = None) -> list[LookupPlan]:
         """Acquire the load lock and LOOKUP every prompt; on return the
         caller holds the lock and the plans (on an exception neither).
-        ``wait_s``: ``EngineError`` if the lock is not free by then."""
+        ``wait_s``: ``EngineError`` once a batch that waits for its caller
+        (a step-by-step handle) has held the lock that long (see
+        ``EngineContext.acquire``), or at once when the engine closes."""
         ctx = self._context()
-        await _acquire(ctx.lock, wait_s)
+        await ctx.acquire(ctx.lock, wait_s, "waiting for the load lock to look up")
         plans: list[LookupPlan] = []
         try:
             for tokens in prompts:
                 plans.append(match_plan(ctx, tokens))
             await self.restore.lookup(plans)
+            ctx.check_open()  # closed meanwhile: no batch may start after close() began
             if ctx.cost is not None:
                 overlap = self.cfg.policy != "barrier"
                 ahead = ctx.cost.compute_seconds(_tokens_ahead(ctx))
@@ -356,7 +440,8 @@ class Engine:
         take_plans(plans, ctx)  # checked and taken with no await between
         started = time.perf_counter() - max((p.lookup_time for p in plans), default=0.0)
         try:
-            await _acquire(ctx.lock, self.cfg.layer_wait_timeout_s)
+            await ctx.acquire(ctx.lock, self.cfg.layer_wait_timeout_s,
+                              "load() waited for the load lock")
             batch, rest = await Batch.prepare(ctx, plans, started)  # releases the lock on failure
         except BaseException:
             release_plans(ctx, plans)
@@ -402,7 +487,7 @@ class Engine:
         release_plan(ctx, plan)
 
     def _context(self) -> EngineContext:
-        if not self._started:
+        if self._phase != "started":
             if self._close_task is not None:
                 raise EngineError("the engine is closing or closed: start a new one")
             raise RuntimeError("the engine is not started: use `async with Engine(...)`")
@@ -431,12 +516,13 @@ def _tokens_ahead(ctx: EngineContext) -> int:
                for b in ctx.live if b.state in live for p in b.plans)
 
 
-async def _acquire(lock: asyncio.Lock, wait_s: float | None) -> None:
-    """``lock.acquire()``; ``EngineError`` after ``wait_s`` seconds."""
-    try:
-        async with asyncio.timeout(wait_s):
-            await lock.acquire()
-    except TimeoutError:
-        raise EngineError(
-            f"the engine's load lock stayed taken for {wait_s} s: another batch's load "
-            "has not ended (a step-by-step handle must be forwarded or aborted)") from None
+def _run_closers(closers: list[tuple[str, Callable[[], None], bool]]) -> None:
+    """The closers of an engine whose close left a put running, in reverse
+    order, in the put's thread once it returned; errors are logged."""
+    while closers:
+        what, fn, _ = closers.pop()
+        try:
+            fn()
+        except Exception as exc:
+            log.error("engine shutdown after the last put, while %s: %r", what, exc,
+                      exc_info=exc)

@@ -145,6 +145,7 @@ class Batch:
         self.records: list[RequestRecord] = []
         self.restore = BatchRestore(ctx)
         self.load_issued = 0.0
+        self.issued_at: float | None = None  # monotonic; once issue() got the device
         self._exit_task: asyncio.Task[None] | None = None
         self._holds_device = False
         self._ext_runs: list[ForwardRun] = []
@@ -235,7 +236,10 @@ class Batch:
         fetches run meanwhile). A session that fails to open (a key evicted
         since LOOKUP, the store gone) turns every restore of the batch into a
         recompute: nothing was published yet. ``device_timeout``: raise
-        ``EngineError`` (the batch exits) if the device is not free by then."""
+        ``EngineError`` (the batch exits) once the device has been held that
+        long by a batch that waits for its caller (a step-by-step handle
+        neither forwarded nor aborted; see ``EngineContext.acquire``). A
+        batch that computes is waited for however long its forward takes."""
         self._to(BatchState.LOADING)
         await self._guard(self._issue(device_timeout))
 
@@ -249,14 +253,10 @@ class Batch:
                 self._check_open()
         if self.restore.task is None:
             self.restore.release_lock()  # nothing in flight
-        try:
-            async with asyncio.timeout(device_timeout):
-                await self.ctx.device.acquire()
-        except TimeoutError:
-            raise EngineError(
-                f"another batch kept the device for {device_timeout} s: a step-by-step "
-                "handle must be forwarded or aborted before the next load") from None
+        await self.ctx.acquire(self.ctx.device, device_timeout,
+                               f"{self.describe()} waited for the device")
         self._holds_device = True
+        self.issued_at = time.monotonic()
         if self._exit_task is not None and self._exit_task.done():  # its release has passed
             self._holds_device = False
             self.ctx.device.release()
@@ -744,6 +744,29 @@ class Batch:
         release_plan(ctx, rec.plan)
 
     # ---- helpers --------------------------------------------------------------------
+    @property
+    def holds_device(self) -> bool:
+        return self._holds_device
+
+    @property
+    def holds_load_lock(self) -> bool:
+        return self.restore.holds_lock
+
+    @property
+    def awaiting_caller(self) -> bool:
+        """Issued and holding the device, but neither forwarded nor aborted:
+        only its caller (a step-by-step handle's) can end what it holds.
+        ``prefill`` runs its batch right after ``issue`` (no await between),
+        so a batch of its own is never seen here."""
+        return (self.issued_at is not None and self._exit_task is None
+                and self.state in (BatchState.LOADING, BatchState.COMMITTED))
+
+    def describe(self) -> str:
+        """Which batch this is, for an error message."""
+        how = ("loaded step by step (Engine.load) and neither forwarded nor aborted"
+               if self.awaiting_caller else self.state.value)
+        return f"the batch of requests {[r.rid for r in self.records]} ({how})"
+
     @property
     def readiness(self) -> LayerReadiness:
         return self.restore.readiness

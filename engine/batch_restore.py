@@ -137,6 +137,11 @@ class BatchRestore:
                 and not self.readiness.failed_requests():
             self.release_lock()
 
+    @property
+    def holds_lock(self) -> bool:
+        """Whether the engine's load lock is still this load's."""
+        return self._holds_lock
+
     def release_lock(self) -> None:
         if self._holds_lock:
             self._holds_lock = False

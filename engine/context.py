@@ -15,6 +15,7 @@ Threads: everything here runs on the event-loop thread.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +38,9 @@ __all__ = ["EngineContext", "EngineError", "match_plan", "release_plan", "releas
 
 class EngineError(RuntimeError):
     """The engine cannot serve a request (e.g. the pool cannot hold it)."""
+
+
+_LOCK_NAMES = {True: "load lock", False: "device"}
 
 
 @dataclass(eq=False)
@@ -68,36 +72,121 @@ class EngineContext:
     room: asyncio.Event = field(default_factory=asyncio.Event)
     """Set (and replaced by a fresh event) each time a batch exits: what a
     batch waits on when another batch holds the room it needs."""
+    closing: bool = False
+    """``Engine.close`` has begun: nothing new starts (no lookup, batch or
+    offload), and every wait for a lock or for room raises ``EngineError``."""
+    closed: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set when ``closing`` turns True: wakes every waiter."""
+    room_waiters: set[Any] = field(default_factory=set)
+    """Batches inside :meth:`wait_for_room` (they free nothing while they wait)."""
 
     def room_freed(self) -> None:
         """A batch exited (its pages went to the tree or the free lists)."""
         self.room.set()
         self.room = asyncio.Event()
 
+    def begin_close(self) -> None:
+        """``Engine.close`` starts: refuse everything new, wake every waiter."""
+        self.closing = True
+        self.closed.set()
+        self.room_freed()
+
+    def check_open(self) -> None:
+        """``EngineError`` once the engine is closing."""
+        if self.closing:
+            raise EngineError("the engine is closing or closed: start a new one")
+
+    async def acquire(self, lock: asyncio.Lock, bound: float | None, what: str) -> None:
+        """Acquire ``lock`` (``self.lock`` or ``self.device``) for ``what``.
+
+        Waits as long as whatever holds it makes progress: a batch still
+        looking up, loading or computing (its own waits are bounded) ends by
+        itself. The one holder that does not is a batch that waits for its
+        caller (:attr:`Batch.awaiting_caller`: loaded step by step, neither
+        forwarded nor aborted): once such a holder has kept it ``bound``
+        seconds while this call waited, ``EngineError`` names it. Raises
+        ``EngineError`` at once when the engine closes (the lock is not
+        taken then). On any exception or cancellation the lock is not held."""
+        started = time.monotonic()
+        got = asyncio.ensure_future(lock.acquire())
+        closed = asyncio.ensure_future(self.closed.wait())
+        try:
+            while True:
+                self.check_open()
+                step = bound
+                held = self._idle_holder(lock)
+                if held is not None and bound is not None:
+                    idle = time.monotonic() - max(started, held.issued_at)
+                    if idle >= bound:
+                        raise EngineError(
+                            f"{what}: {held.describe()} kept the "
+                            f"{_LOCK_NAMES[lock is self.lock]} for {idle:.1f} s and waits for "
+                            "its caller: forward or abort that handle (layer_wait_timeout_s="
+                            f"{bound})")
+                    step = bound - idle
+                await asyncio.wait((got, closed), timeout=step,
+                                   return_when=asyncio.FIRST_COMPLETED)
+                if got.done():
+                    self.check_open()
+                    return
+        except BaseException:
+            if got.done() and not got.cancelled() and got.exception() is None:
+                lock.release()
+            else:
+                got.cancel()
+            raise
+        finally:
+            closed.cancel()
+
+    def _idle_holder(self, lock: asyncio.Lock) -> Any:
+        """The batch holding ``lock`` if it waits for its caller, else None.
+        The load lock counts only once that batch's load has settled (a
+        load in flight releases the lock when it lands)."""
+        for batch in self.live:
+            if lock is self.device and batch.holds_device and batch.awaiting_caller:
+                return batch
+            if lock is self.lock and batch.holds_load_lock and batch.awaiting_caller \
+                    and batch.readiness.settled():
+                return batch
+        return None
+
     async def wait_for_room(self, me: Any, need: str) -> bool:
         """Wait until another batch in flight exits or the pending offloads
         end (they hold pages); False at once if neither holds anything.
-        ``EngineError`` naming what holds the room after
-        ``layer_wait_timeout_s``. ``me``: the waiting batch."""
-        others = [b for b in self.live if b is not me]
-        if not others and not self.offloader.pending:
-            return False
-        room = self.room
-        waits: list[asyncio.Future[Any]] = [asyncio.ensure_future(room.wait())]
-        if self.offloader.pending:
-            waits.append(asyncio.ensure_future(self.offloader.wait()))
-        try:
-            done, _ = await asyncio.wait(waits, timeout=self.cfg.layer_wait_timeout_s,
-                                         return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for w in waits:
-                w.cancel()
-        if not done:
+        Waits as long as another batch makes progress (its exit frees the
+        room); ``EngineError`` naming what holds the room once it stayed
+        held ``layer_wait_timeout_s`` by nothing that progresses (batches
+        that wait for their caller, offloads to a stalled store), or at once
+        when the engine closes. ``me``: the waiting batch."""
+        bound = self.cfg.layer_wait_timeout_s
+        while True:
+            self.check_open()
+            others = [b for b in self.live if b is not me]
+            if not others and not self.offloader.pending:
+                return False
+            room = self.room
+            waits: list[asyncio.Future[Any]] = [asyncio.ensure_future(room.wait()),
+                                                asyncio.ensure_future(self.closed.wait())]
+            if self.offloader.pending:
+                waits.append(asyncio.ensure_future(self.offloader.wait()))
+            self.room_waiters.add(me)
+            try:
+                done, _ = await asyncio.wait(waits, timeout=bound,
+                                             return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                self.room_waiters.discard(me)
+                for w in waits:
+                    w.cancel()
+            self.check_open()
+            if done:
+                return True
+            if any(not b.awaiting_caller and b not in self.room_waiters
+                   for b in self.live if b is not me):
+                continue  # a batch still computing or loading: its exit frees the room
             raise EngineError(
-                f"{need}, and the room stayed held for {self.cfg.layer_wait_timeout_s} s by "
-                f"{len(others)} other batch(es) in flight and "
+                f"{need}, and the room stayed held for {bound} s by "
+                f"{len(others)} other batch(es) waiting for their caller and "
                 f"{'pending' if self.offloader.pending else 'no'} offloads")
-        return True
 
     @property
     def vocab_size(self) -> int:

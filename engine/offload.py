@@ -36,7 +36,13 @@ from layerlift.linker.components import ComponentLinker
 from layerlift.linker.contract import LinkerTransferPhase, PoolTransfer
 from layerlift.linker.integrity import footer_bytes, object_bytes, page_footers
 from layerlift.linker.ring import ring_for
-from layerlift.linker.store_base import Store, StoreError, StoreFull, StoreTimeout
+from layerlift.linker.store_base import (
+    Store,
+    StoreError,
+    StoreFull,
+    StoreTimeout,
+    StoreUnavailable,
+)
 from layerlift.overlap.device import device_of
 from layerlift.pools.base import KVPool
 from layerlift.pools.spec import Component
@@ -133,6 +139,10 @@ class Offloader:
         self._lock = threading.Lock()  # report fields written by put threads
         self._backoff: dict[bytes, list[int]] = {}  # last page hash -> [skips left, level]
         self._said_too_big = False
+        self.closing = False  # Engine.close began: nothing new is submitted
+        self._threads = 0  # put threads started and not yet returned (under _lock)
+        self._after_puts: Callable[[], None] | None = None  # see hand_over
+        self._shut = False  # the closers ran (or are handed over): no put may start
 
     def submit(self, node: TreeNode) -> None:
         """Offload what the store lacks along ``node``'s path (returns at once).
@@ -140,8 +150,8 @@ class Offloader:
         Objects go root first, per node FULL, SWA, then MAMBA (the linkers'
         order): a checkpoint is sent only with the prefix it needs. Skipped
         while the node backs off a full store, or when the prefix is larger
-        than the store's capacity."""
-        if self._backing_off(node):
+        than the store's capacity; nothing once the engine is closing."""
+        if self.closing or self._backing_off(node):
             return
         work: list[tuple[TreeNode, PoolTransfer]] = []
         seen: set[str] = set()
@@ -174,7 +184,7 @@ class Offloader:
         try:
             # Owned: the pages stay pinned (and the node locked) until the put
             # thread returned, even if this task is cancelled meanwhile.
-            await run_owned(lambda: self._put(keys, pages, sizes))
+            await run_owned(lambda: self._put_thread(keys, pages, sizes))
         except StoreError as exc:
             self.report.record_failure(exc)
             self.failure_log.failed(exc)
@@ -194,6 +204,39 @@ class Offloader:
                 self.pool.unpin(t.component, t.device_indices)
             if self.tree.contains(node):
                 self.tree.unlock(node)
+
+    def _put_thread(self, keys: list[str], pages: list[tuple[Component, int]],
+                    sizes: list[int]) -> None:
+        """Worker thread: the put, counted; the last one to return after
+        :meth:`hand_over` runs what it was handed."""
+        with self._lock:
+            if self._shut:
+                raise StoreUnavailable("the engine closed before this offload's put started")
+            self._threads += 1
+        try:
+            self._put(keys, pages, sizes)
+        finally:
+            with self._lock:
+                self._threads -= 1
+                after = self._after_puts if self._threads == 0 else None
+                if after is not None:
+                    self._after_puts, self._shut = None, True
+            if after is not None:
+                after()
+
+    def hand_over(self, cleanup: Callable[[], None]) -> bool:
+        """``Engine.close`` gave up waiting: if a put thread still runs (a
+        stalled store), the last one to return runs ``cleanup`` (closing
+        the registration and the client the puts use) and True is
+        returned; False (the caller runs it at once) when none runs. A put
+        thread that starts after that fails at once (``StoreUnavailable``):
+        it never touches what the cleanup closed."""
+        with self._lock:
+            if self._threads == 0:
+                self._shut = True
+                return False
+            self._after_puts = cleanup
+            return True
 
     def _put(self, keys: list[str], pages: list[tuple[Component, int]], sizes: list[int]) -> None:
         """Worker thread: put straight from the pool on CPU; through one pinned

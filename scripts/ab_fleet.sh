@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Paired A/B of the fleet replay: the same replay run alternately from two
+# checkouts (default: a worktree of an older commit, and this one), so both
+# see the same machine and the same background load.
+#
+#   git worktree add /tmp/ab_old cdc45ec
+#   scripts/ab_fleet.sh /tmp/ab_old /work/main 3 /tmp/ab_out   # 3 pairs
+#   scripts/ab_fleet.sh --summary /tmp/ab_out
+#
+# Each run (one process per policy; its CPU seconds are recorded): 8 instances, round-robin, the emulated 0.1 GB/s link, one store,
+# the tiny preset, 200 requests of the conversation trace, barrier and
+# overlap. The load average is recorded before and after each run.
+# AB_REQUESTS (200) and AB_ARGS (more replay options, e.g. "--time-scale 50").
+set -euo pipefail
+here="$(cd "$(dirname "$0")/.." && pwd)"
+py="${AB_PYTHON:-$here/.venv/bin/python}"
+if [[ "${1:-}" == "--summary" ]]; then
+    exec "$py" "$here/scripts/ab_summary.py" "$2"
+fi
+a="${1:?usage: ab_fleet.sh ROOT_A ROOT_B PAIRS OUTDIR}"
+b="${2:?}"; pairs="${3:-3}"; out="${4:-/tmp/ab_out}"
+trace="${AB_TRACE:-/work/shared/traces/conversation_trace.jsonl}"
+mkdir -p "$out"
+run() {  # label root index policy
+    local label="$1_$4_$3" root="$2"
+    echo "$label start $(date -u +%T) load $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$out/log"
+    (cd /tmp && timeout 1200 "$py" "$here/scripts/ab_run.py" "$root" bench replay \
+        --instances 8 --router round-robin --policies "$4" \
+        --links emulated:0.1,10 --preset tiny --requests "${AB_REQUESTS:-200}" \
+        --trace "$trace" --kl-samples 1 --json "$out/$label.json" ${AB_ARGS:-}) \
+        >"$out/$label.txt" 2>&1 || echo "$label FAILED (see $out/$label.txt)" | tee -a "$out/log"
+    echo "$label end $(date -u +%T) load $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$out/log"
+}
+pair() {  # index: one side's barrier and overlap, then the other's
+    run "$1" "$2" "$3" barrier; run "$1" "$2" "$3" overlap
+}
+for i in $(seq 1 "$pairs"); do
+    if (( i % 2 )); then pair A "$a" "$i"; pair B "$b" "$i"; else pair B "$b" "$i"; pair A "$a" "$i"; fi
+done
+"$py" "$here/scripts/ab_summary.py" "$out"

@@ -1,0 +1,43 @@
+"""Run ``layerlift`` from another checkout of the tree (a ``git worktree``)
+with the main venv: ``python scripts/ab_run.py ROOT bench replay ...``.
+
+The venv's editable finder maps ``layerlift.*`` to the main checkout; this
+points its mapping at ROOT before anything of layerlift is imported, so the
+same interpreter and packages run the other commit's code (no second venv).
+Prints the process's CPU seconds (user + system) at exit: on a machine
+whose load others share, the CPU a run needs for the same work is steadier
+than its latencies."""
+
+from __future__ import annotations
+
+import importlib
+import resource
+import sys
+import time
+from pathlib import Path
+
+
+def main() -> None:
+    if len(sys.argv) < 2:
+        raise SystemExit("usage: ab_run.py ROOT [layerlift arguments]")
+    root = Path(sys.argv[1]).resolve()
+    finder = importlib.import_module("__editable___layerlift_0_1_0_finder")
+    mapping: dict[str, str] = finder.MAPPING
+    for name, path in list(mapping.items()):
+        mapping[name] = str(root / Path(path).name)
+    sys.argv = ["layerlift", *sys.argv[2:]]
+    cli = importlib.import_module("layerlift.cli")
+    where = Path(cli.__file__).resolve()
+    if root not in where.parents:
+        raise SystemExit(f"layerlift.cli came from {where}, not from {root}")
+    wall = time.perf_counter()
+    try:
+        cli.main()
+    finally:
+        use = resource.getrusage(resource.RUSAGE_SELF)
+        print(f"ab_run: cpu {use.ru_utime + use.ru_stime:.1f} s, wall "
+              f"{time.perf_counter() - wall:.1f} s", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
