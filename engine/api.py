@@ -450,8 +450,8 @@ class Engine:
             err = EngineError(
                 f"plans {[p.request_id for p in rest]} do not fit in the device pool together "
                 f"with plans {[p.request_id for p in batch.plans]}: load them in a later batch")
+            release_plans(ctx, rest)  # before the await: a cancelled close must not leak them
             await batch.close(err)
-            release_plans(ctx, rest)
             raise err
         await batch.issue(device_timeout=self.cfg.layer_wait_timeout_s)
         return LoadHandle(batch)

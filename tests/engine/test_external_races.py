@@ -475,3 +475,48 @@ async def test_serving_with_the_rule_is_exact(model: HybridModel) -> None:
             store.clear()
             await engine.wait_offloads()
             assert_quiescent(engine)
+
+
+# ---- the same shapes, found again -------------------------------------------------------
+
+async def test_a_cancelled_load_releases_the_plans_that_did_not_fit(
+        model: HybridModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``load([a, b])`` where ``b`` does not fit beside ``a``: the batch of
+    ``a`` is closed, then ``b`` released; a cancellation during that close
+    skipped the release (``b``'s device-hit lock and pins leaked). Now
+    ``b`` is released before the await."""
+    a, prefix = random_prompts(model, 40, [2600, 600])
+    b = np.concatenate([prefix, random_prompts(model, 41, [2000])[0]])
+    ref_a, ref_b = await cold_prefills(model, [a, b])
+    cfg = EngineConfig(store="memory", pool_bytes=4 << 20)
+    async with Engine(model, cfg, store=MemoryStore()) as engine:
+        await engine.prefill([a])
+        await offload_and_drop(engine)
+        await engine.prefill([prefix])
+        await engine.wait_offloads()
+        plan_a, plan_b = await engine.lookup(a), await engine.lookup(b)
+        assert plan_a.restores and plan_b.device_pages > 0
+        entered, proceed = asyncio.Event(), asyncio.Event()
+        original = Batch._end_load
+
+        async def held(self: Batch) -> Any:
+            entered.set()
+            await proceed.wait()
+            return await original(self)
+
+        monkeypatch.setattr(Batch, "_end_load", held)
+        loading = asyncio.create_task(engine.load([plan_a, plan_b]))
+        async with asyncio.timeout(WAIT_S):
+            await entered.wait()  # the batch of a is closing
+        loading.cancel()
+        proceed.set()
+        with pytest.raises(asyncio.CancelledError):
+            await loading
+        monkeypatch.undo()
+        assert plan_a.released and plan_b.released
+        await engine.wait_offloads()
+        assert_quiescent(engine)
+        got = [(await engine.prefill([p]))[0] for p in (a, b)]
+        assert_exact(got, [ref_a, ref_b])
+        await engine.wait_offloads()
+        assert_quiescent(engine)
