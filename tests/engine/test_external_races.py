@@ -240,6 +240,55 @@ async def test_a_host_that_never_returns_gets_a_clear_error_and_keeps_its_pages(
     san.check()
 
 
+async def test_close_behind_a_host_that_never_returns_is_bounded(model: HybridModel) -> None:
+    """``Engine.close()`` while a host's forward is held and never says it
+    returned: close waits ``layer_wait_timeout_s``, then raises an
+    ``EngineError`` naming the rule (before: it returned at once with the
+    pages freed under the forward); the pages stay allocated until the
+    host returns, then they are released."""
+    prompt = random_prompts(model, 42, [900])[0]
+    (ref,) = await cold_prefills(model, [prompt])
+    san, faulty, memory = PoolSanitizer(), FaultyModel(model), MemoryStore()
+    cfg = EngineConfig(store="memory", pool_bytes=8 << 20, layer_wait_timeout_s=0.5)
+    engine = Engine(model, cfg, store=san.store(memory))
+    await engine.start()
+    gate = threading.Event()
+    try:
+        san.attach(engine.pool)
+        await engine.prefill([prompt])
+        await offload_and_drop(engine)
+        ext = (await engine.load([await engine.lookup(prompt)])).begin_external()
+        (req,) = ext.requests
+        mine = req.full_pages[req.prefix_len // model.spec.page_size:]
+        faulty.gate_at(5, gate)
+
+        async def run_host() -> torch.Tensor:
+            try:
+                return await anyio.to_thread.run_sync(
+                    lambda: host_forward(san.model(faulty), engine, ext, ext.requests))
+            finally:
+                ext.returned()
+
+        hosting = asyncio.create_task(run_host())
+        assert await anyio.to_thread.run_sync(faulty.reached.wait, WAIT_S)
+        with pytest.raises(EngineError, match="did not return"):
+            async with asyncio.timeout(WAIT_S):
+                await engine.close()
+        assert allocated(engine, Component.FULL, mine), "freed under a running forward"
+    finally:
+        gate.set()
+    with pytest.raises(EngineError):
+        await hosting
+    assert not allocated(engine, Component.FULL, mine), "not released once it returned"
+    engine.pool.verify_byte_accounting()
+    engine.tree.check_integrity()
+    san.check()
+    async with Engine(model, cfg, store=memory) as second:  # the store's copy
+        (again,) = await second.prefill([prompt])
+        assert again.restored_tokens > 0
+        assert_exact([again], [ref])
+
+
 # ---- 2. done() and failed() are exclusive; an end that began is not an end --------------
 
 async def test_a_second_done_while_the_first_ends_the_load_raises(model: HybridModel) -> None:
