@@ -5,13 +5,16 @@ with seeded random weights (``gemma3``: sliding + full attention; ``llama``:
 full attention only; ``nemotron_h``: Mamba-2 + attention) into ``DIR``.
 
 ``python -m layerlift.testing.vllm_verify serve --model DIR [--connector
-layerlift|mooncake|none] [--extra JSON] [--kv-bytes N]`` builds one `vllm.LLM`
-(CPU, float32, eager, no tokenizer, prefix caching off, 256 MiB of KV cache by
-default) and then answers JSON commands, one
-per stdin line, with one ``LLJSON {...}`` line each on stdout:
-``{"op": "generate", "prompts": [[ids...]], "logprobs": K}`` → per prompt
-``num_cached_tokens``, the first token, its top-K logprobs and the wall time
-of the call (``max_tokens=1``: the time to the first token); ``{"op": "quit"}``.
+layerlift|mooncake|none] [--extra JSON] [--kv-bytes N] [--prefix-caching]``
+builds one `vllm.LLM` (CPU, float32, eager, no tokenizer, prefix caching off
+unless ``--prefix-caching``, 256 MiB of KV cache by default) and then answers
+JSON commands, one per stdin line, with one ``LLJSON {...}`` line each on
+stdout: ``{"op": "generate", "prompts": [[ids...]], "logprobs": K}`` → per
+prompt ``num_cached_tokens``, the first token, its top-K logprobs and the
+wall time of the call (``max_tokens=1``: the time to the first token; one
+call per prompt); ``"batch": true`` submits all prompts in one call (vLLM
+schedules them together); ``{"op": "reset_prefix_cache"}`` empties vLLM's
+local prefix cache; ``{"op": "quit"}``.
 vLLM starts processes, so the `LLM` is made under ``if __name__ == "__main__"``.
 """
 
@@ -93,7 +96,8 @@ class Instance:
     killed and AssertionError raised (a test or benchmark failure)."""
 
     def __init__(self, model: str, connector: str, extra: dict[str, Any] | None,
-                 log_path: Path, env: dict[str, str] | None = None) -> None:
+                 log_path: Path, env: dict[str, str] | None = None, *,
+                 prefix_caching: bool = False) -> None:
         env = dict(os.environ, MC_LOG_LEVEL="ERROR", GLOG_minloglevel="2",
                    PYTHONUNBUFFERED="1", **(env or {}))
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override the serve's KV bytes
@@ -101,7 +105,8 @@ class Instance:
         self._log = log_path.open("w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "layerlift.testing.vllm_verify", "serve", "--model", model,
-             "--connector", connector, "--extra", json.dumps(extra or {})],
+             "--connector", connector, "--extra", json.dumps(extra or {}),
+             *(["--prefix-caching"] if prefix_caching else [])],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env)
         self._replies: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -131,13 +136,23 @@ class Instance:
             raise AssertionError(f"vLLM instance failed: {reply['error']}")
         return reply
 
-    def generate(self, prompts: list[list[int]], timeout_s: float = 120.0) -> list[dict[str, Any]]:
-        """First token, top-5 logprobs, cached tokens and wall time per prompt."""
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"op": "generate", "prompts": prompts}) + "\n")
-        self.proc.stdin.flush()
-        results: list[dict[str, Any]] = self._expect(timeout_s)["results"]
+    def generate(self, prompts: list[list[int]], timeout_s: float = 120.0, *,
+                 batch: bool = False) -> list[dict[str, Any]]:
+        """First token, top-5 logprobs, cached tokens and wall time per prompt
+        (``batch``: all prompts in one call, the wall time is the call's)."""
+        results: list[dict[str, Any]] = self._command(
+            {"op": "generate", "prompts": prompts, "batch": batch}, timeout_s)["results"]
         return results
+
+    def reset_prefix_cache(self, timeout_s: float = 60.0) -> None:
+        """Empty vLLM's local prefix cache (the next lookups go to the store)."""
+        self._command({"op": "reset_prefix_cache"}, timeout_s)
+
+    def _command(self, cmd: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._expect(timeout_s)
 
     def log_text(self) -> str:
         self._log.flush()
@@ -170,15 +185,17 @@ def _generate(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
     from vllm import SamplingParams
 
     params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=int(cmd.get("logprobs", 5)))
+    groups = [cmd["prompts"]] if cmd.get("batch") else [[p] for p in cmd["prompts"]]
     out = []
-    for prompt in cmd["prompts"]:
+    for group in groups:
         started = time.perf_counter()
-        (res,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+        results = llm.generate([{"prompt_token_ids": p} for p in group], params, use_tqdm=False)
         wall = time.perf_counter() - started
-        first = res.outputs[0]
-        logprobs = {str(t): lp.logprob for t, lp in (first.logprobs or [{}])[0].items()}
-        out.append({"num_cached_tokens": res.num_cached_tokens or 0,
-                    "token": first.token_ids[0], "logprobs": logprobs, "wall_s": wall})
+        for res in results:
+            first = res.outputs[0]
+            logprobs = {str(t): lp.logprob for t, lp in (first.logprobs or [{}])[0].items()}
+            out.append({"num_cached_tokens": res.num_cached_tokens or 0,
+                        "token": first.token_ids[0], "logprobs": logprobs, "wall_s": wall})
     return {"results": out}
 
 
@@ -187,7 +204,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     kv = kv_transfer_config(args.connector, json.loads(args.extra))
     llm = LLM(model=args.model, skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
-              enable_prefix_caching=False, max_model_len=4096, seed=0,
+              enable_prefix_caching=args.prefix_caching, max_model_len=4096, seed=0,
               kv_cache_memory_bytes=args.kv_bytes, kv_transfer_config=kv)
     print(MARK + json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
@@ -195,7 +212,10 @@ def _serve(args: argparse.Namespace) -> int:
         if cmd["op"] == "quit":
             break
         try:
-            reply = _generate(llm, cmd)
+            if cmd["op"] == "reset_prefix_cache":
+                reply = {"reset": bool(llm.reset_prefix_cache())}
+            else:
+                reply = _generate(llm, cmd)
         except Exception as exc:
             reply = {"error": repr(exc)}
         print(MARK + json.dumps(reply), flush=True)
@@ -215,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--extra", default="{}", help="kv_connector_extra_config as JSON")
     serve.add_argument("--kv-bytes", type=int, default=256 << 20,
                        help="vLLM's KV cache bytes (default: 256 MiB)")
+    serve.add_argument("--prefix-caching", action="store_true",
+                       help="vLLM's local prefix caching on (default: off)")
     args = parser.parse_args(argv)
     if args.cmd == "tiny":
         make_tiny_model(args.kind, args.path)

@@ -73,13 +73,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
     SupportsHMA,
 )
 
 from layerlift.engine.config import EngineConfig
 from layerlift.engine.stores import StoreHandle, open_store
 from layerlift.hosts.vllm.layout import GroupKind, Layout, classify_groups
-from layerlift.hosts.vllm.meta import StepMeta
+from layerlift.hosts.vllm.meta import StepMeta, WorkerReport
 from layerlift.hosts.vllm.planner import BlockPlanner
 from layerlift.hosts.vllm.worker import BlockWorker
 from layerlift.linker.store_base import Store, StoreError, StoreFull, StoreTimeout
@@ -87,7 +88,8 @@ from layerlift.linker.store_base import Store, StoreError, StoreFull, StoreTimeo
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["LayerLiftConnector", "LayerLiftMetadata", "engine_config"]
+__all__ = ["LayerLiftConnector", "LayerLiftMetadata", "LayerLiftWorkerMeta", "engine_config",
+           "model_identity", "tp_rank", "warn_if_no_memory"]
 
 log = logging.getLogger("vllm.layerlift")
 _KEYS = {"store", "metadata", "protocol", "rdma_devices", "namespace", "segment_bytes",
@@ -118,6 +120,18 @@ class LayerLiftMetadata(KVConnectorMetadata):  # type: ignore[misc, unused-ignor
 
     def __init__(self, step: StepMeta) -> None:
         self.step = step
+
+
+class LayerLiftWorkerMeta(KVConnectorWorkerMetadata):  # type: ignore[misc, unused-ignore]
+    """A worker's `WorkerReport` for the scheduler (merged across workers)."""
+
+    def __init__(self, report: WorkerReport) -> None:
+        self.report = report
+
+    def aggregate(self, other: Any) -> LayerLiftWorkerMeta:
+        if not isinstance(other, LayerLiftWorkerMeta):
+            return self
+        return LayerLiftWorkerMeta(self.report.merge(other.report))
 
 
 class LayerLiftConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, unused-ignore]
@@ -232,6 +246,11 @@ class LayerLiftConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,
         done = self._worker.successes() if self._worker is not None else set()
         return None, done or None
 
+    def build_connector_worker_meta(self) -> LayerLiftWorkerMeta | None:
+        """Objects this worker found corrupt or replaced (for the lookups)."""
+        report = self._worker.report() if self._worker is not None else None
+        return LayerLiftWorkerMeta(report) if report is not None else None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks of this step's synchronous restores that did not land
         verified (each revoked first: nothing writes into them afterwards).
@@ -284,6 +303,9 @@ class LayerLiftConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,
                 set(connector_output.finished_recving or ()),
                 set(connector_output.failed_recving or ()),
                 set(getattr(connector_output, "invalid_block_ids", None) or ()))
+            meta = getattr(connector_output, "kv_connector_worker_meta", None)
+            if isinstance(meta, LayerLiftWorkerMeta):
+                self._planner.worker_report(meta.report)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Offloads never hold blocks (every completed page was staged in the

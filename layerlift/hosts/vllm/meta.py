@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["Item", "LoadSpec", "SaveSpec", "StepMeta"]
+__all__ = ["Item", "LoadSpec", "SaveSpec", "StepMeta", "WorkerReport"]
 
 Item = tuple[int, bytes, int]
 
@@ -47,3 +47,21 @@ class StepMeta:
 
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class WorkerReport:
+    """What the workers tell the scheduler after a step (a
+    `KVConnectorWorkerMetadata` in the connector; the reports of a step's
+    workers are merged): ``corrupt``: objects that failed their check, as
+    ``(group index, page hash)``; ``replaced``: objects a worker replaced by
+    a computed copy, as ``(TP rank, group index, page hash)``."""
+
+    corrupt: set[tuple[int, bytes]] = field(default_factory=set)
+    replaced: set[tuple[int, int, bytes]] = field(default_factory=set)
+
+    def merge(self, other: WorkerReport) -> WorkerReport:
+        return WorkerReport(self.corrupt | other.corrupt, self.replaced | other.replaced)
+
+    def __bool__(self) -> bool:
+        return bool(self.corrupt or self.replaced)

@@ -18,8 +18,9 @@ multimodal inputs, prompt embeddings, from vLLM's
 ``generate_block_hash_extra_keys``), its block ids per KV cache group, how
 many pages were restored and how many are already offloaded. A request never
 offloads the pages of its local prefix-cache hit (another request computed,
-restored or is restoring them). Objects of a failed restore are *suspect*
-for ``_SUSPECT_S``: lookups treat them as missing and do not touch them (a
+restored or is restoring them). An object a worker found corrupt is
+*suspect* until every TP rank's worker reported it replaced, or for
+``_SUSPECT_S`` at most: lookups treat it as missing and do not touch it (a
 lookup's ``exists`` renews Mooncake's read lease, which would keep the
 corrupt object from being removed and replaced).
 """
@@ -28,7 +29,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,7 +41,7 @@ from layerlift.hosts.vllm.layout import (
     request_hashes,
     restorable_pages,
 )
-from layerlift.hosts.vllm.meta import Item, LoadSpec, SaveSpec, StepMeta
+from layerlift.hosts.vllm.meta import Item, LoadSpec, SaveSpec, StepMeta, WorkerReport
 from layerlift.linker.store_base import Store, StoreError
 
 __all__ = ["BlockPlanner", "page_extras"]
@@ -61,6 +61,7 @@ class _Lookup:
     future: Future[list[bool]]
     started: float
     answered: float = 0.0
+    left_out: int = -1  # the suspects' epoch when it left some out (-1: none left out)
 
 
 @dataclass(slots=True)
@@ -117,6 +118,8 @@ class BlockPlanner:
         self._loads: list[LoadSpec] = []
         self._skip_until = 0.0
         self._suspect: dict[tuple[int, bytes], float] = {}  # (group, page hash) -> until
+        self._replaced: dict[tuple[int, bytes], set[int]] = {}  # suspect -> ranks replaced
+        self._epoch = 0  # bumped whenever a suspect is cleared
         self._lookups = ThreadPoolExecutor(1, thread_name_prefix="layerlift-lookup")
 
     def close(self) -> None:
@@ -140,9 +143,11 @@ class BlockPlanner:
         if track.refused or max_pages <= local or now < self._skip_until:
             self._drop_lookup(track)
             return 0
+        self._expire_suspects(now)
         lk = track.lookup
         stale = lk is not None and (lk.local > local or lk.max_pages != max_pages or (
-            lk.answered and now - lk.answered > _REUSE_S))
+            lk.answered and now - lk.answered > _REUSE_S) or (
+            0 <= lk.left_out != self._epoch))  # a page it left out is back
         if lk is None or stale:
             self._drop_lookup(track)
             lk = track.lookup = self._start_lookup(track, local, max_pages, now)
@@ -180,10 +185,10 @@ class BlockPlanner:
     def _start_lookup(self, track: _Track, local: int, max_pages: int, now: float) -> _Lookup:
         """Submit the ``exists`` of every rank's object of every page a
         boundary in ``(local, max_pages]`` may need (suspect ones left out)."""
-        self._expire_suspects(now)
         groups = self.layout.groups
         pages = [(g.index, p) for p in lookup_pages(local, max_pages) for g in groups
                  if not self._suspect or (g.index, track.hashes[p]) not in self._suspect]
+        left_out = len(pages) < len(groups) * len(lookup_pages(local, max_pages))
         hashes = track.hashes
 
         def ask() -> list[bool]:
@@ -191,7 +196,8 @@ class BlockPlanner:
                     for g, p in pages for schema in self.schemas]
             return self.store.exists(keys)
 
-        return _Lookup(local, max_pages, pages, self._lookups.submit(ask), now)
+        return _Lookup(local, max_pages, pages, self._lookups.submit(ask), now,
+                       left_out=self._epoch if left_out else -1)
 
     def _drop_lookup(self, track: _Track) -> None:
         if track.lookup is not None:
@@ -200,7 +206,28 @@ class BlockPlanner:
 
     def _expire_suspects(self, now: float) -> None:
         if self._suspect:
-            self._suspect = {k: t for k, t in self._suspect.items() if t > now}
+            kept = {k: t for k, t in self._suspect.items() if t > now}
+            if len(kept) < len(self._suspect):
+                self._epoch += 1
+            self._suspect = kept
+            self._replaced = {k: r for k, r in self._replaced.items() if k in kept}
+
+    def worker_report(self, report: WorkerReport) -> None:
+        """Objects the workers found corrupt become suspect; one every rank
+        replaced is looked up again."""
+        until = time.monotonic() + _SUSPECT_S
+        for page in report.corrupt:
+            self._suspect[page] = until
+            self._replaced[page] = set()
+        for rank, g, h in report.replaced:
+            ranks = self._replaced.get((g, h))
+            if ranks is None:
+                continue
+            ranks.add(rank)
+            if len(ranks) >= len(self.schemas):
+                del self._replaced[(g, h)]
+                if self._suspect.pop((g, h), None) is not None:
+                    self._epoch += 1
 
     def after_alloc(self, request: Any, block_ids: tuple[list[int], ...],
                     num_external: int) -> None:
@@ -241,35 +268,27 @@ class BlockPlanner:
 
     def load_failed(self, req_ids: set[str]) -> None:
         """vLLM recomputes these requests from token 0: offload what they
-        compute, never offer them a restore again, and leave their objects
-        out of lookups for a while (the same objects would fail again; a
-        lookup would keep a corrupt one leased)."""
+        compute (replacing an object found corrupt) and never offer them a
+        restore again (the same objects may fail again)."""
         for req_id in req_ids:
             track = self._tracks.get(req_id)
             if track is not None:
                 track.restored = track.saved = 0
                 track.refused = True
-                self._suspect_items(track.load)
 
     def blocks_failed(self, blocks: set[int]) -> None:
         """Single-group models: vLLM recomputes every running request that
         holds one of ``blocks`` from the first one. Its pages from there on
-        are offloaded again once recomputed; the restore that filled them is
-        suspect and never offered again."""
+        are offloaded again once recomputed (replacing an object found
+        corrupt); the request that restored them is never offered another."""
         for track in self._tracks.values():
             own = track.blocks[0] if track.blocks else []
             first = next((p for p, b in enumerate(own[:track.saved]) if b in blocks), None)
             if track.load and any(b in blocks for _, _, b in track.load):
-                self._suspect_items(track.load)
                 track.refused = True
                 track.restored = 0
             if first is not None:
                 track.saved = min(track.saved, first)
-
-    def _suspect_items(self, items: Sequence[Item]) -> None:
-        until = time.monotonic() + _SUSPECT_S
-        for g, h, _ in items:
-            self._suspect[(g, h)] = until
 
     # ---- per step -----------------------------------------------------------------
 

@@ -49,7 +49,7 @@ import torch
 
 from layerlift.engine.threads import run_owned
 from layerlift.hosts.vllm.layout import Layout
-from layerlift.hosts.vllm.meta import Item, LoadSpec, SaveSpec
+from layerlift.hosts.vllm.meta import Item, LoadSpec, SaveSpec, WorkerReport
 from layerlift.hosts.vllm.objects import KeyedItem, layer_fetch, release_after, stage_objects
 from layerlift.linker.keys import KeySchema
 from layerlift.linker.scratch import ScratchArena
@@ -108,6 +108,8 @@ class BlockWorker:
         # the key (a put never overwrites; a fresh read lease may keep the
         # object through an immediate remove).
         self._corrupt: set[str] = set()
+        self._report = WorkerReport()  # for the scheduler, drained by `report`
+        self._pages: dict[str, tuple[int, bytes]] = {}  # key -> (group, page hash)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="layerlift-vllm",
                                         daemon=True)
@@ -127,6 +129,14 @@ class BlockWorker:
         groups = self._groups
         return [(g, self.schema.key(groups[g].component, h), b) for g, h, b in items]
 
+    def report(self) -> WorkerReport | None:
+        """Objects found corrupt and objects replaced since the last call
+        (for the scheduler: it leaves corrupt ones out of lookups until every
+        rank replaced them); None when there is nothing to say."""
+        with self._lock:
+            out, self._report = self._report, WorkerReport()
+        return out or None
+
     def begin_step(self) -> None:
         """A new step starts (vLLM's ``start_load_kv``, called every step)."""
         self._sync = []
@@ -138,12 +148,14 @@ class BlockWorker:
         for spec in specs:
             load = _Load(spec, self.keyed(spec.items),
                          LayerReadiness(len(self._layers), default_timeout=self.load_timeout_s))
+            self._remember(spec.items, load.items)
             if spec.sync:
                 self._sync.append(load)
                 self._step_loaded.update((g, b) for g, _, b in spec.items)
             if spec.refused or not spec.items:
                 load.readiness.cancel("refused by the scheduler")
                 self._settle(load, ok=False)
+                self._forget(load)
                 continue
             self._submit(self._run_load(load))
 
@@ -198,7 +210,9 @@ class BlockWorker:
                         "(computed over blocks that never got their bytes)", len(specs))
             return
         for spec in specs:
-            items = [it for it in self.keyed(spec.items) if (it[0], it[2]) not in self._step_loaded]
+            keyed = self.keyed(spec.items)
+            items = [it for it in keyed if (it[0], it[2]) not in self._step_loaded]
+            self._remember(spec.items, keyed, only_corrupt=True)
             total = sum(self.layout.object_bytes(self._groups[g]) for g, _, _ in items)
             if total == 0 or total > self._arena.free_bytes:
                 if total:
@@ -257,6 +271,22 @@ class BlockWorker:
         except StoreError as exc:
             log.warning("LayerLift: unregistering staging failed: %s", exc)
 
+    def _remember(self, items: Sequence[Item], keyed: Sequence[KeyedItem],
+                  only_corrupt: bool = False) -> None:
+        """Map keys back to pages for `report` (loads: every key, dropped when
+        the load ends; saves: keys marked corrupt only)."""
+        with self._lock:
+            for (g, h, _), (_, key, _) in zip(items, keyed, strict=True):
+                if not only_corrupt or key in self._corrupt:
+                    self._pages[key] = (g, h)
+
+    def _forget(self, load: _Load) -> None:
+        """A load ended: keep the page of its keys that were found corrupt only."""
+        with self._lock:
+            for _, key, _ in load.items:
+                if key not in self._corrupt:
+                    self._pages.pop(key, None)
+
     # ---- on the loop ----------------------------------------------------------------
 
     def _submit(self, coro: Coroutine[Any, Any, None]) -> None:
@@ -296,6 +326,7 @@ class BlockWorker:
             log.warning("LayerLift: restore of %s refused: %s", load.spec.req_id, exc)
             load.readiness.cancel(str(exc))
             self._settle(load, ok=False)
+            self._forget(load)
             return
         session = self.store.open_session([k for _, k, _ in items])
         try:
@@ -307,6 +338,7 @@ class BlockWorker:
             load.readiness.mark_failed(0, exc)
             self._settle(load, ok=False)
             release_after(load.timed_out, scratch)
+            self._forget(load)
             return
         task = None
         try:
@@ -322,6 +354,7 @@ class BlockWorker:
                 await task.wait_quiescent()
             await run_owned(lambda: _end_session(session))
             release_after(load.timed_out, scratch)
+            self._forget(load)
 
     async def _outcome(self, load: _Load, done: Coroutine[Any, Any, None]) -> bool:
         """True once every layer landed verified; False on a failure or when
@@ -348,15 +381,13 @@ class BlockWorker:
         usually removes it (`_put_replacing`)."""
         with self._lock:
             self._corrupt.update(keys)
+            self._report.corrupt.update(self._pages[k] for k in keys if k in self._pages)
         try:
             self.store.remove(keys)
         except StoreObjectLeased:
             pass  # expected: removed before the next put of the key
         except StoreError as exc:
             log.warning("LayerLift: removing %d corrupt objects failed: %s", len(keys), exc)
-        else:
-            with self._lock:
-                self._corrupt.difference_update(keys)
 
     def _put_replacing(self, keys: list[str], ptrs: list[int], sizes: list[int]) -> None:
         """Worker thread: remove the corrupt objects among ``keys`` (retrying
@@ -381,11 +412,18 @@ class BlockWorker:
             log.warning("LayerLift: %d corrupt objects still leased after %.0f s; replaced by a "
                         "later offload", len(stale), self.replace_wait_s)
         with self._lock:
-            self._corrupt.difference_update(set(keys) - set(stale))
+            replaced = [k for k in keys if k in self._corrupt and k not in stale]
         keep = [i for i, k in enumerate(keys) if k not in stale]
         if keep:
             self.store.put([keys[i] for i in keep], [ptrs[i] for i in keep],
                            [sizes[i] for i in keep])
+        with self._lock:
+            self._corrupt.difference_update(replaced)
+            rank = self.schema.rank
+            for key in replaced:
+                page = self._pages.pop(key, None)
+                if page is not None:
+                    self._report.replaced.add((rank, *page))
 
     async def _put(self, keys: list[str], ptrs: list[int], sizes: list[int],
                    scratch: Any) -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_instances import Instance, corrupt_object
+from vllm_instances import Instance, corrupt_object, wait_replaced
 
 from layerlift.hosts.vllm.layout import prompt_hashes
 from layerlift.linker.master import EmbeddedMaster
@@ -188,3 +188,64 @@ def test_single_group_corrupt_block_is_recomputed(single_group: dict[str, Any]) 
     assert "failed their checksum" in log
     assert "Recovered from KV load failure" in log  # vLLM's scheduler recomputed the blocks
     _same_answer(single_group["corrupt"], single_group["cold"][1])
+
+
+@pytest.fixture(scope="module")
+def prefix_cached(mooncake_master: EmbeddedMaster, segment_holder: MooncakeStore,
+                  tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Prefix caching on (vLLM's default), one KV cache group (synchronous
+    restores), vLLM's real order. One instance serves Qa and Qb (one prefix,
+    two suffixes) in one batch, cold: the references. Then, with its local
+    cache emptied and page 1 of the prefix corrupted in the store, the same
+    batch again: Qa restores synchronously and fails; Qb gets a local hit on
+    the blocks Qa is restoring (vLLM caches them at allocation) and runs in
+    the same step over them. Then Qa alone, after another reset: a restore
+    of whatever the store holds now (the corrupt object replaced by the
+    recompute's offload, never by Qb's unrestored blocks)."""
+    tmp = tmp_path_factory.mktemp("llama-pc")
+    model = make_tiny_model("llama", str(tmp / "llama"), seed=5)
+    rng = random.Random(23)
+    prefix = [rng.randrange(3, 500) for _ in range(3 * PAGE)]
+    qa, qb = (prefix + [rng.randrange(3, 500) for _ in range(40)] for _ in range(2))
+    extra = {"store": f"mooncake://{mooncake_master.master_address}",
+             "metadata": mooncake_master.metadata_url, "namespace": "t-llama-pc",
+             "store_timeout_s": STORE_TIMEOUT_S, "layer_wait_timeout_s": 10.0}
+    out: dict[str, Any] = {}
+    inst = Instance(model, "layerlift", extra, tmp / "prefix-cached.log", prefix_caching=True)
+    try:
+        out["cold"] = inst.generate([qa, qb], batch=True)
+        prefix_keys = [f"{_key_prefix(inst.log_text())}full0/0/{h.hex()}"
+                       for h in prompt_hashes(prefix, PAGE)]
+        _wait_stored(segment_holder, prefix_keys)
+        inst.reset_prefix_cache()
+        spoiled = corrupt_object(mooncake_master, prefix_keys[1])
+        out["batch"] = inst.generate([qa, qb], batch=True)
+        wait_replaced(mooncake_master, prefix_keys[1], spoiled)
+        inst.reset_prefix_cache()
+        out["again"] = inst.generate([qa])[0]
+        out["log"] = inst.log_text()
+    finally:
+        inst.close()
+    return out
+
+
+def _wait_stored(store: MooncakeStore, keys: list[str], timeout_s: float = 60.0) -> None:
+    """Until every key is in the store (offloads are put in the background)."""
+    deadline = time.monotonic() + timeout_s
+    while not all(store.exists(keys)):
+        assert time.monotonic() < deadline, "the offload never landed"
+        time.sleep(0.2)
+
+
+def test_prefix_caching_never_offloads_a_failed_restores_blocks(
+        prefix_cached: dict[str, Any]) -> None:
+    log = prefix_cached["log"]
+    assert "failed their checksum" in log
+    assert "Recovered from KV load failure" in log
+    for got, ref in zip(prefix_cached["batch"], prefix_cached["cold"], strict=True):
+        _same_answer(got, ref)  # vLLM recomputed both
+    again = prefix_cached["again"]
+    # the recompute's offload replaced the corrupt object (the test master's
+    # lease is 50 ms); Qb's unrestored blocks would restore a wrong answer
+    assert again["num_cached_tokens"] == 3 * PAGE
+    _same_answer(again, prefix_cached["cold"][0])

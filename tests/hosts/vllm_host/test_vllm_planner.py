@@ -26,6 +26,7 @@ from layerlift.hosts.vllm.layout import (
     prompt_hashes,
     restorable_pages,
 )
+from layerlift.hosts.vllm.meta import WorkerReport
 from layerlift.hosts.vllm.planner import BlockPlanner
 from layerlift.linker.memory_store import MemoryStore
 from layerlift.linker.store_base import ForwardingStore, Store
@@ -174,10 +175,31 @@ def test_failed_restore_is_never_offered_again_and_abort_holds_blocks() -> None:
     assert planner.finished(other)  # aborted mid-restore: vLLM keeps the blocks
     planner.loads_reported({"r"}, {"r"})
     assert _lookup(planner, request) == 0
-    # its objects are left out of every lookup for a while (a lookup's exists
-    # would renew the read lease of a corrupt one): a third request misses
-    assert _lookup(planner, _request("s")) == 0
     assert not planner.finished(request)
+
+
+def test_a_corrupt_object_is_out_of_lookups_until_every_rank_replaced_it() -> None:
+    """A lookup's exists renews Mooncake's read lease, which keeps a corrupt
+    object from being removed: what a worker reports corrupt is left out of
+    lookups (never asked) until every TP rank's worker replaced it."""
+    layout = _layout(tp_size=2)
+    counting = _CountingStore(_Store())
+    planner, _, _ = _planner(layout, counting)
+    store = counting.inner
+    assert isinstance(store, _Store)
+    for rank in (0, 1):
+        for component in ("full0", "swa1", "mamba2"):
+            _put(store, _keys(layout.schema(NS, rank), component, [0, 1, 2]))
+    assert _lookup(planner, _request("a")) == 3 * PAGE
+    hashes = prompt_hashes(TOKENS, PAGE)
+    planner.worker_report(WorkerReport(corrupt={(0, hashes[1])}))
+    asked = counting.keys
+    assert _lookup(planner, _request("b")) == PAGE  # full0 page 1 is out
+    assert counting.keys - asked == 2 * (3 * 5 - 1)  # 2 ranks x (3 groups x 5 pages - 1)
+    planner.worker_report(WorkerReport(replaced={(0, 0, hashes[1])}))
+    assert _lookup(planner, _request("c")) == PAGE  # rank 1 has not replaced it yet
+    planner.worker_report(WorkerReport(replaced={(1, 0, hashes[1])}))
+    assert _lookup(planner, _request("d")) == 3 * PAGE
 
 
 def test_a_prefill_offloads_its_pages_and_the_checkpoint_at_its_end() -> None:
@@ -211,15 +233,12 @@ def test_a_local_prefix_hit_is_not_offloaded_as_the_requests_own_pages() -> None
     assert set(save.items) == {(0, hashes[2], 13), (0, hashes[3], 14)}
 
 
-def test_failed_sync_blocks_reoffload_the_recompute_and_skip_the_objects() -> None:
+def test_failed_sync_blocks_reoffload_the_recompute() -> None:
     """One group (synchronous restores): vLLM reports the blocks of a failed
     restore; the request recomputes from there, and those pages are offloaded
-    again (replacing a corrupt object); lookups leave the objects out."""
+    again (replacing a corrupt object); it is never offered another restore."""
     layout = _layout((GroupLayout(0, GroupKind.FULL, ("f",)),))
-    counting = _CountingStore(_Store())
-    planner, _, schema = _planner(layout, counting)
-    store = counting.inner
-    assert isinstance(store, _Store)
+    planner, store, schema = _planner(layout)
     _put(store, _keys(schema, "full0", [0, 1, 2]))
     request = _request()
     assert _lookup(planner, request) == 3 * PAGE
@@ -235,9 +254,7 @@ def test_failed_sync_blocks_reoffload_the_recompute_and_skip_the_objects() -> No
     hashes = prompt_hashes(TOKENS, PAGE)
     assert {(h, b) for _, h, b in meta.saves[0].items} == {
         (hashes[p], b) for p, b in zip([1, 2, 3, 4], [12, 13, 14, 15], strict=True)}
-    keys_before = counting.keys
-    assert _lookup(planner, _request("q")) == 0
-    assert counting.keys - keys_before == 2  # pages 3 and 4 only: 0..2 are suspect
+    assert _lookup(planner, request, 0) == 0  # preempted and back: no second offer
 
 
 def test_cache_salt_and_lora_change_every_key() -> None:

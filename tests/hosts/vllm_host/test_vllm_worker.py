@@ -247,12 +247,16 @@ def test_corrupt_object_is_replaced_under_a_5s_lease(lease_master: EmbeddedMaste
         try:
             worker.start_loads([_spec(sync=False)])
             assert worker.results(wait_s=30) == ({"r"}, {"r"})
+            found = worker.report()  # for the scheduler: leave it out of lookups
+            assert found is not None and found.corrupt == {(0, HASHES[2])}
             for name in LAYERS:  # the request is recomputed (here: its true blocks) ...
                 kv[name][6].copy_(src[name][2])
             worker.begin_step()
             worker.save([SaveSpec("r", [(0, HASHES[2], 6)])])  # ... and offloaded again
         finally:
             worker.close(timeout_s=60)
+        replaced = worker.report()  # every rank's report puts it back into lookups
+        assert replaced is not None and replaced.replaced == {(0, 0, HASHES[2])}
         (done, failed), got = _restore(store, ns)
         assert (done, failed) == ({"r"}, set()), "the corrupt object was not replaced"
         assert all(torch.equal(got[n][6], src[n][2]) for n in LAYERS)
