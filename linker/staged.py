@@ -66,6 +66,10 @@ layer's chunks in order; per chunk:
 4. under the :class:`Gate`: if it is closed raise :class:`TransferRevoked` (no
    copy); else ``sink.write(chunk, part, rows)`` with ``rows`` the verified
    ``uint8[n, size]`` view of the region;
+   After the layer's last chunk was written, still under the gate,
+   ``on_layer(layer, event)`` runs: an adapter marks the layer landed there,
+   so a ``gate.close()`` that returned sees every layer either landed (all
+   its copies issued) or never to land (its slots may be zeroed safely);
 5. give the region back: at once when the sink returned None (the copy is
    done), or once the event the sink returned completed
    (:meth:`Region.release_after`): staging is reused only after the device
@@ -460,7 +464,8 @@ class StagedLoad:
                  layers: Sequence[Sequence[tuple[int, int]]], sink: Sink, *,
                  depth: int = DEFAULT_DEPTH, gate: Gate | None = None,
                  timeout_s: float | None = None,
-                 on_corrupt: Callable[[list[str]], None] | None = None) -> None:
+                 on_corrupt: Callable[[list[str]], None] | None = None,
+                 on_layer: Callable[[int, DeviceEvent | None], None] | None = None) -> None:
         if depth < 1:
             raise ValueError(f"a staged load needs depth >= 1, got {depth}")
         self.ring, self.store, self.sink = ring, store, sink
@@ -469,6 +474,7 @@ class StagedLoad:
         self.gate = gate if gate is not None else Gate()
         self.timeout_s = ring.timeout_s if timeout_s is None else timeout_s
         self.on_corrupt = on_corrupt
+        self.on_layer = on_layer
         budget = max(1, ring.capacity // depth)
         self.chunks: list[list[LoadChunk]] = []
         for layer, reads in enumerate(layers):
@@ -514,11 +520,22 @@ class StagedLoad:
         Returns (and stores in ``events``) the layer's event, None on the host
         path. Raises ``StoreError`` (``StoreTimeout``, ``StagingTimeout``,
         :class:`CorruptSlices`, :class:`TransferRevoked`, ...)."""
+        chunks = self.chunks[layer]
         event: DeviceEvent | None = None
-        for chunk in self.chunks[layer]:
-            event = self._chunk(chunk)
-        self.events[layer] = event
+        for i, chunk in enumerate(chunks):
+            event = self._chunk(chunk, last=i == len(chunks) - 1)
+        if not chunks:
+            self._landed(layer, None)
         return event
+
+    def _landed(self, layer: int, event: DeviceEvent | None) -> None:
+        """A layer with nothing to read lands at once (under the gate, too)."""
+        with self.gate.held() as open_:
+            if not open_:
+                raise TransferRevoked(f"layer {layer}: the load was stopped before it landed")
+            self.events[layer] = event
+            if self.on_layer is not None:
+                self.on_layer(layer, event)
 
     def _take(self, nbytes: int) -> Region:
         deadline = time.monotonic() + self.timeout_s
@@ -541,7 +558,7 @@ class StagedLoad:
             self._out -= 1
             self._lock.notify_all()
 
-    def _chunk(self, chunk: LoadChunk) -> DeviceEvent | None:
+    def _chunk(self, chunk: LoadChunk, last: bool) -> DeviceEvent | None:
         part = self.parts[chunk.part]
         offset, size = part.layout.slices[chunk.local]
         n = chunk.rows
@@ -573,6 +590,10 @@ class StagedLoad:
                     raise TransferRevoked(f"layer {chunk.layer}: the load was stopped before "
                                           "its copy; nothing was written")
                 event = self.sink.write(chunk, part, rows)
+                if last:
+                    self.events[chunk.layer] = event
+                    if self.on_layer is not None:
+                        self.on_layer(chunk.layer, event)
         finally:
             region.release_after(event)
         return event

@@ -389,3 +389,65 @@ def test_mooncake_a_timed_out_read_lands_in_staging_still_owned(
     finally:
         store.close()
         mooncake.close()
+
+
+def test_a_layer_is_marked_landed_under_the_gate_after_its_last_chunk() -> None:
+    """``on_layer`` runs under the gate after the layer's last copy: once
+    ``gate.close()`` returned, a layer not marked landed never gets a copy
+    (zeroing its slots then is safe), and a marked one has all its rows."""
+    store = MemoryStore()
+    ring = StagingRing(store, 16 << 10)
+    n = 12
+    keys = [f"l/p{i}" for i in range(n)]
+    src = pages(n, 12)
+    put_raw(store, {k: encode(k, p) for k, p in zip(keys, src, strict=True)})
+    dest, gate = Rows(n), Gate()
+    landed: list[int] = []
+    errors: list[BaseException] = []
+    in_write = threading.Event()
+    go_on = threading.Event()
+    inner = dest.scatter
+
+    def scatter(chunk: LoadChunk, part: LoadPart, rows: torch.Tensor) -> None:
+        inner(chunk, part, rows)
+        if chunk.layer == 1 and chunk.lo == 0:  # layer 1's first chunk: stop the load now
+            in_write.set()
+            assert go_on.wait(30.0)
+
+    dest.scatter = scatter  # type: ignore[method-assign]
+    load = one_part_load(ring, store, keys, dest, gate=gate,
+                         on_layer=lambda layer, event: landed.append(layer) if gate.open
+                         else errors.append(RuntimeError("marked landed after the close")))
+    assert len(load.chunks[1]) > 1
+    load.fetch_layer(0)
+    assert landed == [0]
+
+    def run() -> None:
+        try:
+            load.fetch_layer(1)
+        except TransferRevoked as exc:
+            errors.append(exc)
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    assert in_write.wait(30.0)
+    closing = threading.Event()
+    at_close: list[int] = []
+
+    def close() -> None:
+        closing.set()
+        gate.close()  # waits for the write in progress
+        at_close.append(dest.writes)
+
+    closer = threading.Thread(target=close)
+    closer.start()
+    assert closing.wait(30.0)
+    go_on.set()
+    closer.join(30.0)
+    worker.join(30.0)
+    assert dest.writes == at_close[0], "a copy ran after gate.close() returned"
+    assert torch.equal(dest.rows[:, :1000], src[:, :1000])
+    if 1 in landed:  # the worker won the lock: every chunk of layer 1 was copied first
+        assert torch.equal(dest.rows[:, 1000:2000], src[:, 1000:2000]) and not errors
+    else:  # stopped in the middle: layer 1 is not landed, its later rows never copied
+        assert [type(e) for e in errors] == [TransferRevoked] and bool((dest.rows[4:, 1000:2000] == SENTINEL).all())
