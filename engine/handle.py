@@ -87,7 +87,9 @@ class LoadHandle:
         self._batch.abort()
 
     async def aclose(self) -> None:
-        """Wait for an ``abort()`` to finish (no-op otherwise)."""
+        """Wait for an ``abort()`` to finish (no-op otherwise). After
+        ``begin_external``: ``EngineError`` if the host's forward does not
+        say it returned in time (see :class:`ExternalForward`)."""
         await self._batch.aclose()
 
 
