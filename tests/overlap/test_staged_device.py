@@ -213,3 +213,56 @@ def test_an_offload_gathers_after_the_forward_that_wrote_the_slots(sim: SimDevic
     stored_page = store.object_bytes(keys[0])[: LAYOUT.page_bytes]
     assert (stored_page == bytes([9]) * LAYOUT.page_bytes) is ordered
     assert stored_page != bytes([POISON]) * LAYOUT.page_bytes
+
+
+_NO_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+@pytest.fixture(params=[pytest.param("sim", id="sim"),
+                        pytest.param("cuda", id="cuda", marks=[pytest.mark.gpu, _NO_GPU])])
+def any_device(request: pytest.FixtureRequest) -> Iterator[Any]:
+    if request.param == "sim":
+        device = SimDevice(seed=9, max_delay_s=0.001)
+        yield device
+        device.close()
+        return
+    from layerlift.overlap.device import CudaDevice
+
+    yield CudaDevice()
+
+
+def test_the_same_device_path_on_the_simulation_and_on_cuda(any_device: Any) -> None:
+    """Many chunks per layer through pinned staging on the load stream; the
+    forward's stream waits on each layer's event, then reads exact bytes
+    (on CUDA the load stream is made late with a spin kernel)."""
+    device = any_device
+    store = MemoryStore()
+    n = 64
+    keys, src = stored(store, n, 21)
+    dest = torch.full((n, LAYOUT.page_bytes), SENTINEL, dtype=torch.uint8,
+                      device=device.torch_device)
+
+    def scatter(chunk: LoadChunk, part: LoadPart, rows: torch.Tensor) -> None:
+        offset, size = part.layout.slices[chunk.local]
+        idx = torch.tensor(part.target[chunk.lo : chunk.hi], dtype=torch.int64,
+                           device=rows.device)
+        dest[:, offset : offset + size].index_copy_(0, idx, rows)
+
+    ring = StagingRing(store, 4 * 8 * 516 + 4 * 64, alloc=device.pinned, timeout_s=WAIT_S)
+    sink = DeviceSink(device, scatter)
+    part = LoadPart(LAYOUT, tuple(keys), list(range(n)))
+    load = StagedLoad(ring, store, [part], [[(0, 0)], [(0, 1)]], sink, depth=4)
+    assert min(len(c) for c in load.chunks) >= 8
+    sink.begin()
+    if device.torch_device.type == "cuda":
+        device.launch(sink.stream, lambda: torch.cuda._sleep(50_000_000))
+    for layer in (0, 1):
+        event = load.fetch_layer(layer)
+        assert event is not None
+    with device.use():
+        for layer in (0, 1):
+            load.events[layer].wait(device.current_stream())  # type: ignore[union-attr]
+            offset, size = LAYOUT.slices[layer]
+            got = dest[:, offset : offset + size].cpu()
+            assert torch.equal(got, src[:, offset : offset + size]), f"layer {layer} wrong"
+    assert ring.wait_idle(WAIT_S) and load.wait_quiet(WAIT_S)
