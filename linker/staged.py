@@ -190,6 +190,7 @@ __all__ = [
     "StagedLoad",
     "StagedOffload",
     "TransferRevoked",
+    "require_fit",
 ]
 
 DEFAULT_DEPTH = 4
@@ -441,6 +442,19 @@ class DeviceSnapshot:
         done = device.event()
         done.record(self.stream)
         done.synchronize()
+
+
+def require_fit(ring: StagingRing, layout: ObjectLayout) -> None:
+    """Raise ``ValueError`` (a sentence naming the size needed) unless every
+    transfer of ``layout``'s objects streams through ``ring``: one slice with
+    its checksum (loads) and one whole object (offloads) must fit. This is the
+    only size a staged transfer refuses, so an adapter that checks it once at
+    start-up never advertises a hit (``lookup``) that its load then refuses."""
+    need = max(layout.object_bytes, max(size for _, size in layout.slices) + CHECK_BYTES)
+    if not ring.fits(need):
+        raise ValueError(
+            f"objects of {layout.object_bytes} bytes do not fit the {ring.capacity}-byte "
+            f"staging ring; give the ring at least {ring.span(need)} bytes")
 
 
 def _rows_per_chunk(ring: StagingRing, budget: int, row: int) -> int:

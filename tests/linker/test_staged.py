@@ -451,3 +451,21 @@ def test_a_layer_is_marked_landed_under_the_gate_after_its_last_chunk() -> None:
         assert torch.equal(dest.rows[:, 1000:2000], src[:, 1000:2000]) and not errors
     else:  # stopped in the middle: layer 1 is not landed, its later rows never copied
         assert [type(e) for e in errors] == [TransferRevoked] and bool((dest.rows[4:, 1000:2000] == SENTINEL).all())
+
+
+def test_require_fit_is_the_only_size_a_transfer_refuses() -> None:
+    """Whatever the number of objects, a transfer of a layout that passes
+    ``require_fit`` is accepted (a lookup may advertise it); one that fails
+    it is refused with the size needed."""
+    from layerlift.linker.staged import require_fit
+
+    store = MemoryStore()
+    ring = StagingRing(store, LAYOUT.object_bytes + 60)
+    require_fit(ring, LAYOUT)
+    keys = tuple(f"r/p{i}" for i in range(1000))
+    StagedLoad(ring, store, [LoadPart(LAYOUT, keys)], [[(0, j)] for j in range(3)],
+               HostSink(lambda *a: None))
+    StagedOffload(ring, store, [OffloadPart(LAYOUT, keys)], HostSnapshot(lambda c, p: p.source))
+    small = StagingRing(store, LAYOUT.object_bytes - 100)
+    with pytest.raises(ValueError, match=f"at least {small.span(LAYOUT.object_bytes)} bytes"):
+        require_fit(small, LAYOUT)
