@@ -41,7 +41,11 @@ a thread may touch is released only after that thread has returned
 (``engine/threads.py``): a cancelled or aborted batch stops its forward at
 the next layer and its fetches at the next job, waits for them, then exits;
 the cancellation (``task.cancel()``, ``asyncio.wait_for``/``timeout``, a
-``TaskGroup`` failure) is raised to the caller once the exit finished.
+``TaskGroup`` failure) is raised to the caller once the exit finished. A
+host's own forward (external runner) runs in the host's thread, so the host
+says when it returned (``engine/hostforward.py``); the exit waits for that,
+bounded by ``layer_wait_timeout_s``, and if it never comes leaves the
+batch's pages allocated (an ``EngineError``, logged) until it does.
 """
 
 from __future__ import annotations
