@@ -40,11 +40,6 @@ class HostForward:
         self._waiter: asyncio.Future[None] | None = None
         self._late: Callable[[], None] | None = None  # the exit gave up: release on return
 
-    @property
-    def running(self) -> bool:
-        with self._lock:
-            return self._running
-
     def start(self) -> bool:
         """A host forward runs (idempotent while it runs). False, and nothing
         marked, once the batch's exit began: the forward must not start."""

@@ -115,8 +115,8 @@ async def test_abort_waits_until_the_host_forward_returned(model: HybridModel, s
                                                            exit_by: str) -> None:
     """The host's forward is held in layer 3 when the batch is aborted (or
     the engine closed): the exit must not return while it runs (before: it
-    returned in ~5 ms and freed the pages under it; sanitizer violation, a
-    later device hit KL 0.03). The host's next wait raises; once it says it
+    returned at once and freed the pages under it; the review measured a
+    sanitizer violation and a later device hit at KL 0.03). The host's next wait raises; once it says it
     returned (leaving ``running()``, or ``returned()``) everything is
     released and later prompts are exact."""
     prompt, other = random_prompts(model, 31, [900, 700])
@@ -327,9 +327,9 @@ async def test_a_second_done_while_the_first_ends_the_load_raises(model: HybridM
 async def test_done_while_failed_ends_the_load_raises(model: HybridModel) -> None:
     """Layer 4's read fails; the host passes the error to ``failed()`` and,
     while it ends the load, calls ``done()`` with what its forward had: the
-    restore is not verified, so ``done()`` must raise (before: results that
-    counted the failed restore as restored, KL 0.03, and its pages reached
-    the store). ``failed()`` then returns the requests to run again, which
+    restore is not verified, so ``done()`` must raise (before: it returned
+    results that counted the failed restore as restored, and their pages
+    were inserted; the review measured KL 0.03 and wrong pages in the store). ``failed()`` then returns the requests to run again, which
     recompute exactly; nothing wrong reached the device or the store."""
     prompt = random_prompts(model, 34, [900])[0]
     (ref,) = await cold_prefills(model, [prompt])
