@@ -142,6 +142,7 @@ class LayerLiftLinker(UnifiedCacheLinker):  # type: ignore[misc,unused-ignore]
             if self._master is not None:
                 self._master.stop()
             raise
+        self._own_store = self.store  # closed by close(), whatever wraps self.store later
         try:
             self.arena = Arena(self.store, s.staging_mib << 20)
         except BaseException:
@@ -389,11 +390,11 @@ class LayerLiftLinker(UnifiedCacheLinker):  # type: ignore[misc,unused-ignore]
         while not self.arena.idle() and time.monotonic() < deadline:
             time.sleep(0.05)
         if self.arena.idle():
-            self.store.unregister(self.arena.base)
+            self._own_store.unregister(self.arena.base)
         else:  # a timed-out call still holds staging: keep the memory alive
             _KEPT.append(self.arena)
             _log.warning("LayerLift close: a store call still holds staging; kept registered")
-        self.store.close()
+        self._own_store.close()
         if self._master is not None:
             self._master.stop()
 
