@@ -14,6 +14,8 @@ from collections.abc import Iterator, Sequence
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from layerlift.linker.daemon_pool import DaemonPool
 from layerlift.linker.integrity import slice_seed
@@ -469,3 +471,42 @@ def test_require_fit_is_the_only_size_a_transfer_refuses() -> None:
     small = StagingRing(store, LAYOUT.object_bytes - 100)
     with pytest.raises(ValueError, match=f"at least {small.span(LAYOUT.object_bytes)} bytes"):
         require_fit(small, LAYOUT)
+
+
+@settings(max_examples=80, deadline=None)
+@given(sizes=st.lists(st.integers(1, 3000), min_size=1, max_size=4),
+       counts=st.lists(st.integers(0, 40), min_size=1, max_size=3),
+       capacity=st.integers(3100, 40000), depth=st.integers(1, 6))
+def test_chunks_cover_every_row_once_and_fit_the_ring(sizes: list[int], counts: list[int],
+                                                      capacity: int, depth: int) -> None:
+    """Any request size: every (layer, part, slice, row) is read by exactly
+    one chunk, every chunk fits the ring, and one holds at most
+    ``capacity // depth`` bytes unless it is a single row; offloads likewise
+    put every object once, in order."""
+    store = MemoryStore()
+    ring = StagingRing(store, capacity)
+    offsets = [sum(sizes[:j]) for j in range(len(sizes))]
+    layout = ObjectLayout(tuple(zip(offsets, sizes, strict=True)), sum(sizes))
+    parts = [LoadPart(layout, tuple(f"p{p}/k{i}" for i in range(c))) for p, c in enumerate(counts)]
+    layers = [[(p, j) for p in range(len(parts))] for j in range(len(sizes))]
+    load = StagedLoad(ring, store, parts, layers, HostSink(lambda *a: None), depth=depth)
+    seen: list[tuple[int, int, int, int]] = []
+    for layer, chunks in enumerate(load.chunks):
+        for c in chunks:
+            assert c.layer == layer and 0 <= c.lo < c.hi <= counts[c.part]
+            row = sizes[c.local] + 4
+            assert ring.fits(c.rows * row)
+            assert c.rows == 1 or c.rows * row <= capacity // depth
+            seen += [(layer, c.part, c.local, i) for i in range(c.lo, c.hi)]
+    want = [(j, p, j, i) for j in range(len(sizes)) for p, c in enumerate(counts) for i in range(c)]
+    assert sorted(seen) == sorted(want) and len(seen) == len(set(seen))
+    if not ring.fits(layout.object_bytes):
+        with pytest.raises(ValueError, match="does not fit"):
+            StagedOffload(ring, store, [OffloadPart(layout, p.keys) for p in parts],
+                          HostSnapshot(lambda c, p: p.source))
+        return
+    off = StagedOffload(ring, store, [OffloadPart(layout, p.keys) for p in parts],
+                        HostSnapshot(lambda c, p: p.source), depth=depth)
+    order = [(c.part, i) for c in off.chunks for i in range(c.lo, c.hi)]
+    assert order == [(p, i) for p, c in enumerate(counts) for i in range(c)]
+    assert all(ring.fits(c.rows * layout.object_bytes) for c in off.chunks)
