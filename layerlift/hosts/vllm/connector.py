@@ -358,14 +358,18 @@ def warn_if_no_memory(store: Store, url: str, prefix: str) -> bool:
     instance contributing ``segment_bytes``). True when it took the put, or
     when the probe could not tell (another store error: logged by the
     first real put)."""
-    from layerlift.linker.scratch import ScratchArena
+    from layerlift.linker.ring import StagingRing
 
-    arena = ScratchArena(store, 64)
+    ring = StagingRing(store, 64, timeout_s=0.0)
     key = f"{prefix}probe/0/{uuid.uuid4().hex}"
     ok = True
     try:
-        scratch = arena.take(64)
-        store.put([key], [scratch.ptr], [64])
+        region = ring.acquire(64, zero=True)
+    except StoreError as exc:
+        log.debug("LayerLift: the start-up memory probe could not register: %s", exc)
+        return True
+    try:
+        store.put([key], [region.ptr], [64])
     except StoreFull:
         log.warning("LayerLift: the Mooncake cluster at %s has no memory (segment_bytes=0 here "
                     "and no store-node): nothing will be offloaded or restored. Start one: "
@@ -373,21 +377,19 @@ def warn_if_no_memory(store: Store, url: str, prefix: str) -> bool:
                     "--bytes 512M", url)
         ok = False
     except StoreTimeout as exc:
+        region.hand_over(exc)  # the put may still read it: back once it ended
         log.debug("LayerLift: the start-up memory probe timed out: %s", exc)
-        _KEPT.append(arena)  # the put may still read it: never freed
-        return True
     except StoreError as exc:
         log.debug("LayerLift: the start-up memory probe failed: %s", exc)
+    finally:
+        region.release()
     try:
         if ok:
             store.remove([key])
-        arena.close()
+        ring.close()  # a region still lent: unregistered once the call ended
     except StoreError:
         pass
     return ok
-
-
-_KEPT: list[Any] = []  # probe staging lent to a put that timed out
 
 
 def _spec_bytes(kv_cache_config: Any) -> dict[str, int]:

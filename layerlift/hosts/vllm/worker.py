@@ -1,4 +1,4 @@
-"""The worker side of `LayerLiftConnector`: restore and offload vLLM blocks.
+r"""The worker side of `LayerLiftConnector`: restore and offload vLLM blocks.
 
 Threads and ownership:
 
@@ -8,12 +8,21 @@ Threads and ownership:
   one owned asyncio loop (thread ``layerlift-vllm``): per-layer jobs through
   LayerLift's `LoadScheduler` on a `CpuLane` (layer order, bounded depth),
   blocking store calls through `run_owned`.
-* Every byte from the store lands in registered staging (a `ScratchArena`),
-  is verified against its per-layer CRC and only then copied into vLLM's
-  block, under the load's lock and only while the load is not *revoked*. A
-  load is revoked (under that lock) before vLLM hears it failed, so nothing
-  writes into its blocks afterwards. Staging lent to a timed-out store call
-  is released only once that call ended (`release_after`).
+* Every byte moves through one bounded staging ring (``linker/ring.py``,
+  ``staging_bytes``, registered once) in chunks, so a transfer of any size
+  works with any staging that holds one object. Restores are
+  `StagedLoad`\ s (``linker/staged.py``): per layer and chunk, the slices land
+  in a region, are verified against their CRCs and only then copied into
+  vLLM's blocks, under the load's `Gate`; the gate is closed before vLLM
+  hears a load failed, so nothing writes into its blocks afterwards. A region
+  lent to a store call that timed out returns to the ring only once that
+  call ended (`Region.hand_over`).
+* Offloads are copied from vLLM's blocks into ring regions on vLLM's thread,
+  before `save` returns (vLLM may reuse the blocks then), one chunk of at
+  most a quarter of the ring at a time, each put in the background. When the
+  ring is full, `save` waits for earlier puts to give staging back, at most
+  ``save_wait_s`` (the store's call bound) per chunk; then the rest of that
+  request's offload is skipped (a later miss).
 * Asynchronous loads (a request waits in vLLM's ``WAITING_FOR_REMOTE_KVS``)
   are reported by `results`; one not settled ``load_timeout_s`` after it
   started is revoked and reported failed. Synchronous loads (single-group
@@ -44,19 +53,18 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from layerlift.engine.threads import run_owned
 from layerlift.hosts.vllm.layout import Layout
 from layerlift.hosts.vllm.meta import Item, LoadSpec, SaveSpec, WorkerReport
-from layerlift.hosts.vllm.objects import KeyedItem, layer_fetch, release_after, stage_objects
+from layerlift.hosts.vllm.objects import KeyedItem, block_bytes, stage_objects
 from layerlift.linker.keys import KeySchema
-from layerlift.linker.scratch import ScratchArena
+from layerlift.linker.ring import Region, StagingRing
+from layerlift.linker.staged import Gate, HostSink, LoadChunk, LoadPart, ObjectLayout, StagedLoad
 from layerlift.linker.store_base import Store, StoreError, StoreObjectLeased, StoreTimeout
 from layerlift.overlap import (
     CpuLane,
-    LayerJob,
     LayerLoadError,
     LayerReadiness,
     LayerWaitTimeout,
@@ -75,13 +83,9 @@ class _Load:
     spec: LoadSpec
     items: list[KeyedItem]
     readiness: LayerReadiness
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    revoked: bool = False
+    gate: Gate = field(default_factory=Gate)
+    settled: bool = False
     bad: bool = False  # a synchronous wait failed or timed out
-    timed_out: list[StoreTimeout] = field(default_factory=list)
-
-    def gate(self) -> threading.Lock | None:
-        return None if self.revoked else self.lock
 
 
 class BlockWorker:
@@ -89,14 +93,19 @@ class BlockWorker:
 
     def __init__(self, store: Store, layout: Layout, kv_caches: dict[str, torch.Tensor], *,
                  schema: KeySchema, staging_bytes: int, max_in_flight: int,
-                 load_timeout_s: float, replace_wait_s: float = REPLACE_WAIT_S) -> None:
+                 load_timeout_s: float, replace_wait_s: float = REPLACE_WAIT_S,
+                 save_wait_s: float | None = None) -> None:
         self.store, self.layout, self.kv, self.schema = store, layout, kv_caches, schema
         self.load_timeout_s = load_timeout_s
         self.replace_wait_s = replace_wait_s
+        self.save_wait_s = store.timeout_s if save_wait_s is None else save_wait_s
         self._layers = [(g, j) for g in layout.groups for j in range(len(g.layer_names))]
         self._index = {g.layer_names[j]: i for i, (g, j) in enumerate(self._layers)}
         self._groups = {g.index: g for g in layout.groups}
-        self._arena = ScratchArena(store, staging_bytes)
+        self._objects = {g.index: ObjectLayout(tuple(layout.slices(g)),
+                                               sum(size for _, size in layout.slices(g)))
+                         for g in layout.groups}
+        self._ring = StagingRing(store, staging_bytes, timeout_s=load_timeout_s)
         self._lock = threading.Lock()
         self._reported = threading.Condition(self._lock)
         self._done: set[str] = set()
@@ -120,7 +129,7 @@ class BlockWorker:
         # vLLM calls save() under torch.inference_mode: staging made there
         # would be an inference tensor that the lane's threads cannot write.
         with torch.inference_mode(False):
-            self._arena.take(1).release()
+            self._ring.open()
 
     # ---- called by vLLM's model-runner thread -------------------------------------
 
@@ -128,6 +137,11 @@ class BlockWorker:
         """``items`` with this worker's keys (its rank's shard)."""
         groups = self._groups
         return [(g, self.schema.key(groups[g].component, h), b) for g, h, b in items]
+
+    @property
+    def staging(self) -> StagingRing:
+        """The worker's staging ring (every transfer's bytes pass through it)."""
+        return self._ring
 
     def report(self) -> WorkerReport | None:
         """Objects found corrupt and objects replaced since the last call
@@ -209,23 +223,50 @@ class BlockWorker:
             log.warning("LayerLift: a restore of this step failed; its %d offloads are skipped "
                         "(computed over blocks that never got their bytes)", len(specs))
             return
+        budget = max(1, self._ring.capacity // 4)
         for spec in specs:
             keyed = self.keyed(spec.items)
             items = [it for it in keyed if (it[0], it[2]) not in self._step_loaded]
             self._remember(spec.items, keyed, only_corrupt=True)
-            total = sum(self.layout.object_bytes(self._groups[g]) for g, _, _ in items)
-            if total == 0 or total > self._arena.free_bytes:
-                if total:
-                    log.warning("LayerLift: staging full, offload of %s skipped", spec.req_id)
-                continue
-            try:
-                scratch = self._arena.take(total)
-            except StoreError as exc:
-                log.warning("LayerLift: offload of %s skipped: %s", spec.req_id, exc)
-                continue
-            ptrs, sizes = stage_objects(self.layout, self.kv, items, scratch)
-            keys = [k for _, k, _ in items]
-            self._submit(self._put(keys, ptrs, sizes, scratch))
+            for chunk in self._chunks(items, budget):
+                if not self._save_chunk(spec.req_id, chunk):
+                    break
+
+    def _chunks(self, items: list[KeyedItem], budget: int) -> list[list[KeyedItem]]:
+        """Consecutive runs of ``items`` of at most ``budget`` bytes (one
+        object at least)."""
+        out: list[list[KeyedItem]] = []
+        total = 0
+        for item in items:
+            size = self.layout.object_bytes(self._groups[item[0]])
+            if out and total + size <= budget:
+                out[-1].append(item)
+                total += size
+            else:
+                out.append([item])
+                total = size
+        return out
+
+    def _save_chunk(self, req_id: str, items: list[KeyedItem]) -> bool:
+        """Stage ``items`` (copied now) and put them in the background; False
+        when staging did not come free in time (the rest is skipped)."""
+        total = sum(self.layout.object_bytes(self._groups[g]) for g, _, _ in items)
+        if not self._ring.fits(total):
+            log.warning("LayerLift: one object of %s (%d bytes) does not fit the %d-byte "
+                        "staging; not offloaded", req_id, total, self._ring.capacity)
+            return False
+        try:
+            region = self._ring.acquire(total, timeout_s=self.save_wait_s)
+        except StoreError as exc:
+            log.warning("LayerLift: offload of %s cut short: %s", req_id, exc)
+            return False
+        try:
+            ptrs, sizes = stage_objects(self.layout, self.kv, items, region)
+        except BaseException:
+            region.release()
+            raise
+        self._submit(self._put([k for _, k, _ in items], ptrs, sizes, region))
+        return True
 
     def results(self, wait_s: float = 0.0) -> tuple[set[str], set[str]]:
         """``(finished, failed)`` asynchronous loads since the last call;
@@ -261,13 +302,13 @@ class BlockWorker:
         self._unregister_staging()
 
     def _unregister_staging(self) -> None:
-        """Unregister the arena from the store (the store outlives this
+        """Unregister the ring from the store (the store outlives this
         worker): a later buffer at the same address must be registrable."""
-        arena = self._arena
-        if not arena.registered or self._tasks:
+        ring = self._ring
+        if not ring.registered or self._tasks:
             return  # never registered, or a call may still use it (the store's close frees it)
         try:
-            arena.close()
+            ring.close()  # with a timed-out call's region still out: once it returned
         except StoreError as exc:
             log.warning("LayerLift: unregistering staging failed: %s", exc)
 
@@ -302,10 +343,11 @@ class BlockWorker:
     def _settle(self, load: _Load, *, ok: bool) -> None:
         """Revoke the load (no copy into vLLM's blocks after this), then
         report an asynchronous one, once."""
-        with load.lock:
-            if load.revoked:
+        with self._lock:
+            if load.settled:
                 return
-            load.revoked = True
+            load.settled = True
+        load.gate.close()  # returns once no copy runs; none starts afterwards
         if ok:
             log.info("LayerLift: restored %s (%d objects, verified)", load.spec.req_id,
                      len(load.spec.items))
@@ -314,38 +356,58 @@ class BlockWorker:
                 (self._done if ok else self._failed).add(load.spec.req_id)
                 self._reported.notify_all()
 
+    def _staged(self, load: _Load) -> StagedLoad:
+        """The load as a `StagedLoad`: one part per KV cache group (row ``i``:
+        the group's ``i``-th item, its block the target), global layer ``i``
+        reads its slice of its group's part. ValueError when one slice does
+        not fit the staging ring."""
+        rows: dict[int, list[tuple[str, int]]] = {}
+        for g, key, block in load.items:
+            rows.setdefault(g, []).append((key, block))
+        parts: list[LoadPart] = []
+        part_of: dict[int, int] = {}
+        for g, group_rows in rows.items():
+            part_of[g] = len(parts)
+            parts.append(LoadPart(self._objects[g], tuple(k for k, _ in group_rows),
+                                  (g, [b for _, b in group_rows])))
+        layers = [[(part_of[g.index], j)] if g.index in part_of else []
+                  for g, j in self._layers]
+        return StagedLoad(self._ring, self.store, parts, layers, HostSink(self._scatter),
+                          gate=load.gate, timeout_s=self.load_timeout_s,
+                          on_corrupt=self._mark_corrupt)
+
+    def _scatter(self, chunk: LoadChunk, part: LoadPart, rows: torch.Tensor) -> None:
+        """Lane thread, under the load's gate: verified rows into vLLM's blocks."""
+        g, blocks = part.target
+        kv = self.kv[self._groups[g].layer_names[chunk.local]]
+        with torch.inference_mode():  # vLLM's caches may be inference tensors
+            for i, block in enumerate(blocks[chunk.lo:chunk.hi]):
+                block_bytes(kv, block).copy_(rows[i])
+
     async def _run_load(self, load: _Load) -> None:
-        """One request's restore: a session, one job per layer, the outcome;
-        staging is released once no thread or store call touches it."""
-        items = load.items
-        offsets = np.cumsum([0] + [self.layout.object_bytes(self._groups[g])
-                                   for g, _, _ in items]).tolist()
+        """One request's restore: a session, one staged job per layer, the
+        outcome; its staging returns to the ring once no thread or store call
+        touches it (the ring's regions see to it)."""
         try:
-            scratch = await run_owned(lambda: self._arena.take(offsets[-1]))
-        except StoreError as exc:
+            staged = self._staged(load)
+        except ValueError as exc:
             log.warning("LayerLift: restore of %s refused: %s", load.spec.req_id, exc)
             load.readiness.cancel(str(exc))
             self._settle(load, ok=False)
             self._forget(load)
             return
-        session = self.store.open_session([k for _, k, _ in items])
+        session = self.store.open_session([k for _, k, _ in load.items])
         try:
             await run_owned(session.__enter__)
         except StoreError as exc:
             log.warning("LayerLift: restore of %s could not start: %s", load.spec.req_id, exc)
-            if isinstance(exc, StoreTimeout):
-                load.timed_out.append(exc)
             load.readiness.mark_failed(0, exc)
             self._settle(load, ok=False)
-            release_after(load.timed_out, scratch)
             self._forget(load)
             return
         task = None
         try:
-            jobs = [LayerJob(i, layer_fetch(self.store, self.layout, self.kv, g, j, items,
-                                            scratch, offsets, load.gate, load.timed_out,
-                                            self._mark_corrupt))
-                    for i, (g, j) in enumerate(self._layers)]
+            jobs = [staged.job(i) for i in range(len(self._layers))]
             task = self._sched.start(jobs, load.readiness)
             self._settle(load, ok=await self._outcome(load, task.done()))
         finally:
@@ -353,7 +415,6 @@ class BlockWorker:
             if task is not None:
                 await task.wait_quiescent()
             await run_owned(lambda: _end_session(session))
-            release_after(load.timed_out, scratch)
             self._forget(load)
 
     async def _outcome(self, load: _Load, done: Coroutine[Any, Any, None]) -> bool:
@@ -426,17 +487,16 @@ class BlockWorker:
                     self._report.replaced.add((rank, *page))
 
     async def _put(self, keys: list[str], ptrs: list[int], sizes: list[int],
-                   scratch: Any) -> None:
-        timed_out: list[StoreTimeout] = []
+                   region: Region) -> None:
         try:
             await run_owned(lambda: self._put_replacing(keys, ptrs, sizes))
         except StoreTimeout as exc:
-            timed_out.append(exc)
+            region.hand_over(exc)  # the put may still read it: back once it ended
             log.warning("LayerLift: offload of %d objects timed out", len(keys))
         except StoreError as exc:
             log.warning("LayerLift: offload of %d objects failed: %s", len(keys), exc)
         finally:
-            release_after(timed_out, scratch)
+            region.release()
 
 
 def _end_session(session: Any) -> None:
