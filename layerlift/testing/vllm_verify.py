@@ -34,7 +34,7 @@ from typing import Any
 __all__ = ["kv_transfer_config", "main", "make_tiny_model"]
 
 MARK = "LLJSON "
-START_TIMEOUT_S = 180.0
+START_TIMEOUT_S = 600.0  # a bound on a hung child; a loaded 2-core machine takes minutes
 
 
 def make_tiny_model(kind: str, path: str, seed: int = 0, *, hidden: int = 128,
