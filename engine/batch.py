@@ -51,7 +51,6 @@ batch's pages allocated (an ``EngineError``, logged) until it does.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import enum
 import functools
@@ -214,10 +213,8 @@ class Batch:
         if rec.compute is None and ctx.offloader.pending:
             # Offloads in flight pin pages and lock nodes; they end on their own,
             # but a put to a stalled store may take long: wait a bounded time,
-            # then go on without the room they hold.
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(ctx.cfg.layer_wait_timeout_s):
-                    await ctx.offloader.wait()
+            # then go on without the room they hold (Engine.close ends the wait).
+            await ctx.wait_offloads(ctx.cfg.layer_wait_timeout_s)
             self._check_open()  # aborted meanwhile (Engine.close): the exit owns the record
             rec.compute = alloc_compute(ctx.pool, ctx.tree, plan)
         if rec.compute is None and rec.txn is not None:

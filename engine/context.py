@@ -188,6 +188,18 @@ class EngineContext:
                 f"{len(others)} other batch(es) waiting for their caller and "
                 f"{'pending' if self.offloader.pending else 'no'} offloads")
 
+    async def wait_offloads(self, bound: float) -> None:
+        """Wait until the pending offloads ended, at most ``bound`` seconds;
+        ``EngineError`` at once when the engine closes."""
+        waits = [asyncio.ensure_future(self.offloader.wait()),
+                 asyncio.ensure_future(self.closed.wait())]
+        try:
+            await asyncio.wait(waits, timeout=bound, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+        self.check_open()
+
     @property
     def vocab_size(self) -> int:
         return int(self.model.vocab_size)

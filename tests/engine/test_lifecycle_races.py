@@ -30,6 +30,7 @@ import pytest
 from layerlift import Engine, EngineConfig, EngineError, HybridModel
 from layerlift.engine import stores as engine_stores
 from layerlift.engine.stores import StoreHandle
+from layerlift.linker.memory_store import MemoryStore
 from layerlift.linker.mooncake_store import MooncakeStore
 from layerlift.overlap.base import LayerLoadError
 from layerlift.testing import FaultyModel, FaultyStore, assert_quiescent, offload_and_drop
@@ -195,6 +196,46 @@ async def test_a_prefill_waiting_for_the_load_lock_fails_when_the_engine_closes(
     finally:
         gate.set()
         await engine.close()
+
+
+async def test_a_prefill_waiting_for_a_stalled_put_fails_when_the_engine_closes(
+        tiny_model: HybridModel) -> None:
+    """A put held in the store pins the pages the next prompt needs; that
+    prefill waits for the offloads (bounded by the default 120 s). ``close()``
+    must end that wait at once with ``EngineError`` (before: the prefill
+    waited out its bound, and close waited for the put)."""
+    first, big = random_prompts(tiny_model, 62, [1500, 2600])
+    store = FaultyStore(MemoryStore(), tiny_model.spec)
+    store.timeout_s = 4 * WAIT_S  # the gate holds the put until the test opens it
+    cfg = EngineConfig(store="memory", pool_bytes=6 << 20, store_timeout_s=BOUND_S)
+    engine = Engine(tiny_model, cfg, store=store)
+    await engine.start()
+    gate = threading.Event()
+    put = store.gate("put", gate)
+    try:
+        await engine.prefill([first])
+        assert await anyio.to_thread.run_sync(put.started.wait, WAIT_S)
+        waiting = asyncio.Event()
+        original = engine.offloader.wait
+
+        async def spied() -> Any:
+            waiting.set()
+            return await original()
+
+        engine.offloader.wait = spied  # type: ignore[method-assign]
+        behind = asyncio.create_task(engine.prefill([big]))
+        await waiting.wait()
+        closing = asyncio.create_task(engine.close())
+        done, _ = await asyncio.wait({behind, closing}, timeout=10.0,
+                                     return_when=asyncio.ALL_COMPLETED)
+        assert behind in done, "the prefill waiting for the offloads was not woken by close()"
+        assert closing in done, "close() waited for the stalled put"
+        with pytest.raises(EngineError, match="clos"):
+            await behind
+    finally:
+        gate.set()
+        await engine.close()
+    await engine.offloader.wait()
 
 
 # ---- 7. start and close as one state machine -----------------------------------------
