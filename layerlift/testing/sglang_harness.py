@@ -67,6 +67,9 @@ class Admission:
     restore: Restore
     aborted: bool = False
     done: bool = False  # released (nothing to load, aborted before start, or finished)
+    device_prefix: int = 0  # tokens the device tree held before the load
+    admitted: bool = True  # PrefillAdder took it (admit_batch)
+    chunked: bool = False  # PrefillAdder took it as the batch's chunked request
 
 
 @dataclass
@@ -278,7 +281,7 @@ class SGLangHost:
         loaded, req.last_node = self.cache.init_load_back(InitLoadBackParams(
             best_match_node=req.best_match_node, host_hit_length=hit, req=req))
         restore = Restore(req.rid, hit, int(loaded), ok=False)
-        adm = Admission(tokens, req, restore)
+        adm = Admission(tokens, req, restore, device_prefix=int(req.prefix_len))
         if not loaded:
             self._release(req, None)
             adm.done = True
@@ -286,6 +289,44 @@ class SGLangHost:
         restore.tail = self.cache.linker.private_load_indices[req.rid].clone()
         restore.mamba_slot = int(req.kv.mamba_pool_idx)
         return adm
+
+    def admit_batch(self, prompts: list[list[int]], *, rem_input_tokens: int = 1 << 14,
+                    rem_chunk_tokens: int | None = None) -> list[Admission]:
+        """Admit ``prompts`` into one prefill batch through SGLang's own
+        ``PrefillAdder`` (its budget, its ``init_load_back`` call, its chunking
+        when ``rem_chunk_tokens`` is set), after ``init_next_round_input`` of
+        each, as ``get_new_batch_prefill`` does. A request the adder does not
+        take is released (``Admission.done``, ``admitted`` False)."""
+        from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
+
+        adder = PrefillAdder(self.shape.page_size, self.cache, self.alloc, None, 0.0,
+                             rem_input_tokens, rem_chunk_tokens)
+        out = []
+        stop = False
+        for tokens in prompts:
+            req = self._req(tokens)
+            self.req_pool.alloc([req])
+            req.init_next_round_input(self.cache)
+            hit, device_prefix = int(req.host_hit_length), int(req.prefix_len)
+            if not stop:
+                result = adder.add_one_req(req, has_chunked_req=adder.new_chunked_req is not None,
+                                           truncation_align_size=None)
+                stop = result is not AddReqResult.CONTINUE
+            admitted = req in adder.can_run_list or req is adder.new_chunked_req
+            loaded = int(req.host_loaded_length) if admitted else 0
+            adm = Admission(tokens, req, Restore(req.rid, hit, loaded, ok=False),
+                            device_prefix=device_prefix)
+            adm.admitted = admitted
+            adm.chunked = req is adder.new_chunked_req
+            if loaded:
+                adm.restore.tail = self.cache.linker.private_load_indices[req.rid].clone()
+                adm.restore.mamba_slot = int(req.kv.mamba_pool_idx)
+            else:
+                self.cache.linker.release_request(req.rid)
+                self._release(req, None)
+                adm.done = True
+            out.append(adm)
+        return out
 
     def abort(self, adm: Admission) -> None:
         """SGLang's path for a request aborted while queued or loading
@@ -329,11 +370,12 @@ class SGLangHost:
         if not adm.restore.ok:
             self._release(req, tail)
             return
-        n = req.prefix_len + adm.restore.loaded_tokens
+        d = adm.device_prefix
+        n = d + adm.restore.loaded_tokens
         device = self.cache.tree_core.collect_full_device_indices(
-            req.last_node, self.cache.root_node_handle())[:req.prefix_len]
+            req.last_node, self.cache.root_node_handle())[:d]
         params = InsertParams(
-            key=RadixKey(array("q", adm.tokens[:n])), prev_prefix_len=req.prefix_len,
+            key=RadixKey(array("q", adm.tokens[:n])), prev_prefix_len=d,
             value=torch.cat([device.to(torch.int64), tail.to(torch.int64)]),
             mamba_value=req.kv.mamba_pool_idx.unsqueeze(0))
         # What SWA's prepare_for_caching_req passes: the SWA pages before the
