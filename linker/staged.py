@@ -33,15 +33,21 @@ long as one object's slice (loads) or one whole object (offloads) fits it
 (else ``ValueError`` at construction, with a sentence). Each chunk's staging
 is at most ``ring.capacity // depth`` bytes (or one row, if a row is larger):
 
-* a load chunk is :class:`LoadChunk` ``(layer, part, local, lo, hi)``: slice
-  ``local`` of objects ``keys[lo:hi]`` of one part, plus their footer entries.
-  Staging layout of a chunk: ``n = hi - lo`` rows of ``size`` bytes, then ``n``
-  little-endian ``uint32`` CRCs. At most ``depth`` chunks of one load hold
+* a load chunk is :class:`LoadChunk` ``(layer, segments)``: one store call
+  (``get_ranges``) into one region. Each :class:`LoadSegment` ``(layer, part,
+  local, lo, hi)`` is slice ``local`` of objects ``keys[lo:hi]`` of one part,
+  with their footer entries; a chunk packs the layer's segments of every part
+  in order (a batch of many requests is still one call per layer when it fits
+  the budget). Staging layout, per segment in order: ``n = hi - lo`` rows of
+  ``size`` bytes, then ``n`` little-endian ``uint32`` CRCs. At most ``depth``
+  chunks of one load hold
   staging at once (a semaphore per transfer; a chunk whose device copy is still
   pending, or whose read timed out and still runs, counts);
-* an offload chunk is :class:`OffloadChunk` ``(part, lo, hi)``: whole objects
-  ``keys[lo:hi]`` (page then footer, as stored; a put cannot append, so an
-  object is never split). An offload keeps one chunk in flight: chunks are put
+* an offload chunk is :class:`OffloadChunk` ``(segments)``: one ``put`` from
+  one region. Each :class:`OffloadSegment` ``(part, lo, hi)`` is whole
+  objects ``keys[lo:hi]`` of one part (page then footer, as stored; a put
+  cannot append, so an object is never split), segments in the parts' order.
+  An offload keeps one chunk in flight: chunks are put
   in order and the next is sent only once the previous put succeeded, so a
   later object (a checkpoint, a deeper page) is never stored without the
   earlier ones.
@@ -64,8 +70,8 @@ layer's chunks in order; per chunk:
    slice never reaches the destination (``on_corrupt`` hears the keys first,
    for an adapter that removes them);
 4. under the :class:`Gate`: if it is closed raise :class:`TransferRevoked` (no
-   copy); else ``sink.write(chunk, part, rows)`` with ``rows`` the verified
-   ``uint8[n, size]`` view of the region;
+   copy); else, per segment, ``sink.write(segment, part, rows)`` with
+   ``rows`` the verified ``uint8[n, size]`` view of the region;
    After the layer's last chunk was written, still under the gate,
    ``on_layer(layer, event)`` runs: an adapter marks the layer landed there,
    so a ``gate.close()`` that returned sees every layer either landed (all
@@ -98,9 +104,9 @@ Offloads (:class:`StagedOffload`)
 =================================
 
 ``run()`` (a worker thread) per chunk, in order: take a region, let the
-snapshot copy the objects' page bytes into it (``snapshot.read(chunk, part,
-pages)``, ``pages`` the ``uint8[n, page_bytes]`` strided view of the region's
-rows), compute the footers over *those* bytes, then one ``put``. The bytes a
+snapshot copy each segment's page bytes into it (``snapshot.read(segment,
+part, pages)``, ``pages`` the ``uint8[n, page_bytes]`` strided view of the
+region's rows), compute the footers over *those* bytes, then one ``put``. The bytes a
 put sends are the snapshot's, under checksums of the same bytes: a put that
 lands late (after its timeout) sends what the source held at snapshot time,
 never what it holds later. ``on_source_free`` runs once the transfer will not
@@ -181,10 +187,12 @@ __all__ = [
     "HostSnapshot",
     "LoadChunk",
     "LoadPart",
+    "LoadSegment",
     "ObjectLayout",
     "OffloadChunk",
     "OffloadOutcome",
     "OffloadPart",
+    "OffloadSegment",
     "Sink",
     "Snapshot",
     "StagedLoad",
@@ -246,8 +254,9 @@ class LoadPart:
 
 
 @dataclass(frozen=True, slots=True)
-class LoadChunk:
-    """Slice ``local`` of rows ``[lo, hi)`` of part ``part``, for global ``layer``."""
+class LoadSegment:
+    """Slice ``local`` of rows ``[lo, hi)`` of part ``part``, for global
+    ``layer``: what one ``Sink.write`` copies."""
 
     layer: int
     part: int
@@ -261,6 +270,14 @@ class LoadChunk:
 
 
 @dataclass(frozen=True, slots=True)
+class LoadChunk:
+    """The segments of one ``layer`` read by one store call into one region."""
+
+    layer: int
+    segments: tuple[LoadSegment, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class OffloadPart:
     """Objects ``keys`` of one layout that an offload puts; row ``i`` is
     ``keys[i]``. ``source`` is the adapter's (passed to the snapshot)."""
@@ -271,8 +288,9 @@ class OffloadPart:
 
 
 @dataclass(frozen=True, slots=True)
-class OffloadChunk:
-    """Whole objects ``[lo, hi)`` of part ``part``."""
+class OffloadSegment:
+    """Whole objects ``[lo, hi)`` of part ``part``: what one ``Snapshot.read``
+    copies."""
 
     part: int
     lo: int
@@ -281,6 +299,13 @@ class OffloadChunk:
     @property
     def rows(self) -> int:
         return self.hi - self.lo
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadChunk:
+    """The segments put by one store call from one region, in order."""
+
+    segments: tuple[OffloadSegment, ...]
 
 
 class CorruptSlices(StoreIntegrityError):
@@ -328,17 +353,17 @@ class Gate:
 class Sink(Protocol):
     """Where a load's verified rows go (the adapter's destination)."""
 
-    def write(self, chunk: LoadChunk, part: LoadPart, rows: torch.Tensor) -> DeviceEvent | None:
-        """Copy ``rows`` (``uint8[chunk.rows, size]``, host staging, verified)
-        into slice ``chunk.local`` of rows ``chunk.lo..chunk.hi`` of ``part``'s
+    def write(self, seg: LoadSegment, part: LoadPart, rows: torch.Tensor) -> DeviceEvent | None:
+        """Copy ``rows`` (``uint8[seg.rows, size]``, host staging, verified)
+        into slice ``seg.local`` of rows ``seg.lo..seg.hi`` of ``part``'s
         destination. Called under the load's gate, on a worker thread. Return
         None once the copy is done, or an event recorded after copies that
         still read ``rows`` (the region is reused only once it completed)."""
 
 
-Scatter = Callable[[LoadChunk, LoadPart, torch.Tensor], None]
-"""``scatter(chunk, part, rows)``: write ``rows`` (on the destination's device)
-into the destination of the chunk's rows (e.g. ``view.index_copy_(0, idx, rows)``)."""
+Scatter = Callable[[LoadSegment, LoadPart, torch.Tensor], None]
+"""``scatter(seg, part, rows)``: write ``rows`` (on the destination's device)
+into the destination of the segment's rows (e.g. ``view.index_copy_(0, idx, rows)``)."""
 
 
 class HostSink:
@@ -347,13 +372,13 @@ class HostSink:
     def __init__(self, scatter: Scatter) -> None:
         self.scatter = scatter
 
-    def write(self, chunk: LoadChunk, part: LoadPart, rows: torch.Tensor) -> DeviceEvent | None:
-        self.scatter(chunk, part, rows)
+    def write(self, seg: LoadSegment, part: LoadPart, rows: torch.Tensor) -> DeviceEvent | None:
+        self.scatter(seg, part, rows)
         return None
 
 
 class DeviceSink:
-    """The device path (see the module docstring): per chunk, an H2D copy of
+    """The device path (see the module docstring): per segment, an H2D copy of
     the rows plus ``scatter`` issued on ``stream`` (a new load stream of
     ``device`` by default), then an event recorded on that stream, returned."""
 
@@ -380,12 +405,12 @@ class DeviceSink:
             event.record(self.stream)
         return event
 
-    def write(self, chunk: LoadChunk, part: LoadPart, rows: torch.Tensor) -> DeviceEvent | None:
+    def write(self, seg: LoadSegment, part: LoadPart, rows: torch.Tensor) -> DeviceEvent | None:
         target = self.device.torch_device
         scatter = self.scatter
 
         def work() -> None:
-            scatter(chunk, part, rows.to(target, non_blocking=True))
+            scatter(seg, part, rows.to(target, non_blocking=True))
 
         return self.issue(work)
 
@@ -393,26 +418,26 @@ class DeviceSink:
 class Snapshot(Protocol):
     """Where an offload's page bytes come from (the adapter's source)."""
 
-    def read(self, chunk: OffloadChunk, part: OffloadPart, pages: torch.Tensor) -> None:
-        """Copy the page bytes of rows ``chunk.lo..chunk.hi`` of ``part``
+    def read(self, seg: OffloadSegment, part: OffloadPart, pages: torch.Tensor) -> None:
+        """Copy the page bytes of rows ``seg.lo..seg.hi`` of ``part``
         (layer-major, ``layout.page_bytes`` each) into ``pages``
-        (``uint8[chunk.rows, page_bytes]``, a strided view of staging).
+        (``uint8[seg.rows, page_bytes]``, a strided view of staging).
         Returns once the bytes are in ``pages``."""
 
 
-Gather = Callable[[OffloadChunk, OffloadPart], torch.Tensor]
-"""``gather(chunk, part)``: the chunk's pages as ``uint8[rows, page_bytes]``
+Gather = Callable[[OffloadSegment, OffloadPart], torch.Tensor]
+"""``gather(seg, part)``: the segment's pages as ``uint8[rows, page_bytes]``
 (on the source's device)."""
 
 
 class HostSnapshot:
-    """The host path: ``pages.copy_(gather(chunk, part))``."""
+    """The host path: ``pages.copy_(gather(seg, part))``."""
 
     def __init__(self, gather: Gather) -> None:
         self.gather = gather
 
-    def read(self, chunk: OffloadChunk, part: OffloadPart, pages: torch.Tensor) -> None:
-        pages.copy_(self.gather(chunk, part))
+    def read(self, seg: OffloadSegment, part: OffloadPart, pages: torch.Tensor) -> None:
+        pages.copy_(self.gather(seg, part))
 
 
 class DeviceSnapshot:
@@ -426,7 +451,7 @@ class DeviceSnapshot:
         self.device, self.gather, self.after = device, gather, after
         self.stream = device.new_stream() if stream is None else stream
 
-    def read(self, chunk: OffloadChunk, part: OffloadPart, pages: torch.Tensor) -> None:
+    def read(self, seg: OffloadSegment, part: OffloadPart, pages: torch.Tensor) -> None:
         device, gather = self.device, self.gather
         ready = self.after() if self.after is not None else None
         if ready is None:
@@ -436,7 +461,7 @@ class DeviceSnapshot:
         ready.wait(self.stream)
 
         def work() -> None:
-            pages.copy_(gather(chunk, part), non_blocking=True)
+            pages.copy_(gather(seg, part), non_blocking=True)
 
         device.launch(self.stream, work)
         done = device.event()
@@ -457,13 +482,33 @@ def require_fit(ring: StagingRing, layout: ObjectLayout) -> None:
             f"staging ring; give the ring at least {ring.span(need)} bytes")
 
 
-def _rows_per_chunk(ring: StagingRing, budget: int, row: int) -> int:
-    """Rows of ``row`` bytes per chunk: as many as ``budget`` holds, at least
-    one, never more than the ring lends in one region."""
-    step = max(1, budget // row)
-    while step > 1 and not ring.fits(step * row):
-        step -= 1
-    return step
+def _pack(runs: Sequence[tuple[int, int, int]], budget: int,
+          ring: StagingRing) -> list[list[tuple[int, int, int]]]:
+    """Cut ``runs`` (``(index, rows, row_bytes)``, in order) into chunks of
+    ``(index, lo, hi)`` pieces: a chunk holds at most ``budget`` bytes (or one
+    row, if a row is larger) and always fits the ring; order is kept."""
+    chunks: list[list[tuple[int, int, int]]] = []
+    cur: list[tuple[int, int, int]] = []
+    used = 0
+    for index, rows, row in runs:
+        lo = 0
+        while lo < rows:
+            room = (budget - used) // row
+            while room > 0 and not ring.fits(used + room * row):
+                room -= 1
+            if room <= 0:
+                if cur:
+                    chunks.append(cur)
+                    cur, used = [], 0
+                    continue
+                room = 1  # a row larger than the budget travels alone
+            hi = min(rows, lo + room)
+            cur.append((index, lo, hi))
+            used += (hi - lo) * row
+            lo = hi
+    if cur:
+        chunks.append(cur)
+    return chunks
 
 
 # ---- loads -----------------------------------------------------------------------
@@ -492,7 +537,7 @@ class StagedLoad:
         budget = max(1, ring.capacity // depth)
         self.chunks: list[list[LoadChunk]] = []
         for layer, reads in enumerate(layers):
-            out: list[LoadChunk] = []
+            runs: list[tuple[int, int, int]] = []
             for p, local in reads:
                 if not 0 <= p < len(self.parts):
                     raise ValueError(f"layer {layer} reads part {p}; the load has "
@@ -507,10 +552,11 @@ class StagedLoad:
                         f"one slice of {row} bytes (with its checksum) does not fit the "
                         f"{ring.capacity}-byte staging ring; give the ring at least "
                         f"{ring.span(row)} bytes")
-                step = _rows_per_chunk(ring, budget, row)
-                out += [LoadChunk(layer, p, local, lo, min(lo + step, len(part.keys)))
-                        for lo in range(0, len(part.keys), step)]
-            self.chunks.append(out)
+                runs.append((len(runs), len(part.keys), row))
+            self.chunks.append([
+                LoadChunk(layer, tuple(LoadSegment(layer, reads[i][0], reads[i][1], lo, hi)
+                                       for i, lo, hi in pieces))
+                for pieces in _pack(runs, budget, ring)])
         self.events: list[DeviceEvent | None] = [None] * len(self.chunks)
         self.timed_out: list[StoreTimeout] = []
         self._slots = threading.Semaphore(depth)
@@ -519,8 +565,8 @@ class StagedLoad:
 
     def nbytes(self, layer: int) -> int:
         """Payload bytes layer ``layer`` moves (without checksums)."""
-        return sum(self.parts[c.part].layout.slices[c.local][1] * c.rows
-                   for c in self.chunks[layer])
+        return sum(self.parts[g.part].layout.slices[g.local][1] * g.rows
+                   for c in self.chunks[layer] for g in c.segments)
 
     def job(self, layer: int, requests: frozenset[Hashable] = frozenset()) -> LayerJob:
         """``fetch_layer(layer)`` as the overlap scheduler's job."""
@@ -573,37 +619,57 @@ class StagedLoad:
             self._lock.notify_all()
 
     def _chunk(self, chunk: LoadChunk, last: bool) -> DeviceEvent | None:
-        part = self.parts[chunk.part]
-        offset, size = part.layout.slices[chunk.local]
-        n = chunk.rows
-        keys = list(part.keys[chunk.lo : chunk.hi])
-        region = self._take(n * (size + CHECK_BYTES))
+        # Region layout, per segment in order: its rows of ``size`` bytes, then
+        # their CRCs; one ranged call reads every segment's slices and CRCs.
+        plan: list[tuple[LoadSegment, LoadPart, int, int, list[str]]] = []
+        at = 0
+        for seg in chunk.segments:
+            part = self.parts[seg.part]
+            size = part.layout.slices[seg.local][1]
+            plan.append((seg, part, at, size, list(part.keys[seg.lo : seg.hi])))
+            at += seg.rows * (size + CHECK_BYTES)
+        region = self._take(at)
         event: DeviceEvent | None = None
         try:
-            base, crcs = region.ptr, region.ptr + n * size
-            dst = [[base + i * size, crcs + i * CHECK_BYTES] for i in range(n)]
+            base = region.ptr
+            keys: list[str] = []
+            dst: list[list[int]] = []
+            lens: list[list[int]] = []
+            offs: list[list[int]] = []
+            for seg, part, start, size, seg_keys in plan:
+                crcs = base + start + seg.rows * size
+                slice_at = part.layout.slices[seg.local][0]
+                footer_at = part.layout.footer_at(seg.local)
+                for i in range(seg.rows):
+                    dst.append([base + start + i * size, crcs + i * CHECK_BYTES])
+                    lens.append([size, CHECK_BYTES])
+                    offs.append([slice_at, footer_at])
+                keys += seg_keys
             try:
-                self.store.get_ranges(keys, dst, [[size, CHECK_BYTES]] * n,
-                                      [[offset, part.layout.footer_at(chunk.local)]] * n)
+                self.store.get_ranges(keys, dst, lens, offs)
             except StoreTimeout as exc:
                 region.hand_over(exc)
                 self.timed_out.append(exc)
                 raise
-            raw = region.tensor[n * size : n * (size + CHECK_BYTES)].numpy()
-            expected = raw.view("<u4")
-            bad = mismatches([base + i * size for i in range(n)], size, expected,
-                             [slice_seed(k, chunk.local) for k in keys])
-            if bad:
-                corrupt = [keys[b] for b in bad]
+            corrupt: list[str] = []
+            for seg, _, start, size, seg_keys in plan:
+                n = seg.rows
+                raw = region.tensor[start + n * size : start + n * (size + CHECK_BYTES)].numpy()
+                bad = mismatches([base + start + i * size for i in range(n)], size,
+                                 raw.view("<u4"), [slice_seed(k, seg.local) for k in seg_keys])
+                corrupt += [seg_keys[b] for b in bad]
+            if corrupt:
                 if self.on_corrupt is not None:
                     self.on_corrupt(corrupt)
                 raise CorruptSlices(chunk.layer, corrupt)
-            rows = region.tensor[: n * size].view(n, size)
             with self.gate.held() as open_:
                 if not open_:
                     raise TransferRevoked(f"layer {chunk.layer}: the load was stopped before "
                                           "its copy; nothing was written")
-                event = self.sink.write(chunk, part, rows)
+                for seg, part, start, size, _ in plan:
+                    rows = region.tensor[start : start + seg.rows * size].view(seg.rows, size)
+                    written = self.sink.write(seg, part, rows)
+                    event = written if written is not None else event
                 if last:
                     self.events[chunk.layer] = event
                     if self.on_layer is not None:
@@ -661,16 +727,17 @@ class StagedOffload:
         self.wait_timed_out = wait_timed_out
         self.on_late_end = on_late_end
         budget = max(1, ring.capacity // depth)
-        self.chunks: list[OffloadChunk] = []
+        runs: list[tuple[int, int, int]] = []
         for p, part in enumerate(self.parts):
             size = part.layout.object_bytes
             if not ring.fits(size):
                 raise ValueError(
                     f"one object of {size} bytes does not fit the {ring.capacity}-byte "
                     f"staging ring; give the ring at least {ring.span(size)} bytes")
-            step = _rows_per_chunk(ring, budget, size)
-            self.chunks += [OffloadChunk(p, lo, min(lo + step, len(part.keys)))
-                            for lo in range(0, len(part.keys), step)]
+            runs.append((p, len(part.keys), size))
+        self.chunks: list[OffloadChunk] = [
+            OffloadChunk(tuple(OffloadSegment(p, lo, hi) for p, lo, hi in pieces))
+            for pieces in _pack(runs, budget, ring)]
 
     def run(self, on_source_free: Callable[[], None] | None = None) -> OffloadOutcome:
         """Worker thread: put every chunk in order; stop at the first failure.
@@ -690,31 +757,44 @@ class StagedOffload:
 
     def _chunk(self, chunk: OffloadChunk, outcome: OffloadOutcome,
                snapshotted: Callable[[], None] | None) -> bool:
-        part = self.parts[chunk.part]
-        layout, n = part.layout, chunk.rows
-        ob, pb = layout.object_bytes, layout.page_bytes
-        keys = list(part.keys[chunk.lo : chunk.hi])
+        # Region layout: every segment's whole objects, in order, back to back.
+        plan: list[tuple[OffloadSegment, OffloadPart, int]] = []
+        total = 0
+        for seg in chunk.segments:
+            part = self.parts[seg.part]
+            plan.append((seg, part, total))
+            total += seg.rows * part.layout.object_bytes
         try:
-            region = self.ring.acquire(n * ob, timeout_s=self.timeout_s)
+            region = self.ring.acquire(total, timeout_s=self.timeout_s)
         except StoreError as exc:
             outcome.error = exc
             return False
         try:
-            objects = region.tensor[: n * ob].view(n, ob)
+            base = region.ptr
+            keys: list[str] = []
+            ptrs: list[int] = []
+            sizes: list[int] = []
             try:
-                self.snapshot.read(chunk, part, objects[:, :pb])
+                for seg, part, start in plan:
+                    layout, n = part.layout, seg.rows
+                    ob, pb = layout.object_bytes, layout.page_bytes
+                    objects = region.tensor[start : start + n * ob].view(n, ob)
+                    self.snapshot.read(seg, part, objects[:, :pb])
+                    seg_keys = list(part.keys[seg.lo : seg.hi])
+                    for j, (offset, size) in enumerate(layout.slices):
+                        sums = checksums([base + start + i * ob + offset for i in range(n)],
+                                         size, [slice_seed(k, j) for k in seg_keys])
+                        at = layout.footer_at(j)
+                        objects[:, at : at + CHECK_BYTES] = torch.from_numpy(
+                            np.ascontiguousarray(sums).view(np.uint8).reshape(n, CHECK_BYTES))
+                    keys += seg_keys
+                    ptrs += [base + start + i * ob for i in range(n)]
+                    sizes += [ob] * n
             finally:
                 if snapshotted is not None:
                     snapshotted()
-            base = region.ptr
-            for j, (offset, size) in enumerate(layout.slices):
-                sums = checksums([base + i * ob + offset for i in range(n)], size,
-                                 [slice_seed(k, j) for k in keys])
-                at = layout.footer_at(j)
-                objects[:, at : at + CHECK_BYTES] = torch.from_numpy(
-                    np.ascontiguousarray(sums).view(np.uint8).reshape(n, CHECK_BYTES))
             try:
-                self.store.put(keys, [base + i * ob for i in range(n)], [ob] * n)
+                self.store.put(keys, ptrs, sizes)
             except StoreTimeout as exc:
                 if not self.wait_timed_out:
                     region.hand_over(exc, self.on_late_end)
@@ -727,8 +807,8 @@ class StagedOffload:
             except StoreError as exc:
                 outcome.error = exc
                 return False
-            outcome.objects += n
-            outcome.bytes += n * ob
+            outcome.objects += len(keys)
+            outcome.bytes += sum(sizes)
             return True
         finally:
             region.release()

@@ -28,11 +28,11 @@ from layerlift.linker.staged import (
     Gate,
     HostSink,
     HostSnapshot,
-    LoadChunk,
     LoadPart,
+    LoadSegment,
     ObjectLayout,
-    OffloadChunk,
     OffloadPart,
+    OffloadSegment,
     StagedLoad,
     StagedOffload,
     TransferRevoked,
@@ -75,7 +75,7 @@ class Rows:
         self.rows = torch.full((n, layout.page_bytes), SENTINEL, dtype=torch.uint8)
         self.writes = 0
 
-    def scatter(self, chunk: LoadChunk, part: LoadPart, rows: torch.Tensor) -> None:
+    def scatter(self, chunk: LoadSegment, part: LoadPart, rows: torch.Tensor) -> None:
         offset, size = part.layout.slices[chunk.local]
         slots = torch.tensor(part.target[chunk.lo : chunk.hi], dtype=torch.int64)
         self.rows[:, offset : offset + size].index_copy_(0, slots, rows)
@@ -84,45 +84,47 @@ class Rows:
 
 def one_part_load(ring: StagingRing, store: Store, keys: list[str], dest: Rows,
                   **kw: object) -> StagedLoad:
-    part = LoadPart(LAYOUT, tuple(keys), list(range(len(keys))))
-    layers = [[(0, j)] for j in range(len(LAYOUT.slices))]
+    layout = dest.layout
+    part = LoadPart(layout, tuple(keys), list(range(len(keys))))
+    layers = [[(0, j)] for j in range(len(layout.slices))]
     return StagedLoad(ring, store, [part], layers, HostSink(dest.scatter), **kw)  # type: ignore[arg-type]
 
 
 def offload(ring: StagingRing, store: Store, keys: list[str], src: torch.Tensor,
-            **kw: object) -> StagedOffload:
-    part = OffloadPart(LAYOUT, tuple(keys), src)
+            layout: ObjectLayout = LAYOUT, **kw: object) -> StagedOffload:
+    part = OffloadPart(layout, tuple(keys), src)
 
-    def gather(chunk: OffloadChunk, p: OffloadPart) -> torch.Tensor:
+    def gather(chunk: OffloadSegment, p: OffloadPart) -> torch.Tensor:
         return p.source[chunk.lo : chunk.hi]
 
     return StagedOffload(ring, store, [part], HostSnapshot(gather), **kw)  # type: ignore[arg-type]
 
 
-def round_trip(store: Store, ring: StagingRing, n: int, ns: str) -> None:
+def round_trip(store: Store, ring: StagingRing, n: int, ns: str,
+               layout: ObjectLayout = LAYOUT) -> None:
     """Offload ``n`` pages and load them back through ``ring``; byte-exact,
     and the stored objects are exactly the independently encoded ones."""
     keys = [f"{ns}/p{i}" for i in range(n)]
-    src = pages(n, 1)
-    off = offload(ring, store, keys, src, depth=2)
+    src = pages(n, 1, layout)
+    off = offload(ring, store, keys, src, layout, depth=2)
     assert len(off.chunks) >= 8
     freed: list[int] = []
     outcome = off.run(lambda: freed.append(1))
     assert outcome.ok and outcome.objects == n and freed == [1]
-    got = torch.zeros(LAYOUT.object_bytes, dtype=torch.uint8)
+    got = torch.zeros(layout.object_bytes, dtype=torch.uint8)
     ptr = store.register(got)
     try:
         for i in (0, n // 2, n - 1):
-            assert store.get([keys[i]], [ptr], [LAYOUT.object_bytes]) == [True]
-            assert bytes(got.numpy()) == encode(keys[i], src[i])
+            assert store.get([keys[i]], [ptr], [layout.object_bytes]) == [True]
+            assert bytes(got.numpy()) == encode(keys[i], src[i], layout)
     finally:
         store.unregister(ptr)
-    dest = Rows(n)
+    dest = Rows(n, layout)
     load = one_part_load(ring, store, keys, dest, depth=2)
-    assert sum(load.nbytes(j) for j in range(len(LAYOUT.slices))) >= 8 * ring.capacity
+    assert sum(load.nbytes(j) for j in range(len(layout.slices))) >= 8 * ring.capacity
     assert all(len(c) > 2 for c in load.chunks)  # every layer streams in several chunks
     with store.open_session(keys):  # as the adapters do around a load
-        for layer in range(len(LAYOUT.slices)):
+        for layer in range(len(layout.slices)):
             assert load.fetch_layer(layer) is None
     assert torch.equal(dest.rows, src)
     assert load.wait_quiet(30.0) and ring.wait_idle(30.0)
@@ -146,7 +148,7 @@ def test_at_most_depth_chunks_hold_staging_while_layers_run_at_once() -> None:
     seen: list[int] = []
     inner = dest.scatter
 
-    def scatter(chunk: LoadChunk, part: LoadPart, rows: torch.Tensor) -> None:
+    def scatter(chunk: LoadSegment, part: LoadPart, rows: torch.Tensor) -> None:
         seen.append(len(ring.live()))
         inner(chunk, part, rows)
 
@@ -316,15 +318,17 @@ def long_lease_master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Embe
 @pytest.mark.mooncake
 def test_mooncake_a_transfer_8x_the_ring_round_trips_byte_exact(
         long_lease_master: EmbeddedMaster) -> None:
-    """Through a ring registered once with a real client (the session
-    master's 50 ms lease is shorter than 2 800 objects' session start plus
-    reads on a loaded machine: this module's master leases for 5 s)."""
+    """Through a ring registered once with a real client (this module's
+    master leases reads for 5 s: the session master's 50 ms is shorter than a
+    session start plus reads on a loaded machine)."""
     store = MooncakeStore(long_lease_master.config(global_segment_size=64 << 20,
                                                   local_buffer_size=16 << 20, timeout_s=10.0))
     try:
         ring = StagingRing(store, 1 << 20)
-        n = 8 * (1 << 20) // LAYOUT.page_bytes + 5
-        round_trip(store, ring, n, f"rt-{uuid.uuid4().hex[:8]}")
+        layout = ObjectLayout(((0, 32 << 10), (32 << 10, 32 << 10), (64 << 10, 32 << 10)),
+                              96 << 10)  # ~90 objects: few keys per session and call
+        n = 8 * (1 << 20) // layout.page_bytes + 5
+        round_trip(store, ring, n, f"rt-{uuid.uuid4().hex[:8]}", layout)
         assert ring.close()
     finally:
         store.close()
@@ -410,7 +414,7 @@ def test_a_layer_is_marked_landed_under_the_gate_after_its_last_chunk() -> None:
     go_on = threading.Event()
     inner = dest.scatter
 
-    def scatter(chunk: LoadChunk, part: LoadPart, rows: torch.Tensor) -> None:
+    def scatter(chunk: LoadSegment, part: LoadPart, rows: torch.Tensor) -> None:
         inner(chunk, part, rows)
         if chunk.layer == 1 and chunk.lo == 0:  # layer 1's first chunk: stop the load now
             in_write.set()
@@ -493,13 +497,16 @@ def test_chunks_cover_every_row_once_and_fit_the_ring(sizes: list[int], counts: 
     seen: list[tuple[int, int, int, int]] = []
     for layer, chunks in enumerate(load.chunks):
         for c in chunks:
-            assert c.layer == layer and 0 <= c.lo < c.hi <= counts[c.part]
-            row = sizes[c.local] + 4
-            assert ring.fits(c.rows * row)
-            assert c.rows == 1 or c.rows * row <= capacity // depth
-            seen += [(layer, c.part, c.local, i) for i in range(c.lo, c.hi)]
+            assert c.layer == layer and c.segments
+            nbytes = sum(g.rows * (sizes[g.local] + 4) for g in c.segments)
+            rows = sum(g.rows for g in c.segments)
+            assert ring.fits(nbytes)
+            assert rows == 1 or nbytes <= capacity // depth
+            for g in c.segments:
+                assert g.layer == layer and 0 <= g.lo < g.hi <= counts[g.part]
+                seen += [(layer, g.part, g.local, i) for i in range(g.lo, g.hi)]
     want = [(j, p, j, i) for j in range(len(sizes)) for p, c in enumerate(counts) for i in range(c)]
-    assert sorted(seen) == sorted(want) and len(seen) == len(set(seen))
+    assert seen == want, "every row once, in the parts' order"
     if not ring.fits(layout.object_bytes):
         with pytest.raises(ValueError, match="does not fit"):
             StagedOffload(ring, store, [OffloadPart(layout, p.keys) for p in parts],
@@ -507,6 +514,40 @@ def test_chunks_cover_every_row_once_and_fit_the_ring(sizes: list[int], counts: 
         return
     off = StagedOffload(ring, store, [OffloadPart(layout, p.keys) for p in parts],
                         HostSnapshot(lambda c, p: p.source), depth=depth)
-    order = [(c.part, i) for c in off.chunks for i in range(c.lo, c.hi)]
+    order = [(g.part, i) for c in off.chunks for g in c.segments for i in range(g.lo, g.hi)]
     assert order == [(p, i) for p, c in enumerate(counts) for i in range(c)]
-    assert all(ring.fits(c.rows * layout.object_bytes) for c in off.chunks)
+    for c in off.chunks:
+        rows = sum(g.rows for g in c.segments)
+        assert ring.fits(rows * layout.object_bytes)
+        assert rows == 1 or rows * layout.object_bytes <= capacity // depth
+
+
+def test_a_batch_of_several_parts_is_one_store_call_per_layer_when_it_fits() -> None:
+    """Four requests' parts (two layouts) of one layer share one ranged call
+    and one region; each part's rows land in its own destination."""
+    other = ObjectLayout(((0, 300), (300, 300), (600, 300)), 900)
+    store = MemoryStore()
+    ring = StagingRing(store, 256 << 10)
+    parts, dests, srcs = [], [], []
+    for r in range(4):
+        layout = LAYOUT if r % 2 else other
+        keys = [f"b{r}/p{i}" for i in range(5)]
+        src = pages(5, 30 + r, layout)
+        put_raw(store, {k: encode(k, p, layout) for k, p in zip(keys, src, strict=True)})
+        dest = Rows(5, layout)
+        parts.append(LoadPart(layout, tuple(keys), dest))
+        dests.append(dest)
+        srcs.append(src)
+
+    def scatter(seg: LoadSegment, part: LoadPart, rows: torch.Tensor) -> None:
+        part.target.scatter(seg, LoadPart(part.layout, part.keys, list(range(5))), rows)
+
+    layers = [[(p, j) for p in range(4)] for j in range(3)]
+    load = StagedLoad(ring, store, parts, layers, HostSink(scatter))
+    assert [len(c) for c in load.chunks] == [1, 1, 1]
+    before = sum(c.method == "get_ranges" for c in store.calls)
+    for j in range(3):
+        load.fetch_layer(j)
+    assert sum(c.method == "get_ranges" for c in store.calls) - before == 3
+    for dest, src in zip(dests, srcs, strict=True):
+        assert torch.equal(dest.rows, src)

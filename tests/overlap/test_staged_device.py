@@ -25,11 +25,11 @@ from layerlift.linker.ring import Region, StagingRing
 from layerlift.linker.staged import (
     DeviceSink,
     DeviceSnapshot,
-    LoadChunk,
     LoadPart,
+    LoadSegment,
     ObjectLayout,
-    OffloadChunk,
     OffloadPart,
+    OffloadSegment,
     StagedLoad,
     StagedOffload,
 )
@@ -71,7 +71,7 @@ class Pool:
     def __init__(self, n: int) -> None:
         self.rows = torch.full((n, LAYOUT.page_bytes), SENTINEL, dtype=torch.uint8)
 
-    def scatter(self, chunk: LoadChunk, part: LoadPart, rows: torch.Tensor) -> None:
+    def scatter(self, chunk: LoadSegment, part: LoadPart, rows: torch.Tensor) -> None:
         offset, size = part.layout.slices[chunk.local]
         idx = torch.tensor(part.target[chunk.lo : chunk.hi], dtype=torch.int64)
         self.rows[:, offset : offset + size].index_copy_(0, idx, rows)
@@ -145,7 +145,7 @@ def test_control_a_skipped_event_wait_reads_wrong_bytes(sim: SimDevice) -> None:
 class WrongStreamSink(DeviceSink):
     """Control: records each chunk's event on another stream than the copies'."""
 
-    def __init__(self, sim: SimDevice, scatter: Callable[[LoadChunk, LoadPart, torch.Tensor],
+    def __init__(self, sim: SimDevice, scatter: Callable[[LoadSegment, LoadPart, torch.Tensor],
                                                           None]) -> None:
         super().__init__(sim, scatter)
         self.other = sim.new_stream()
@@ -199,7 +199,7 @@ def test_an_offload_gathers_after_the_forward_that_wrote_the_slots(sim: SimDevic
     written = sim.event()
     written.record(fwd)
 
-    def gather(chunk: OffloadChunk, part: OffloadPart) -> torch.Tensor:
+    def gather(chunk: OffloadSegment, part: OffloadPart) -> torch.Tensor:
         return pool[chunk.lo : chunk.hi]
 
     snapshot = DeviceSnapshot(sim, gather, after=(lambda: written) if ordered else None)
@@ -242,7 +242,7 @@ def test_the_same_device_path_on_the_simulation_and_on_cuda(any_device: Any) -> 
     dest = torch.full((n, LAYOUT.page_bytes), SENTINEL, dtype=torch.uint8,
                       device=device.torch_device)
 
-    def scatter(chunk: LoadChunk, part: LoadPart, rows: torch.Tensor) -> None:
+    def scatter(chunk: LoadSegment, part: LoadPart, rows: torch.Tensor) -> None:
         offset, size = part.layout.slices[chunk.local]
         idx = torch.tensor(part.target[chunk.lo : chunk.hi], dtype=torch.int64,
                            device=rows.device)
