@@ -212,6 +212,7 @@ def _serve(args: argparse.Namespace) -> int:
         if cmd["op"] == "quit":
             break
         try:
+            reply: dict[str, Any]
             if cmd["op"] == "reset_prefix_cache":
                 reply = {"reset": bool(llm.reset_prefix_cache())}
             else:

@@ -61,7 +61,7 @@ from layerlift.hosts.vllm.meta import Item, LoadSpec, SaveSpec, WorkerReport
 from layerlift.hosts.vllm.objects import KeyedItem, block_bytes, stage_objects
 from layerlift.linker.keys import KeySchema
 from layerlift.linker.ring import Region, StagingRing
-from layerlift.linker.staged import Gate, HostSink, LoadChunk, LoadPart, ObjectLayout, StagedLoad
+from layerlift.linker.staged import Gate, HostSink, LoadPart, LoadSegment, ObjectLayout, StagedLoad
 from layerlift.linker.store_base import Store, StoreError, StoreObjectLeased, StoreTimeout
 from layerlift.overlap import (
     CpuLane,
@@ -376,12 +376,12 @@ class BlockWorker:
                           gate=load.gate, timeout_s=self.load_timeout_s,
                           on_corrupt=self._mark_corrupt)
 
-    def _scatter(self, chunk: LoadChunk, part: LoadPart, rows: torch.Tensor) -> None:
+    def _scatter(self, seg: LoadSegment, part: LoadPart, rows: torch.Tensor) -> None:
         """Lane thread, under the load's gate: verified rows into vLLM's blocks."""
         g, blocks = part.target
-        kv = self.kv[self._groups[g].layer_names[chunk.local]]
+        kv = self.kv[self._groups[g].layer_names[seg.local]]
         with torch.inference_mode():  # vLLM's caches may be inference tensors
-            for i, block in enumerate(blocks[chunk.lo:chunk.hi]):
+            for i, block in enumerate(blocks[seg.lo:seg.hi]):
                 block_bytes(kv, block).copy_(rows[i])
 
     async def _run_load(self, load: _Load) -> None:
