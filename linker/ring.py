@@ -350,7 +350,9 @@ class StagingRing:
 
     def _watch(self, event: DeviceEvent, region: Region) -> None:
         """Release ``region`` once ``event`` completed, on the watcher thread
-        (events of one load stream complete in order, so one FIFO suffices)."""
+        (one FIFO: events of one load stream complete in order; an event of
+        another stream may wait behind a later one, so a release can come
+        late, never early)."""
         with self._lock:
             if self._watcher is None:
                 self._watcher = queue.SimpleQueue()
