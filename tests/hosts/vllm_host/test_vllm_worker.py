@@ -269,6 +269,8 @@ def test_refused_load_is_reported_without_a_read(store: MooncakeStore,
     worker = _worker(store, _kv(fill=False), mooncake_namespace)
     try:
         worker.start_loads([LoadSpec("r", [(0, HASHES[0], 0)], refused=True)])
+        # vLLM's get_finished can report successes only: a failure is never one
+        assert worker.successes() == set()
         assert worker.results(wait_s=5) == ({"r"}, {"r"})
         worker.begin_step()
         worker.start_loads([LoadSpec("s", [(0, HASHES[0], 0), (0, HASHES[1], 3)], True, True)])
