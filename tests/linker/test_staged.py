@@ -551,3 +551,28 @@ def test_a_batch_of_several_parts_is_one_store_call_per_layer_when_it_fits() -> 
     assert sum(c.method == "get_ranges" for c in store.calls) - before == 3
     for dest, src in zip(dests, srcs, strict=True):
         assert torch.equal(dest.rows, src)
+
+
+@pytest.mark.slow
+def test_a_real_model_layout_streams_through_the_default_staging() -> None:
+    """32 layers x 8 KV heads x 128 x bf16 (K and V) at 64-token pages: 256 KiB
+    per layer slice, 8 MiB objects; 1 024 tokens (128 MiB, twice the default
+    64 MiB ring) offload and load back byte-exact. (8 k tokens is the same
+    code with 8x the pages: 3 GiB of test memory, too much for CI here.)"""
+    from layerlift.linker.ring import DEFAULT_RING_BYTES
+
+    slice_bytes = 64 * 8 * 128 * 2 * 2
+    layout = ObjectLayout(tuple((j * slice_bytes, slice_bytes) for j in range(32)),
+                          32 * slice_bytes)
+    store = MemoryStore()
+    ring = StagingRing(store, DEFAULT_RING_BYTES)
+    n = 16
+    keys = [f"real/p{i}" for i in range(n)]
+    src = pages(n, 40, layout)
+    assert offload(ring, store, keys, src, layout).run().ok
+    dest = Rows(n, layout)
+    load = one_part_load(ring, store, keys, dest)
+    for layer in range(32):
+        load.fetch_layer(layer)
+    assert torch.equal(dest.rows, src)
+    assert ring.wait_idle(30.0)
