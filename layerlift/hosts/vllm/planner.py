@@ -42,7 +42,7 @@ from layerlift.hosts.vllm.layout import (
     restorable_pages,
 )
 from layerlift.hosts.vllm.meta import Item, LoadSpec, SaveSpec, StepMeta, WorkerReport
-from layerlift.linker.store_base import Store, StoreError
+from layerlift.linker.store_base import Store
 
 __all__ = ["BlockPlanner", "page_extras"]
 
@@ -160,7 +160,7 @@ class BlockPlanner:
             return 0
         try:
             found = lk.future.result()
-        except StoreError as exc:
+        except Exception as exc:  # a store error, or anything else: a miss, never vLLM's
             self._drop_lookup(track)
             self._skip_until = time.monotonic() + _BACKOFF_S
             log.warning("LayerLift: lookup failed (%s); computing, lookups paused %.0f s",
