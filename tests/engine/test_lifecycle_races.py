@@ -140,6 +140,9 @@ async def test_close_returns_while_a_put_is_stuck_and_the_put_keeps_its_memory(
     try:
         await engine.prefill([prompt])
         assert await anyio.to_thread.run_sync(put.started.wait, WAIT_S)
+        with pytest.raises(TimeoutError):  # wait_offloads is bounded by its caller
+            async with asyncio.timeout(BOUND_S):
+                await engine.wait_offloads()
         pool_ptr = engine.pool.buffer.data_ptr()
         offloader = engine.offloader
         closing = asyncio.create_task(engine.close())
