@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from layerlift.linker.integrity import CHECK_BYTES
+from layerlift.linker.staged import ObjectLayout
 
 __all__ = ["LayerParts", "Part", "PoolLayout", "fingerprint", "pool_layouts",
            "refuse_unmoved_state"]
@@ -94,6 +95,11 @@ class PoolLayout:
     @property
     def object_bytes(self) -> int:
         return self.page_bytes + CHECK_BYTES * len(self.layers)
+
+    @property
+    def objects(self) -> ObjectLayout:
+        """The staged transfer's view of these objects (``linker/staged.py``)."""
+        return ObjectLayout(tuple(self.slices), self.page_bytes)
 
     def position(self, layer: int) -> int | None:
         """Index of ``layer`` in this pool's footer (None: not a layer of this pool)."""

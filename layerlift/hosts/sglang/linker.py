@@ -35,7 +35,6 @@ Pools on CPU only in this version (see ``layout``).
 from __future__ import annotations
 
 import logging
-import time
 from collections import deque
 from typing import Any
 
@@ -46,6 +45,8 @@ from sglang.srt.mem_cache.unified_cache.unified_cache_linker import UnifiedCache
 from layerlift.linker.keys import KeySchema
 from layerlift.linker.master import EmbeddedMaster
 from layerlift.linker.mooncake_store import MooncakeConfig, MooncakeStore
+from layerlift.linker.ring import StagingRing
+from layerlift.linker.staged import require_fit
 from layerlift.linker.store_base import Store
 from layerlift.overlap.base import LoadPolicy
 from layerlift.overlap.lanes import CpuLane
@@ -56,7 +57,6 @@ from .load import BatchLoad, LoadCounter, LoadItem, LoopThread
 from .lookup import LookupGuard
 from .offload import Offloader, OffloadItem, Quarantine
 from .settings import LinkerSettings
-from .staging import Arena, Region
 
 __all__ = ["LayerLiftLinker", "LinkerSettings"]
 
@@ -143,9 +143,21 @@ class LayerLiftLinker(UnifiedCacheLinker):  # type: ignore[misc,unused-ignore]
                 self._master.stop()
             raise
         self._own_store = self.store  # closed by close(), whatever wraps self.store later
+        rings: list[StagingRing] = []
         try:
-            self.arena = Arena(self.store, s.staging_mib << 20)
+            # Loads and offloads stream through bounded staging rings (``linker/ring.py``):
+            # a request of any size passes through, in chunks of capacity // depth.
+            self.ring = StagingRing(self.store, s.staging_mib << 20, timeout_s=s.timeout_s)
+            self.offload_ring = StagingRing(self.store, s.staging_mib << 20,
+                                            timeout_s=s.timeout_s)
+            for layout in self.layouts.values():  # the only size a staged transfer refuses
+                require_fit(self.ring, layout.objects)
+            for ring in (self.ring, self.offload_ring):
+                ring.open()
+                rings.append(ring)
         except BaseException:
+            for ring in rings:
+                ring.close()
             self.store.close()
             if self._master is not None:
                 self._master.stop()
@@ -156,11 +168,11 @@ class LayerLiftLinker(UnifiedCacheLinker):  # type: ignore[misc,unused-ignore]
         self._loop = LoopThread("layerlift-sglang-loop")
         self._lane = CpuLane(max_workers=s.depth, name="sglang")
         self._scheduler = LoadScheduler(self._lane, LoadPolicy.OVERLAP, max_in_flight=s.depth)
-        self._pending: dict[str, tuple[list[LoadItem], Region]] = {}
+        self._pending: dict[str, list[LoadItem]] = {}
         self._failed_starts: set[int] = set()  # counter indices whose start failed
         self._next_index = 0
         self.quarantine = Quarantine()
-        self._offloader = Offloader(self.store, self.arena, self.quarantine, s.timeout_s)
+        self._offloader = Offloader(self.store, self.offload_ring, self.quarantine, s.timeout_s)
         self.lookups = LookupGuard(s.lookup_timeout_s, s.lookup_breaker_s, s.lookup_share)
         self.finished: deque[BatchLoad] = deque(maxlen=256)  # recent batches (timings, verdict)
         self.errors = 0  # calls that failed by an unexpected error (logged; SGLang went on)
@@ -194,24 +206,15 @@ class LayerLiftLinker(UnifiedCacheLinker):  # type: ignore[misc,unused-ignore]
         _log.exception("LayerLift %s failed by an unexpected error; SGLang goes on without it",
                        what)
 
-    def staging_fits(self, pages: int, window: int, mamba: bool) -> bool:
-        """Whether a load of ``pages`` FULL pages, the SWA window's last
-        ``window`` pages and (``mamba``) one Mamba state fits the staging."""
-        need = 0
-        for name, units in (("kv", pages), ("swa", min(window, pages)), ("mamba", int(mamba))):
-            layout = self.layouts.get(name)
-            if layout is not None:
-                need += units * layout.object_bytes
-        return need <= self.arena.nbytes
-
     # ---- UnifiedCacheLinker ------------------------------------------------------
 
     def lookup(self, rid: str, transfers: list[Any]) -> list[int]:
         """Every boundary ``b`` (pages of the tail) at which each pool of the
         lookup restores: FULL pages ``[0, b)``, the SWA window ending at ``b``
         (as many pages as the SWA transfer carries), the Mamba checkpoint of
-        page ``b - 1``; none whose load would not fit the staging, none with
-        a quarantined (corrupt) object. Bounded (``lookup.LookupGuard``); any
+        page ``b - 1``; none with a quarantined (corrupt) object. Every size
+        loads through the staging ring (a single object too large for it is
+        refused at construction), so no offered boundary is refused by ``load``. Bounded (``lookup.LookupGuard``); any
         failure is logged and reads as no hit."""
         try:
             return self._lookup(rid, transfers)
@@ -242,15 +245,13 @@ class LayerLiftLinker(UnifiedCacheLinker):  # type: ignore[misc,unused-ignore]
                 continue
             if "mamba" in have and not have["mamba"][b - 1]:
                 continue
-            if not self.staging_fits(b, window, "mamba" in have):
-                break
             out.append(b)
         return out
 
     def load(self, rid: str, transfers: list[Any]) -> bool:
-        """Queue ``rid``'s load and reserve its staging; False (SGLang then
-        recomputes) when staging has no room or a transfer is malformed
-        (logged). Never raises into SGLang's scheduler."""
+        """Queue ``rid``'s load (its chunks take staging as they run); False
+        (SGLang then recomputes) for a malformed transfer (logged). Never
+        raises into SGLang's scheduler."""
         try:
             if rid in self._pending:
                 _log.error("LayerLift: a load for %s is already queued; this one is recomputed",
@@ -260,11 +261,7 @@ class LayerLiftLinker(UnifiedCacheLinker):  # type: ignore[misc,unused-ignore]
                      for layout, keys, rows in self._items(transfers)]
             if not items:
                 return False
-            region = self.arena.allocate(sum(item.nbytes for item in items))
-            if region is None:
-                _log.warning("LayerLift: no staging room for %s's load; it is recomputed", rid)
-                return False
-            self._pending[rid] = (items, region)
+            self._pending[rid] = items
             return True
         except ValueError as exc:
             _log.error("LayerLift: %s's load is refused (%s); it is recomputed", rid, exc)
@@ -274,11 +271,7 @@ class LayerLiftLinker(UnifiedCacheLinker):  # type: ignore[misc,unused-ignore]
             return False
 
     def cancel_queued_load(self, rid: str) -> bool:
-        entry = self._pending.pop(rid, None)
-        if entry is None:
-            return False
-        entry[1].release()
-        return True
+        return self._pending.pop(rid, None) is not None
 
     def start_layer_wise_loading(self) -> int:
         if not self._pending:
@@ -286,13 +279,13 @@ class LayerLiftLinker(UnifiedCacheLinker):  # type: ignore[misc,unused-ignore]
         pending, self._pending = list(self._pending.values()), {}
         index, self._next_index = self._next_index, self._next_index + 1
         try:
-            batch = BatchLoad(index, pending, self.num_layers, self.store,
-                              self.settings.load_timeout_s, self.quarantine)
+            batch = BatchLoad(index, [item for items in pending for item in items],
+                              self.num_layers, self.store, self.settings.load_timeout_s,
+                              self.ring, depth=self.settings.depth,
+                              timeout_s=self.settings.timeout_s, quarantine=self.quarantine)
             jobs = batch.jobs()
         except Exception:  # nothing was read: the verdict is False, SGLang aborts them
             self._unexpected(f"start of load batch {index}")
-            for _, region in pending:
-                region.release()
             self._failed_starts.add(index)
             return index
         self.layer_done_counter.add(batch)
@@ -361,8 +354,6 @@ class LayerLiftLinker(UnifiedCacheLinker):  # type: ignore[misc,unused-ignore]
         result. From its return no transfer taken before it touches a slot: a
         put still running sends the bytes it snapshotted before."""
         try:
-            for _, region in self._pending.values():
-                region.release()
             self._pending.clear()
             self._failed_starts.clear()
             for batch in self.layer_done_counter.batches():
@@ -386,17 +377,13 @@ class LayerLiftLinker(UnifiedCacheLinker):  # type: ignore[misc,unused-ignore]
         self.lookups.close()
         self._loop.stop()
         self._lane.close()
-        deadline = time.monotonic() + self.settings.timeout_s
-        while not self.arena.idle() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if self.arena.idle():
-            self._own_store.unregister(self.arena.base)
-        else:  # a timed-out call still holds staging: keep the memory alive
-            _KEPT.append(self.arena)
-            _log.warning("LayerLift close: a store call still holds staging; kept registered")
+        for ring in (self.ring, self.offload_ring):
+            if not ring.wait_idle(self.settings.timeout_s) or not ring.close():
+                _KEPT.append(ring)  # a timed-out call still holds staging: keep it alive
+                _log.warning("LayerLift close: a store call still holds staging; kept registered")
         self._own_store.close()
         if self._master is not None:
             self._master.stop()
 
 
-_KEPT: list[Arena] = []
+_KEPT: list[StagingRing] = []

@@ -1,13 +1,16 @@
 """One layer-wise load batch inside SGLang, and the counter SGLang's pools wait on.
 
 A :class:`BatchLoad` is what one ``start_layer_wise_loading`` started: one
-:class:`~layerlift.overlap.base.LayerJob` per layer (every request's slice of
-that layer in one ranged read, footer entries included), issued in layer order
-by LayerLift's :class:`~layerlift.overlap.scheduler.LoadScheduler` on a
-:class:`~layerlift.overlap.lanes.CpuLane`, into host staging
-(``staging``). A job verifies every slice against its CRC-32 (the
-object's key and the layer are in the seed) and only then copies it into
-SGLang's slots, under the batch's *gate*.
+:class:`~layerlift.overlap.base.LayerJob` per layer, issued in layer order by
+LayerLift's :class:`~layerlift.overlap.scheduler.LoadScheduler` on a
+:class:`~layerlift.overlap.lanes.CpuLane`. Each job is the layer of a
+:class:`~layerlift.linker.staged.StagedLoad`: every request's slice of that
+layer, footer entries included, in chunks through the linker's bounded
+staging ring (``linker/ring.py``; a chunk is at most ``capacity // depth``,
+so a request of any size streams through the default staging). A chunk is
+verified against its CRC-32s (the object's key and the layer are in the
+seed) and only then copied into SGLang's slots, under the batch's *gate*; a
+slice that fails its check quarantines its key (``offload.Quarantine``).
 
 Promises (each a test in ``tests/hosts/sglang_host``):
 
@@ -20,7 +23,7 @@ Promises (each a test in ``tests/hosts/sglang_host``):
   store does; a stalled load ends as failed, never as a hang.
 - Once ``finish`` (or a failed wait) closed the gate, nothing writes into the
   batch's slots again: a read that returns later lands in staging only, and
-  staging is released only when the last such read ended.
+  its region returns to the ring only when that read ended.
 
 Like SGLang's own counter, a failed layer does not raise into the forward
 (that would take the scheduler down): the forward goes on over zeroed slots,
@@ -40,16 +43,16 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
+import torch
 
-from layerlift.linker.integrity import CHECK_BYTES, mismatches, slice_seed
-from layerlift.linker.store_base import Store, StoreError, StoreIntegrityError, StoreTimeout
-from layerlift.overlap.base import LayerJob, LayerLoadCancelled, LayerLoadError, LayerWaitTimeout
+from layerlift.linker.ring import StagingRing
+from layerlift.linker.staged import Gate, HostSink, LoadPart, LoadSegment, StagedLoad
+from layerlift.linker.store_base import Store, StoreError
+from layerlift.overlap.base import LayerJob, LayerLoadError, LayerWaitTimeout
 from layerlift.overlap.readiness import LayerReadiness
 
 from .layout import PoolLayout
 from .offload import Quarantine
-from .staging import Region, hand_over
 
 __all__ = ["BatchLoad", "LoadCounter", "LoadItem", "LoopThread"]
 
@@ -65,19 +68,6 @@ class LoadItem:
     keys: tuple[str, ...]
     rows: tuple[int, ...]
 
-    @property
-    def nbytes(self) -> int:
-        return len(self.keys) * self.layout.object_bytes
-
-
-@dataclass(frozen=True, slots=True)
-class _Slice:
-    item: LoadItem
-    position: int  # the layer's index in the item's footer
-    offset: int  # the slice's offset in each object
-    size: int
-    stage: int  # staging address of the first key's slice; the rest follow
-    footers: int  # staging address of the first key's footer entry
 
 
 class LoopThread:
@@ -105,32 +95,31 @@ class BatchLoad:
     thread; its jobs run on lane threads; ``wait_layer`` on the forward's
     thread; ``finish`` on the scheduler thread."""
 
-    def __init__(self, index: int, requests: Sequence[tuple[Sequence[LoadItem], Region]],
-                 num_layers: int, store: Store, bound_s: float,
+    def __init__(self, index: int, items: Sequence[LoadItem], num_layers: int, store: Store,
+                 bound_s: float, ring: StagingRing, *, depth: int, timeout_s: float,
                  quarantine: Quarantine | None = None) -> None:
         self.index = index
         self.quarantine = quarantine
-        self.items = tuple(item for items, _ in requests for item in items)
-        self.regions = tuple(region for _, region in requests)
+        self.items = tuple(items)
         self.store = store
         self.started = time.perf_counter()
         self.deadline = time.monotonic() + bound_s
         self.readiness = LayerReadiness(num_layers, default_timeout=bound_s)
-        self.plan: list[list[_Slice]] = [[] for _ in range(num_layers)]
-        for items, region in requests:
-            base = region.ptr
-            for item in items:
-                n = len(item.keys)
-                for j, (offset, size) in enumerate(item.layout.slices):
-                    stage = base + n * (offset + CHECK_BYTES * j)
-                    slc = _Slice(item, j, offset, size, stage, stage + n * size)
-                    self.plan[item.layout.layers[j].layer].append(slc)
-                base += item.nbytes
-        self.landed = [not s for s in self.plan]
-        self.ready_at: list[float | None] = [self.started if not s else None for s in self.plan]
+        reads: list[list[tuple[int, int]]] = [[] for _ in range(num_layers)]
+        for p, item in enumerate(self.items):
+            for j, lp in enumerate(item.layout.layers):
+                reads[lp.layer].append((p, j))
+        self.gate = Gate()
+        self.staged = StagedLoad(
+            ring, store, [LoadPart(item.layout.objects, item.keys, item) for item in self.items],
+            reads, HostSink(self._scatter), depth=depth, gate=self.gate, timeout_s=timeout_s,
+            on_corrupt=self._quarantine, on_layer=self._on_layer)
+        self.reads = reads
+        self.landed = [not r for r in reads]
+        self.ready_at: list[float | None] = [self.started if not r else None for r in reads]
         self.error: BaseException | None = None
         self.quiet = threading.Event()
-        self._gate = threading.Lock()
+        self._stop_lock = threading.Lock()
         self._stopped = False
         self._zeroed = False
         self._session = contextlib.ExitStack()
@@ -138,11 +127,15 @@ class BatchLoad:
         self._session_tried = False
 
     def jobs(self) -> list[LayerJob]:
-        return [LayerJob(layer, self._fetcher(layer), sum(len(s.item.keys) * s.size for s in sl))
-                for layer, sl in enumerate(self.plan) if sl]
+        return [LayerJob(layer, self._fetcher(layer), self.staged.nbytes(layer))
+                for layer, r in enumerate(self.reads) if r]
 
     def _fetcher(self, layer: int) -> Callable[[], None]:
-        return lambda: self._fetch(layer)
+        def fetch() -> None:
+            self._open_session()
+            self.staged.fetch_layer(layer)
+
+        return fetch
 
     def _open_session(self) -> None:
         """One read session over the batch's keys for its per-layer reads (the
@@ -158,50 +151,26 @@ class BatchLoad:
             except StoreError as exc:  # the reads then fail (or open their own sessions)
                 _log.debug("LayerLift: the batch's read session did not open: %s", exc)
 
-    def _fetch(self, layer: int) -> None:
-        """Lane thread: read, verify, then copy one layer (see module docstring)."""
-        self._open_session()
-        slices = self.plan[layer]
-        keys: list[str] = []
-        dst, sizes, offsets = [], [], []
-        for s in slices:
-            footer_at = s.item.layout.page_bytes + CHECK_BYTES * s.position
-            for i, key in enumerate(s.item.keys):
-                keys.append(key)
-                dst.append([s.stage + i * s.size, s.footers + i * CHECK_BYTES])
-                sizes.append([s.size, CHECK_BYTES])
-                offsets.append([s.offset, footer_at])
-        try:
-            self.store.get_ranges(keys, dst, sizes, offsets)
-        except StoreTimeout as exc:
-            for region in self.regions:
-                hand_over(exc, region)
-            raise
-        for s in slices:
-            n = len(s.item.keys)
-            expected = np.ctypeslib.as_array((ctypes.c_uint32 * n).from_address(s.footers))
-            bad = mismatches([s.stage + i * s.size for i in range(n)], s.size, expected,
-                             [slice_seed(k, s.position) for k in s.item.keys])
-            if bad:
-                self._quarantine([s.item.keys[i] for i in bad])
-                raise StoreIntegrityError(
-                    f"layer {layer}: {len(bad)} {s.item.layout.name} slice(s) failed their "
-                    f"checksum (corrupt, foreign or truncated object), e.g. {s.item.keys[bad[0]]}")
-        with self._gate:
-            if self._stopped:
-                raise LayerLoadCancelled(layer, None, frozenset(),
-                                         f"layer {layer} read after its load was stopped")
-            for s in slices:
-                parts = s.item.layout.layers[s.position].parts
-                src = s.stage
-                for row in s.item.rows:
-                    for part in parts:
-                        ctypes.memmove(part.ptr(row), src, part.nbytes)
-                        src += part.nbytes
-            self.landed[layer] = True
-            self.ready_at[layer] = time.perf_counter()
+    @staticmethod
+    def _scatter(seg: LoadSegment, part: LoadPart, rows: torch.Tensor) -> None:
+        """Verified rows from staging into SGLang's slots (under the gate)."""
+        item: LoadItem = part.target
+        parts = item.layout.layers[seg.local].parts
+        src = int(rows.data_ptr())
+        stride = int(rows.stride(0))
+        for i in range(seg.rows):
+            at = src + i * stride
+            row = item.rows[seg.lo + i]
+            for lp in parts:
+                ctypes.memmove(lp.ptr(row), at, lp.nbytes)
+                at += lp.nbytes
 
-    def _quarantine(self, keys: Sequence[str]) -> None:
+    def _on_layer(self, layer: int, event: object) -> None:
+        """Under the gate, after the layer's last copy: it landed."""
+        self.landed[layer] = True
+        self.ready_at[layer] = time.perf_counter()
+
+    def _quarantine(self, keys: list[str]) -> None:
         if self.quarantine is not None:
             self.quarantine.add(keys)
 
@@ -222,17 +191,19 @@ class BatchLoad:
     def stop(self) -> None:
         """Close the gate (no copy into the slots from now on) and zero the
         slots of every layer that did not land. Idempotent."""
-        with self._gate:
+        with self._stop_lock:
             self._stopped = True
+            self.gate.close()  # returns once no copy runs; ``landed`` is final now
             if self._zeroed:
                 return
             self._zeroed = True
-            for layer, slices in enumerate(self.plan):
+            for layer, r in enumerate(self.reads):
                 if self.landed[layer]:
                     continue
-                for s in slices:
-                    for part in s.item.layout.layers[s.position].parts:
-                        for row in s.item.rows:
+                for p, j in r:
+                    item = self.items[p]
+                    for part in item.layout.layers[j].parts:
+                        for row in item.rows:
                             ctypes.memset(part.ptr(row), 0, part.nbytes)
 
     def finish(self) -> bool:
@@ -247,11 +218,9 @@ class BatchLoad:
         return all(self.landed) and self.error is None and not failed
 
     def on_quiet(self) -> None:
-        """Every job returned: end the read session and give the staging back
-        (a read that timed out keeps its own hold until it ends)."""
+        """Every job returned: end the read session (a read that timed out
+        keeps its own staging until it ends: the ring's hand-over)."""
         self.quiet.set()
-        for region in self.regions:
-            region.release()
         threading.Thread(target=self._session.close, name="layerlift-session-end",
                          daemon=True).start()
 

@@ -9,9 +9,10 @@ store's ``exists`` on a thread of its own and bounds what the scheduler pays:
 - a **breaker**: after a call that timed out or found the store unavailable,
   every lookup is a miss, at no cost, for ``breaker_s``; then one call probes;
 - a **budget**: lookups spend from a bucket of ``timeout_s`` seconds refilled
-  at ``share`` seconds per second, and are misses while it is empty, so over
-  any interval ``T`` lookups cost the scheduler at most ``timeout_s +
-  share * T`` (a slow master, not a stopped one, no longer costs every round).
+  at ``share`` seconds per second, and are misses while it is empty (the call
+  that empties it may overdraw it by at most ``timeout_s``), so over any
+  interval ``T`` lookups cost the scheduler at most ``2 * timeout_s + share *
+  T`` (a slow master, not a stopped one, no longer costs every round).
 
 A miss is always safe: SGLang then computes the prefix.
 """

@@ -37,13 +37,13 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
+import torch
 
-from layerlift.linker.integrity import CHECK_BYTES, checksums, slice_seed
+from layerlift.linker.ring import StagingRing
+from layerlift.linker.staged import DEFAULT_DEPTH, OffloadPart, OffloadSegment, StagedOffload
 from layerlift.linker.store_base import Store, StoreError, StoreObjectLeased, StoreTimeout
 
 from .layout import PoolLayout
-from .staging import Arena, Region, hand_over
 
 __all__ = ["OffloadItem", "Offloader", "Quarantine"]
 
@@ -96,27 +96,32 @@ class Quarantine:
             return len(self._keys)
 
 
-def _stage(items: Sequence[OffloadItem], region: Region) -> tuple[list[str], list[int], list[int]]:
-    """Copy every unit into ``region`` as a whole object (page, then footer)."""
-    keys, ptrs, sizes = [], [], []
-    at = region.ptr
-    for item in items:
-        layout = item.layout
-        for key, row in zip(item.keys, item.rows, strict=True):
-            src_at = at
-            for lp in layout.layers:
-                for part in lp.parts:
-                    ctypes.memmove(src_at, part.ptr(row), part.nbytes)
-                    src_at += part.nbytes
-            footer = np.empty(len(layout.layers), dtype="<u4")
-            for j, (offset, size) in enumerate(layout.slices):
-                footer[j] = checksums([at + offset], size, [slice_seed(key, j)])[0]
-            ctypes.memmove(at + layout.page_bytes, footer.ctypes.data, CHECK_BYTES * len(footer))
-            keys.append(key)
-            ptrs.append(at)
-            sizes.append(layout.object_bytes)
-            at += layout.object_bytes
-    return keys, ptrs, sizes
+class _Revoked(Exception):
+    """The offload was taken before a ``reset``: it must not snapshot the slots."""
+
+
+class _SlotSnapshot:
+    """The staged offload's snapshot (``linker/staged.py``): copy the units'
+    page bytes from SGLang's slots into staging, layer-major, under the
+    offloader's epoch lock; an offload taken before a ``reset`` is refused
+    there (``_Revoked``) instead of reading slots the reset freed."""
+
+    def __init__(self, offloader: Offloader, epoch: int) -> None:
+        self.offloader, self.epoch = offloader, epoch
+
+    def read(self, seg: OffloadSegment, part: OffloadPart, pages: torch.Tensor) -> None:
+        item: OffloadItem = part.source
+        base, stride = int(pages.data_ptr()), int(pages.stride(0))
+        with self.offloader._epoch_lock:
+            if self.epoch != self.offloader._epoch:
+                raise _Revoked
+            for i in range(seg.rows):
+                at = base + i * stride
+                row = item.rows[seg.lo + i]
+                for lp in item.layout.layers:
+                    for p in lp.parts:
+                        ctypes.memmove(at, p.ptr(row), p.nbytes)
+                        at += p.nbytes
 
 
 class Offloader:
@@ -126,10 +131,11 @@ class Offloader:
     ``remove_bound_s``: how long one offload keeps retrying the removal of a
     quarantined key it is about to replace (a read's lease blocks removal)."""
 
-    def __init__(self, store: Store, arena: Arena, quarantine: Quarantine,
-                 remove_bound_s: float) -> None:
+    def __init__(self, store: Store, ring: StagingRing, quarantine: Quarantine,
+                 remove_bound_s: float, depth: int = DEFAULT_DEPTH) -> None:
         self._store = store
-        self._arena = arena
+        self._ring = ring
+        self._depth = depth
         self.quarantine = quarantine
         self._remove_bound_s = remove_bound_s
         self._cond = threading.Condition()
@@ -276,29 +282,25 @@ class Offloader:
                          "(a read holds a lease); they stay unoffered", len(kept))
         if not missing:
             return not kept
-        region = self._arena.allocate(sum(len(m.keys) * m.layout.object_bytes for m in missing))
-        if region is None:
-            _log.warning("LayerLift offload: the staging buffer is full; offload reported failed")
-            return False
+        staged = StagedOffload(
+            self._ring, self._store,
+            [OffloadPart(m.layout.objects, m.keys, m) for m in missing],
+            _SlotSnapshot(self, epoch), depth=self._depth, timeout_s=self._ring.timeout_s,
+            on_late_end=self._timed_out_ended)
         try:
-            with self._epoch_lock:
-                if epoch != self._epoch:  # reset ran since this offload was taken
-                    return False
-                keys, ptrs, sizes = _stage(missing, region)
-            self._store.put(keys, ptrs, sizes)
-            self.quarantine.discard(keys)
-            return not kept
-        except StoreTimeout as exc:
+            outcome = staged.run()
+        except _Revoked:  # reset ran since this offload was taken
+            return False
+        if isinstance(outcome.error, StoreTimeout):
             with self._cond:
                 self.timed_out += 1
-            hand_over(exc, region, self._timed_out_ended)
-            _log.warning("LayerLift offload: put timed out (%s); reported failed", exc)
+            _log.warning("LayerLift offload: put timed out (%s); reported failed", outcome.error)
             return False
-        except StoreError as exc:
-            _log.warning("LayerLift offload: put failed (%s); reported failed", exc)
+        if outcome.error is not None:
+            _log.warning("LayerLift offload: put failed (%s); reported failed", outcome.error)
             return False
-        finally:
-            region.release()
+        self.quarantine.discard([k for m in missing for k in m.keys])
+        return not kept
 
     def _timed_out_ended(self) -> None:
         with self._cond:

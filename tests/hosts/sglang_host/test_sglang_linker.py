@@ -170,7 +170,7 @@ def test_the_forward_reads_a_layer_only_after_it_landed(make_host: Any, waits: b
             assert_restored(b, r, toks)
 
 
-def test_a_request_released_before_its_load_started_gives_its_staging_back(make_host: Any) -> None:
+def test_a_request_released_before_its_load_started_is_never_loaded(make_host: Any) -> None:
     from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
 
     a, b = make_host(), make_host(segment_mib=0)
@@ -182,8 +182,8 @@ def test_a_request_released_before_its_load_started_gives_its_staging_back(make_
     req.init_next_round_input(b.cache)
     loaded, _ = b.cache.init_load_back(InitLoadBackParams(
         best_match_node=req.best_match_node, host_hit_length=req.host_hit_length, req=req))
-    assert loaded == 4 * PAGE and not b.linker.arena.idle()  # queued, staging reserved
+    assert loaded == 4 * PAGE and req.rid in b.linker._pending  # queued
     b.cache.linker.release_request(req.rid)  # SGLang's path for an aborted request
     assert req.rid not in b.cache.linker.inflight_load_rids
-    assert b.linker.arena.idle()
+    assert req.rid not in b.linker._pending and b.linker.ring.idle()
     assert b.linker.start_layer_wise_loading() == -1  # nothing left to load

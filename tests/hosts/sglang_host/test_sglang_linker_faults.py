@@ -103,7 +103,7 @@ def test_a_stopped_master_ends_the_load_in_bound_and_nothing_writes_after_finish
     batch = b.linker.finished[-1]
     assert batch.quiet.wait(30.0), "the timed-out reads never ended after the master resumed"
     deadline = time.monotonic() + 30.0
-    while not b.linker.arena.idle():
+    while not b.linker.ring.idle():
         assert time.monotonic() < deadline, "staging still held after the reads ended"
         time.sleep(0.01)
     assert is_zero(k0[r.tail]), "a read wrote into the slots after finish returned"

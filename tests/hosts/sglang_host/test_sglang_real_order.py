@@ -49,7 +49,7 @@ def test_one_batch_of_several_requests_with_different_hits_and_aborts(make_host:
         assert x.restore.ok
         assert all(exact_or_zero(b, x.restore, toks).values())
     assert not adms[4].restore.ok and adms[4].done
-    assert b.linker.arena.idle()
+    assert b.linker.ring.idle()
     # The next round: the restored prompts hit b's device; the aborted ones load again.
     again = b.admit_batch([[*long, 2], [*queued_abort, 2]])
     assert [x.restore.hit_tokens for x in again] == [0, 3 * PAGE]
@@ -89,7 +89,7 @@ def test_a_flush_between_batches_then_the_next_batch_loads_exact(make_host: Make
     b.forward(x)
     assert b.finish([x]) == []
     b.flush_cache()  # SGLang's flush_cache: reset, then the allocators' clears
-    assert b.linker.arena.idle() and b.linker._offloader.pending() == 0
+    assert b.linker.ring.idle() and b.linker._offloader.pending() == 0
     adms = b.admit_batch([[*first, 2], [*second, 2]])
     assert [y.restore.loaded_tokens for y in adms] == [3 * PAGE, 5 * PAGE]  # the tree is empty
     b.start_loads()
