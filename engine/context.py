@@ -153,11 +153,13 @@ class EngineContext:
     async def wait_for_room(self, me: Any, need: str) -> bool:
         """Wait until another batch in flight exits or the pending offloads
         end (they hold pages); False at once if neither holds anything.
-        Waits as long as another batch makes progress (its exit frees the
-        room); ``EngineError`` naming what holds the room once it stayed
-        held ``layer_wait_timeout_s`` by nothing that progresses (batches
-        that wait for their caller, offloads to a stalled store), or at once
-        when the engine closes. ``me``: the waiting batch."""
+        Waits as long as another batch computes (it holds the device, is not
+        a handle waiting for its caller and is not waiting for room itself:
+        its exit frees the room); ``EngineError`` naming what holds the room
+        once it stayed held ``layer_wait_timeout_s`` by nothing that
+        progresses (batches waiting for the device, for room or for their
+        caller, offloads to a stalled store), or at once when the engine
+        closes. ``me``: the waiting batch."""
         bound = self.cfg.layer_wait_timeout_s
         while True:
             self.check_open()
@@ -180,12 +182,12 @@ class EngineContext:
             self.check_open()
             if done:
                 return True
-            if any(not b.awaiting_caller and b not in self.room_waiters
+            if any(b.holds_device and not b.awaiting_caller and b not in self.room_waiters
                    for b in self.live if b is not me):
-                continue  # a batch still computing or loading: its exit frees the room
+                continue  # another batch computes: its exit frees the room
             raise EngineError(
                 f"{need}, and the room stayed held for {bound} s by "
-                f"{len(others)} other batch(es) waiting for their caller and "
+                f"{len(others)} other batch(es) none of which computes, and "
                 f"{'pending' if self.offloader.pending else 'no'} offloads")
 
     async def wait_offloads(self, bound: float) -> None:

@@ -328,6 +328,35 @@ async def test_a_pipelined_prefill_waits_for_a_long_forward(tiny_model: HybridMo
         assert_quiescent(engine)
 
 
+async def test_a_prefill_waiting_for_room_waits_for_a_long_forward(
+        tiny_model: HybridModel) -> None:
+    """Prefill B does not fit beside prefill A's pages while A's forward runs
+    (held at layer 2) longer than ``layer_wait_timeout_s``: B waits for A's
+    exit instead of failing with "the room stayed held" (before: EngineError
+    after the bound), and both results are exact."""
+    a, b = random_prompts(tiny_model, 83, [2600, 1500])
+    ref_a, ref_b = await cold_prefills(tiny_model, [a, b])
+    faulty, gate = FaultyModel(tiny_model), threading.Event()
+    faulty.gate_at(2, gate)
+    cfg = EngineConfig(store="memory", pool_bytes=6 << 20, layer_wait_timeout_s=BOUND_S)
+    async with Engine(faulty, cfg) as engine:
+        first = asyncio.create_task(engine.prefill([a]))
+        try:
+            assert await anyio.to_thread.run_sync(faulty.reached.wait, WAIT_S)
+            faulty.clear()
+            room = engine._ctx.room
+            second = asyncio.create_task(engine.prefill([b]))
+            done, _ = await asyncio.wait({second}, timeout=8 * BOUND_S)
+            assert not done, f"B gave up behind a running forward: {second.exception()!r}"
+            assert not room.is_set() and engine._ctx.room_waiters, "B did not wait for room"
+        finally:
+            gate.set()
+        (got_a,), (got_b,) = await first, await second
+        assert_exact([got_a, got_b], [ref_a, ref_b])
+        await engine.wait_offloads()
+        assert_quiescent(engine)
+
+
 async def test_the_device_wait_names_the_handle_that_holds_it(tiny_model: HybridModel) -> None:
     """A handle loaded but never forwarded holds the device: a prefill behind
     it raises ``EngineError`` after the bound naming that handle's requests
