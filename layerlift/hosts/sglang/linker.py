@@ -11,22 +11,32 @@ Launch SGLang with::
 SGLang keeps the radix tree, the device pools, admission and node locks; this
 linker owns the store side: LayerLift's object format (layer-major pages with a
 CRC-32 footer per layer, ``linker/integrity.py``), format-versioned keys from
-SGLang's page hashes, the model's identity and layout and the rank
-(``linker/keys.py``), per-layer loads on LayerLift's scheduler and lanes
-(``load``), offloads through a staging snapshot (``offload``),
+SGLang's page hashes, the model's identity, its layout, the parallel layout and
+the rank (``linker/keys.py``), per-layer loads on LayerLift's scheduler and
+lanes (``load``), offloads through a staging snapshot (``offload``), both
+streamed through bounded staging rings (``linker/ring.py``, ``linker/staged.py``),
 and bounded waits. Its promises (each tested under SGLang's real wrapper):
 
 - ``lookup`` returns the exact sparse set of restorable prefix lengths: every
-  FULL page, the SWA window ending at the boundary, the Mamba checkpoint at it.
+  FULL page, the SWA window ending at the boundary, the Mamba checkpoint at it;
+  never a quarantined (corrupt) object; a load of any size streams through the
+  staging, so nothing it offers is refused by ``load``. It costs SGLang's
+  scheduler a bounded time (``lookup``: one call bound, a breaker, a budget).
 - A corrupt, foreign, truncated or missing slice fails its layer; no byte of it
   reaches the slots (they are zeroed) and ``finish_layer_wise_loading`` returns
-  False, so SGLang aborts the loading requests and inserts none of their KV.
+  False, so SGLang aborts the loading requests and inserts none of their KV. A
+  slice that failed its checksum quarantines its key until the store no longer
+  has it; the next offload of it writes fresh bytes.
 - A stalled or dead master ends a load within ``load_timeout_s`` (False, never
   a hang), and nothing writes into a batch's slots after ``finish`` returned.
 - An offload whose put outlives ``timeout_s`` is reported failed; if it lands
   later it lands the offloaded bytes under their own checksums, nothing else.
-- ``reset`` and ``close`` quiesce every load and offload before returning
-  (each bounded; ``close`` leaves staging held by a call that still runs).
+- ``reset`` quiesces (SGLang's ``flush_cache`` frees every slot after it):
+  queued offloads are dropped, none snapshots a slot after it returned, no
+  result of one taken before it settles a later one; ``close`` as well.
+- Nothing raises into SGLang's scheduler: every failure is logged and reported
+  in SGLang's terms (a miss, a refused load or offload, a failed batch).
+- Pool features whose state it does not move are refused at construction.
 
 The SGLang vocabulary (``PoolTransfer``, ``PoolName``) stops at this module.
 Pools on CPU only in this version (see ``layout``).

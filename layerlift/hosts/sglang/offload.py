@@ -4,9 +4,11 @@ SGLang's wrapper keeps the offloaded node locked until it consumed the
 offload's result, and consumes results in the order it queued the offloads
 (``pop_completed_offload``): so one worker thread runs them first in, first
 out. Per offload: one ``exists`` call (objects already stored are not sent
-again: a node that gained a checkpoint sends only the checkpoint), a copy of
-the missing units' bytes into staging while the node is still locked, their
-per-layer CRC-32 footers computed over that copy, then one ``put``.
+again: a node that gained a checkpoint sends only the checkpoint), then a
+:class:`~layerlift.linker.staged.StagedOffload` through the offload staging
+ring: per chunk, a copy of the units' bytes into staging while the node is
+still locked, their per-layer CRC-32 footers computed over that copy, one
+``put``; chunks in order, the first failure ends the offload.
 
 Promises (each a test in ``tests/hosts/sglang_host``):
 

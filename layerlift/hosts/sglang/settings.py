@@ -48,12 +48,22 @@ class LinkerSettings:
             raise ValueError("LayerLiftLinker needs exactly one of master_address "
                              "('HOST:PORT' of a mooncake_master) or embedded_master: true")
         for name in ("timeout_s", "load_timeout_s", "lookup_timeout_s", "lookup_breaker_s"):
-            if not float(getattr(settings, name)) > 0:
+            if not _number(getattr(settings, name)) > 0:
                 raise ValueError(f"LayerLiftLinker: {name} must be a positive number of seconds")
-        if not 0 < float(settings.lookup_share) <= 1:
+        if not 0 < _number(settings.lookup_share) <= 1:
             raise ValueError("LayerLiftLinker: lookup_share (the share of the scheduler's time "
-                             "lookups may spend) must be in (0, 1]")
-        for name in ("depth", "staging_mib"):
-            if int(getattr(settings, name)) < 1:
-                raise ValueError(f"LayerLiftLinker: {name} must be an integer >= 1")
+                             "lookups may spend) must be a number in (0, 1]")
+        for name in ("depth", "staging_mib", "segment_mib", "local_buffer_mib"):
+            value = getattr(settings, name)
+            if not isinstance(value, int) or isinstance(value, bool) or \
+                    value < (0 if name == "segment_mib" else 1):
+                raise ValueError(f"LayerLiftLinker: {name} must be an integer >= "
+                                 f"{0 if name == 'segment_mib' else 1}, got {value!r}")
         return settings
+
+
+def _number(value: object) -> float:
+    """``value`` as a float; NaN (fails every bound) for what is not a number."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return float("nan")
+    return float(value)

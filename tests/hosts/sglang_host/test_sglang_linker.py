@@ -49,6 +49,9 @@ def test_the_dynamic_loader_builds_a_layerlift_linker(make_host: Any) -> None:
     ({"colour": "blue"}, "unknown linker_extra_config fields"),
     ({"master_address": None}, "exactly one of master_address"),
     ({"load_timeout_s": 0}, "load_timeout_s must be a positive"),
+    ({"lookup_timeout_s": "1"}, "lookup_timeout_s must be a positive"),
+    ({"staging_mib": "64"}, "staging_mib must be an integer"),
+    ({"lookup_share": 2}, "lookup_share .* must be a number in"),
 ])
 def test_a_bad_linker_config_is_refused_with_a_sentence(make_host: Any, extra: dict[str, Any],
                                                         message: str) -> None:
