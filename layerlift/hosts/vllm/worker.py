@@ -224,9 +224,12 @@ class BlockWorker:
                         "(computed over blocks that never got their bytes)", len(specs))
             return
         budget = max(1, self._ring.capacity // 4)
+        staged: set[str] = set()  # a page two requests share (a prefix hit) is put once
         for spec in specs:
             keyed = self.keyed(spec.items)
-            items = [it for it in keyed if (it[0], it[2]) not in self._step_loaded]
+            items = [it for it in keyed
+                     if (it[0], it[2]) not in self._step_loaded and it[1] not in staged]
+            staged.update(k for _, k, _ in items)
             self._remember(spec.items, keyed, only_corrupt=True)
             for chunk in self._chunks(items, budget):
                 if not self._save_chunk(spec.req_id, chunk):
@@ -485,6 +488,8 @@ class BlockWorker:
                 page = self._pages.pop(key, None)
                 if page is not None:
                     self._report.replaced.add((rank, *page))
+        if replaced:
+            log.info("LayerLift: replaced %d corrupt object(s) with computed ones", len(replaced))
 
     async def _put(self, keys: list[str], ptrs: list[int], sizes: list[int],
                    region: Region) -> None:
