@@ -6,13 +6,13 @@ from __future__ import annotations
 from layerlift.linker.master import EmbeddedMaster
 from layerlift.testing.vllm_verify import Instance
 
-__all__ = ["Instance", "corrupt_object", "wait_replaced"]
+__all__ = ["Instance", "corrupt_object", "wait_logged"]
 
 
 def corrupt_object(master: EmbeddedMaster, key: str) -> bytes:
     """Flip one byte in the middle of the object stored under ``key`` (a raw
-    Mooncake client: read it, upsert the spoiled copy, read it back); return
-    the spoiled bytes."""
+    Mooncake client: read it, upsert the spoiled copy, read it back: the
+    reads lease it); return the spoiled bytes."""
     from mooncake.store import MooncakeDistributedStore
 
     client = MooncakeDistributedStore()
@@ -30,22 +30,13 @@ def corrupt_object(master: EmbeddedMaster, key: str) -> bytes:
     return bytes(data)
 
 
-def wait_replaced(master: EmbeddedMaster, key: str, spoiled: bytes,
-                  timeout_s: float = 60.0) -> None:
-    """Until the object under ``key`` is there and no longer ``spoiled``
-    (replaced by another put; a raw client polls it: offloads are put in the background)."""
+def wait_logged(inst: Instance, text: str, count: int = 1, timeout_s: float = 60.0) -> None:
+    """Until ``inst``'s log holds ``text`` ``count`` times (the worker logs
+    from its background threads; reading the store instead would renew the
+    object's read lease and keep it from being replaced)."""
     import time
 
-    from mooncake.store import MooncakeDistributedStore
-
-    client = MooncakeDistributedStore()
-    rc = client.setup("127.0.0.1", master.metadata_url, 0, 16 << 20, "tcp", "",
-                      master.master_address)
-    assert rc == 0, f"raw Mooncake client setup returned {rc}"
-    try:
-        deadline = time.monotonic() + timeout_s
-        while bytes(client.get(key)) in (spoiled, b""):  # b"": removed, not put yet
-            assert time.monotonic() < deadline, f"{key} was never replaced"
-            time.sleep(0.2)
-    finally:
-        client.close()
+    deadline = time.monotonic() + timeout_s
+    while inst.log_text().count(text) < count:
+        assert time.monotonic() < deadline, f"{text!r} never appeared in {inst.log_path}"
+        time.sleep(0.2)
