@@ -5,7 +5,8 @@ with seeded random weights (``gemma3``: sliding + full attention; ``llama``:
 full attention only; ``nemotron_h``: Mamba-2 + attention) into ``DIR``.
 
 ``python -m layerlift.testing.vllm_verify serve --model DIR [--connector
-layerlift|mooncake|none] [--extra JSON] [--kv-bytes N] [--prefix-caching]``
+layerlift|mooncake|none] [--extra JSON] [--kv-bytes N] [--prefix-caching]
+[--scheduler-cls CLS]``
 builds one `vllm.LLM` (CPU, float32, eager, no tokenizer, prefix caching off
 unless ``--prefix-caching``, 256 MiB of KV cache by default) and then answers
 JSON commands, one per stdin line, with one ``LLJSON {...}`` line each on
@@ -97,7 +98,7 @@ class Instance:
 
     def __init__(self, model: str, connector: str, extra: dict[str, Any] | None,
                  log_path: Path, env: dict[str, str] | None = None, *,
-                 prefix_caching: bool = False) -> None:
+                 prefix_caching: bool = False, scheduler_cls: str = "") -> None:
         env = dict(os.environ, MC_LOG_LEVEL="ERROR", GLOG_minloglevel="2",
                    PYTHONUNBUFFERED="1", **(env or {}))
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override the serve's KV bytes
@@ -106,7 +107,8 @@ class Instance:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "layerlift.testing.vllm_verify", "serve", "--model", model,
              "--connector", connector, "--extra", json.dumps(extra or {}),
-             *(["--prefix-caching"] if prefix_caching else [])],
+             *(["--prefix-caching"] if prefix_caching else []),
+             *(["--scheduler-cls", scheduler_cls] if scheduler_cls else [])],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env)
         self._replies: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -203,9 +205,11 @@ def _serve(args: argparse.Namespace) -> int:
     from vllm import LLM
 
     kv = kv_transfer_config(args.connector, json.loads(args.extra))
+    sched: dict[str, Any] = ({"scheduler_cls": args.scheduler_cls, "async_scheduling": False}
+                             if args.scheduler_cls else {})
     llm = LLM(model=args.model, skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
               enable_prefix_caching=args.prefix_caching, max_model_len=4096, seed=0,
-              kv_cache_memory_bytes=args.kv_bytes, kv_transfer_config=kv)
+              kv_cache_memory_bytes=args.kv_bytes, kv_transfer_config=kv, **sched)
     print(MARK + json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -238,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
                        help="vLLM's KV cache bytes (default: 256 MiB)")
     serve.add_argument("--prefix-caching", action="store_true",
                        help="vLLM's local prefix caching on (default: off)")
+    serve.add_argument("--scheduler-cls", default="",
+                       help="vLLM's scheduler_cls (async scheduling then off), e.g. "
+                            "layerlift.hosts.vllm.LayerLiftScheduler")
     args = parser.parse_args(argv)
     if args.cmd == "tiny":
         make_tiny_model(args.kind, args.path)

@@ -24,7 +24,8 @@ What it promises (each is a test in ``tests/hosts/vllm_host``):
   Mamba groups (``mamba_cache_mode="none"``, prefix caching off) the state
   checkpointed at that boundary. Other groups make the constructor raise
   ValueError with the group named.
-* Two load modes, chosen from the model. vLLM 0.32 maps block-level load
+* Two load modes, chosen from the model and the scheduler class (one log
+  line at start-up says which and why). vLLM 0.32 maps block-level load
   errors (``get_block_ids_with_load_errors``) to requests only with ONE KV
   cache group (``Scheduler._handle_invalid_blocks`` raises RuntimeError
   otherwise) and has no ``wait_for_layer_load`` hook before Mamba layers:
@@ -32,10 +33,17 @@ What it promises (each is a test in ``tests/hosts/vllm_host``):
     by layer, ``wait_for_layer_load(l)`` waits for layer ``l`` only (at most
     ``layer_wait_timeout_s``), failures are reported as block ids at the end
     of the step and vLLM recomputes from the first failed block;
-  - several groups (every hybrid): *asynchronous*; the request waits in
-    ``WAITING_FOR_REMOTE_KVS`` while its layers are fetched in layer order
-    on LayerLift's lane (other requests' forwards run), failures are
-    reported per request (``failed_recving``) and vLLM recomputes it whole.
+  - several groups (every hybrid) with vLLM's own scheduler:
+    *asynchronous*; the request waits in ``WAITING_FOR_REMOTE_KVS`` while
+    its layers are fetched in layer order on LayerLift's lane (other
+    requests' forwards run), failures are reported per request
+    (``failed_recving``) and vLLM recomputes it whole;
+  - several groups with ``scheduler_cls="layerlift.hosts.vllm.LayerLiftScheduler"``
+    (`LayerLiftScheduler`, vLLM 0.32 only, async scheduling off):
+    *synchronous*; Mamba state lands before the forward starts (in
+    ``start_load_kv``), each attention layer waits for its own layer, a
+    failure is reported per request in the worker metadata and the
+    scheduler class recomputes (or fails) the request.
 * Every restored slice is checked against its CRC before it is copied into
   vLLM's block. A failed, corrupt or late load is reported; with
   ``kv_load_failure_policy="recompute"`` vLLM recomputes, with ``"fail"``
@@ -88,8 +96,9 @@ from layerlift.linker.store_base import Store, StoreError, StoreFull, StoreTimeo
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["LayerLiftConnector", "LayerLiftMetadata", "LayerLiftWorkerMeta", "engine_config",
-           "model_identity", "tp_rank", "warn_if_no_memory"]
+__all__ = ["LayerLiftConnector", "LayerLiftMetadata", "LayerLiftWorkerMeta",
+           "check_vllm_version", "engine_config", "load_mode", "model_identity", "tp_rank",
+           "uses_layerlift_scheduler", "warn_if_no_memory"]
 
 log = logging.getLogger("vllm.layerlift")
 _KEYS = {"store", "metadata", "protocol", "rdma_devices", "namespace", "segment_bytes",
@@ -157,9 +166,12 @@ class LayerLiftConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,
             layer_bytes = _spec_bytes(kv_cache_config)
             layout = self._layout(layer_bytes)
             self._store = open_store(dataclasses.replace(self.config, segment_bytes=0))
+            sync_hybrid = uses_layerlift_scheduler(vllm_config)
             self._planner = BlockPlanner(self._store.store, layout, self.config.namespace,
                                          offload=self.config.offload,
-                                         lookup_timeout_s=self.config.store_timeout_s)
+                                         lookup_timeout_s=self.config.store_timeout_s,
+                                         sync_hybrid=sync_hybrid)
+            log.info("LayerLiftConnector: %s", load_mode(len(self.groups), sync_hybrid))
             log.info("LayerLiftConnector: %d KV cache groups (%s), page %d tokens, keys %s",
                      len(self.groups), ", ".join(g.component for g in self.groups),
                      self.page_size, layout.schema(self.config.namespace).prefix)
@@ -307,6 +319,21 @@ class LayerLiftConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,
             if isinstance(meta, LayerLiftWorkerMeta):
                 self._planner.worker_report(meta.report)
 
+    # ---- for LayerLiftScheduler --------------------------------------------------
+
+    @property
+    def planner(self) -> BlockPlanner:
+        """The scheduler side's planner (scheduler role only)."""
+        assert self._planner is not None, "the scheduler side only"
+        return self._planner
+
+    def sync_load_failures(self, connector_output: Any) -> set[str]:
+        """Requests whose synchronous restore of a multi-group model did not
+        land verified in the step of ``connector_output`` (from the workers'
+        merged report)."""
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        return set(meta.report.failed) if isinstance(meta, LayerLiftWorkerMeta) else set()
+
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Offloads never hold blocks (every completed page was staged in the
         step that computed it); a request finished (aborted) while its
@@ -318,6 +345,58 @@ class LayerLiftConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,
     def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, dict[str, Any] | None]:
         return self.request_finished(request, [])
+
+
+TESTED_VLLM = "0.32."  # LayerLiftScheduler overrides private methods of this version's Scheduler
+
+
+def check_vllm_version(version: str) -> None:
+    """Raise ValueError unless ``version`` is the vLLM release
+    `LayerLiftScheduler` was written against (it uses private methods of
+    vLLM's ``Scheduler``)."""
+    if not version.startswith(TESTED_VLLM):
+        raise ValueError(f"LayerLiftScheduler is tested with vLLM {TESTED_VLLM}x only (it "
+                         f"overrides private methods of vLLM's Scheduler); this is vLLM "
+                         f"{version}. Drop scheduler_cls to run LayerLift's asynchronous mode.")
+
+
+def uses_layerlift_scheduler(vllm_config: Any) -> bool:
+    """Whether vLLM's ``scheduler_cls`` is `LayerLiftScheduler` (or a
+    subclass). Raises ValueError when it is and this vLLM is another version."""
+    cls = getattr(getattr(vllm_config, "scheduler_config", None), "scheduler_cls", None)
+    if cls is None:
+        return False
+    if isinstance(cls, str):
+        import importlib
+
+        module, _, name = cls.rpartition(".")
+        try:
+            cls = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError, ValueError):
+            return False  # vLLM itself reports a scheduler class it cannot import
+    from layerlift.hosts.vllm.scheduler import LayerLiftScheduler
+
+    ours = isinstance(cls, type) and issubclass(cls, LayerLiftScheduler)
+    if ours:
+        import vllm  # type: ignore[import-not-found, unused-ignore]
+
+        check_vllm_version(str(vllm.__version__))
+    return ours
+
+
+def load_mode(groups: int, sync_hybrid: bool) -> str:
+    """The start-up line saying which load mode runs and why."""
+    if groups == 1:
+        return ("synchronous loads (one KV cache group): the forward runs while layers are "
+                "fetched, each layer waits for its own")
+    if sync_hybrid:
+        return (f"synchronous loads ({groups} KV cache groups, LayerLiftScheduler): Mamba state "
+                "lands before the forward, each attention layer waits for its own; failures "
+                "are recomputed per request by the scheduler class")
+    return (f"asynchronous loads ({groups} KV cache groups): vLLM's scheduler cannot map a "
+            "running request's load failure back for several groups, so a request waits for "
+            "its whole restore; set scheduler_cls='layerlift.hosts.vllm.LayerLiftScheduler' "
+            "(and async_scheduling off) for per-layer overlap")
 
 
 def model_identity(vllm_config: Any) -> str:

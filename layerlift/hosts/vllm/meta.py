@@ -55,13 +55,18 @@ class WorkerReport:
     `KVConnectorWorkerMetadata` in the connector; the reports of a step's
     workers are merged): ``corrupt``: objects that failed their check, as
     ``(group index, page hash)``; ``replaced``: objects a worker replaced by
-    a computed copy, as ``(TP rank, group index, page hash)``."""
+    a computed copy, as ``(TP rank, group index, page hash)``; ``failed``:
+    requests whose synchronous restore of a multi-group model did not land
+    verified this step (`LayerLiftScheduler` recomputes or fails them; vLLM's
+    own scheduler cannot map block ids of several groups back to requests)."""
 
     corrupt: set[tuple[int, bytes]] = field(default_factory=set)
     replaced: set[tuple[int, int, bytes]] = field(default_factory=set)
+    failed: set[str] = field(default_factory=set)
 
     def merge(self, other: WorkerReport) -> WorkerReport:
-        return WorkerReport(self.corrupt | other.corrupt, self.replaced | other.replaced)
+        return WorkerReport(self.corrupt | other.corrupt, self.replaced | other.replaced,
+                            self.failed | other.failed)
 
     def __bool__(self) -> bool:
-        return bool(self.corrupt or self.replaced)
+        return bool(self.corrupt or self.replaced or self.failed)

@@ -105,15 +105,17 @@ class BlockPlanner:
     """Scheduler-side state of the connector (one per vLLM scheduler)."""
 
     def __init__(self, store: Store, layout: Layout, namespace: str, *, offload: bool,
-                 lookup_timeout_s: float | None = None) -> None:
+                 lookup_timeout_s: float | None = None, sync_hybrid: bool = False) -> None:
         self.store, self.layout = store, layout
         self.schemas = layout.schemas(namespace)  # one per TP rank: a restore needs them all
         self.offload = offload
         self.lookup_timeout_s = store.timeout_s if lookup_timeout_s is None else lookup_timeout_s
         # vLLM 0.32 maps block-level load errors back to requests only with
         # one KV cache group (Scheduler._handle_invalid_blocks raises
-        # otherwise): only then may a restore run during the forward.
-        self.sync_loads = len(layout.groups) == 1
+        # otherwise): only then, or with `LayerLiftScheduler` (``sync_hybrid``:
+        # it takes per-request failures of running requests), may a restore
+        # run during the forward.
+        self.sync_loads = len(layout.groups) == 1 or sync_hybrid
         self._tracks: dict[str, _Track] = {}
         self._loads: list[LoadSpec] = []
         self._skip_until = 0.0
@@ -215,6 +217,7 @@ class BlockPlanner:
     def worker_report(self, report: WorkerReport) -> None:
         """Objects the workers found corrupt become suspect; one every rank
         replaced is looked up again."""
+        self.load_failed(report.failed)
         until = time.monotonic() + _SUSPECT_S
         for page in report.corrupt:
             self._suspect[page] = until
@@ -266,6 +269,17 @@ class BlockPlanner:
         if invalid_blocks:
             self.blocks_failed(invalid_blocks)
 
+    def load_blocks(self, req_ids: set[str]) -> dict[int, set[int]]:
+        """The blocks (per KV cache group, vLLM's null block left out) that
+        the restores of ``req_ids`` filled or were to fill."""
+        out: dict[int, set[int]] = {}
+        for req_id in req_ids:
+            track = self._tracks.get(req_id)
+            for g, _, block in track.load if track is not None else ():
+                if block != _NULL_BLOCK:
+                    out.setdefault(g, set()).add(block)
+        return out
+
     def load_failed(self, req_ids: set[str]) -> None:
         """vLLM recomputes these requests from token 0: offload what they
         compute (replacing an object found corrupt) and never offer them a
@@ -275,6 +289,7 @@ class BlockPlanner:
             if track is not None:
                 track.restored = track.saved = 0
                 track.refused = True
+                track.load = []
 
     def blocks_failed(self, blocks: set[int]) -> None:
         """Single-group models: vLLM recomputes every running request that

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import threading
 import time
 from collections.abc import Coroutine, Sequence
@@ -56,7 +57,7 @@ from typing import Any
 import torch
 
 from layerlift.engine.threads import run_owned
-from layerlift.hosts.vllm.layout import Layout
+from layerlift.hosts.vllm.layout import GroupKind, GroupLayout, Layout
 from layerlift.hosts.vllm.meta import Item, LoadSpec, SaveSpec, WorkerReport
 from layerlift.hosts.vllm.objects import KeyedItem, block_bytes, stage_objects
 from layerlift.linker.keys import KeySchema
@@ -86,6 +87,9 @@ class _Load:
     gate: Gate = field(default_factory=Gate)
     settled: bool = False
     bad: bool = False  # a synchronous wait failed or timed out
+    started: float = field(default_factory=time.monotonic)
+    landed: float = 0.0  # when it settled verified (monotonic)
+    waited_s: float = 0.0  # how long vLLM's thread waited for it (synchronous)
 
 
 class BlockWorker:
@@ -99,7 +103,15 @@ class BlockWorker:
         self.load_timeout_s = load_timeout_s
         self.replace_wait_s = replace_wait_s
         self.save_wait_s = store.timeout_s if save_wait_s is None else save_wait_s
-        self._layers = [(g, j) for g in layout.groups for j in range(len(g.layer_names))]
+        # Load order: recurrent (Mamba) state first (the forward needs it
+        # before its first layer: `start_loads` waits for it), then the
+        # attention layers in the model's order (the forward's waits).
+        self._layers = sorted(((g, j) for g in layout.groups for j in range(len(g.layer_names))),
+                              key=_load_order)
+        self._mamba = [i for i, (g, _) in enumerate(self._layers) if g.kind is GroupKind.MAMBA]
+        # Several groups: a failed synchronous load is reported per request
+        # (`WorkerReport.failed`); vLLM maps block ids of one group only.
+        self._per_request = len(layout.groups) > 1
         self._index = {g.layer_names[j]: i for i, (g, j) in enumerate(self._layers)}
         self._groups = {g.index: g for g in layout.groups}
         self._objects = {g.index: ObjectLayout(tuple(layout.slices(g)),
@@ -172,6 +184,26 @@ class BlockWorker:
                 self._forget(load)
                 continue
             self._submit(self._run_load(load))
+        for load in self._sync:
+            if self._mamba and not load.bad and not load.settled:
+                self._wait(load, self._mamba, "the recurrent state")
+
+    def _wait(self, load: _Load, indices: Sequence[int], what: str) -> None:
+        """Wait (at most ``load_timeout_s`` each) for ``indices`` of a
+        synchronous load; a failed or late one marks the load bad and revokes
+        it (never raises into vLLM's forward)."""
+        for index in indices:
+            began = time.monotonic()
+            try:
+                load.readiness.wait(index, self.load_timeout_s)
+                load.waited_s += time.monotonic() - began
+            except (LayerLoadError, LayerWaitTimeout) as exc:
+                log.warning("LayerLift: restore of %s failed at %s: %s; vLLM recomputes it",
+                            load.spec.req_id, what, getattr(exc, "cause", None) or exc)
+                load.bad = True
+                self._step_failed = True
+                self._settle(load, ok=False)
+                return
 
     def wait_layer(self, layer_name: str) -> None:
         """Block until ``layer_name`` of this step's synchronous loads landed
@@ -181,16 +213,8 @@ class BlockWorker:
         if index is None:
             return
         for load in self._sync:
-            if load.bad:
-                continue
-            try:
-                load.readiness.wait(index, self.load_timeout_s)
-            except (LayerLoadError, LayerWaitTimeout) as exc:
-                log.warning("LayerLift: restore of %s failed at %s: %s; vLLM recomputes it",
-                            load.spec.req_id, layer_name, getattr(exc, "cause", None) or exc)
-                load.bad = True
-                self._step_failed = True
-                self._settle(load, ok=False)
+            if not load.bad:
+                self._wait(load, (index,), layer_name)
 
     def step_failed(self) -> bool:
         """Whether a synchronous load of this step failed or has not landed
@@ -200,13 +224,24 @@ class BlockWorker:
 
     def step_errors(self) -> set[int]:
         """Block ids of this step's synchronous loads that did not land
-        verified; each such load is revoked first. Resets the step."""
+        verified; each such load is revoked first. Resets the step. With
+        several KV cache groups they are reported per request instead
+        (`report`'s ``failed``: block ids do not name their group)."""
         bad: set[int] = set()
         for load in self._sync:
             if load.bad or not load.readiness.all_done():
                 self._step_failed = True
                 self._settle(load, ok=False)
-                bad.update(block for _, _, block in load.spec.items if block != 0)
+                if self._per_request:
+                    with self._lock:
+                        self._report.failed.add(load.spec.req_id)
+                else:
+                    bad.update(block for _, _, block in load.spec.items if block != 0)
+            elif load.landed:
+                took = max(load.landed - load.started, 1e-9)
+                log.info("LayerLift: synchronous restore of %s: load %.1f ms, the forward "
+                         "waited %.1f ms (%.0f%% hidden)", load.spec.req_id, took * 1e3,
+                         load.waited_s * 1e3, 100.0 * max(0.0, 1.0 - load.waited_s / took))
         self._sync = []
         return bad
 
@@ -352,6 +387,7 @@ class BlockWorker:
             load.settled = True
         load.gate.close()  # returns once no copy runs; none starts afterwards
         if ok:
+            load.landed = time.monotonic()
             log.info("LayerLift: restored %s (%d objects, verified)", load.spec.req_id,
                      len(load.spec.items))
         if not load.spec.sync:
@@ -502,6 +538,15 @@ class BlockWorker:
             log.warning("LayerLift: offload of %d objects failed: %s", len(keys), exc)
         finally:
             region.release()
+
+
+def _load_order(layer: tuple[GroupLayout, int]) -> tuple[int, int, int, int]:
+    """Recurrent groups first, then the model's layer order (the first number
+    in vLLM's layer name, e.g. ``model.layers.3.self_attn.attn``)."""
+    group, j = layer
+    match = re.search(r"\d+", group.layer_names[j])
+    return (0 if group.kind is GroupKind.MAMBA else 1, int(match.group()) if match else j,
+            group.index, j)
 
 
 def _end_session(session: Any) -> None:

