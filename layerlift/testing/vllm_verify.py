@@ -184,7 +184,7 @@ class Instance:
 
 
 def _generate(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
-    from vllm import SamplingParams
+    from vllm import SamplingParams  # type: ignore[import-not-found, unused-ignore]
 
     params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=int(cmd.get("logprobs", 5)))
     groups = [cmd["prompts"]] if cmd.get("batch") else [[p] for p in cmd["prompts"]]

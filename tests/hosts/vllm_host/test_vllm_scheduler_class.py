@@ -310,3 +310,14 @@ def test_hybrid_sync_load_failure_is_reported_per_request(
     finally:
         worker.close()
     assert not kv["model.layers.0.mixer"][5].any() and not kv["model.layers.2.mixer"][5].any()
+
+
+def test_bench_reads_the_workers_hidden_fraction() -> None:
+    """`layerlift bench vllm` parses the line the worker logs per synchronous restore."""
+    from layerlift.bench.vllm_bench import hidden_fractions
+
+    line = ("(Worker pid=1) INFO [worker.py:242] LayerLift: synchronous restore of 0-ab: load "
+            "40.0 ms, the forward waited 10.0 ms (75% hidden)\n"
+            "LayerLift: synchronous restore of 1-cd: load 5.0 ms, the forward waited 6.0 ms\n"
+            "LayerLift: restored 2-ef (4 objects, verified)\n")
+    assert hidden_fractions(line) == [pytest.approx(0.75), 0.0]
