@@ -321,3 +321,103 @@ def test_bench_reads_the_workers_hidden_fraction() -> None:
             "LayerLift: synchronous restore of 1-cd: load 5.0 ms, the forward waited 6.0 ms\n"
             "LayerLift: restored 2-ef (4 objects, verified)\n")
     assert hidden_fractions(line) == [pytest.approx(0.75), 0.0]
+
+
+@pytest.fixture(scope="module")
+def shared_prefix(mooncake_master: EmbeddedMaster, store_node: subprocess.Popen[str],
+                  tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """gemma3, prefix caching on, the scheduler class. One instance serves Qa
+    and Qb (one 3-page prefix, two suffixes) in one batch, cold: the
+    references. Then, its local cache emptied and page 1 of the prefix's
+    full-attention object corrupted in the store, the same batch again: Qa
+    restores synchronously and fails; Qb gets a local hit on the blocks Qa
+    is restoring (vLLM caches them at allocation) and runs in the same step
+    over them: both must be recomputed."""
+    tmp = tmp_path_factory.mktemp("s-shared")
+    model = make_tiny_model("gemma3", str(tmp / "gemma3"), seed=4)
+    rng = random.Random(29)
+    prefix = [rng.randrange(3, 500) for _ in range(3 * PAGE)]
+    qa, qb = (prefix + [rng.randrange(3, 500) for _ in range(41)] for _ in range(2))
+    extra = {"store": f"mooncake://{mooncake_master.master_address}",
+             "metadata": mooncake_master.metadata_url, "namespace": "s-shared",
+             "store_timeout_s": STORE_TIMEOUT_S, "layer_wait_timeout_s": LAYER_WAIT_S}
+    out: dict[str, Any] = {}
+    inst = Instance(model, "layerlift", extra, tmp / "shared.log", prefix_caching=True,
+                    scheduler_cls=SCHED)
+    try:
+        out["cold"] = inst.generate([qa, qb], batch=True)
+        key = f"{_key_prefix(inst.log_text())}full3/0/{prompt_hashes(prefix, PAGE)[1].hex()}"
+        deadline = time.monotonic() + 60
+        while "offload" not in out:  # until the prefix's object is stored (put in the background)
+            try:
+                corrupt_object(mooncake_master, key)
+                out["offload"] = True
+            except AssertionError:
+                assert time.monotonic() < deadline, f"{key} was never stored"
+                time.sleep(0.5)
+        inst.reset_prefix_cache()
+        out["batch"] = inst.generate([qa, qb], batch=True)
+        out["after"] = inst.generate([qb])[0]
+        out["log"] = inst.log_text()
+    finally:
+        inst.close()
+    return out
+
+
+def test_a_prefix_hit_on_a_failing_restore_is_recomputed(shared_prefix: dict[str, Any]) -> None:
+    log = shared_prefix["log"]
+    assert "failed their checksum" in log
+    assert re.search(r"recovered from a failed restore: 2 request\(s\)", log), \
+        "the request sharing the failed restore's blocks was not recomputed"
+    for got, ref in zip(shared_prefix["batch"], shared_prefix["cold"], strict=True):
+        _same_answer(got, ref)
+    _same_answer(shared_prefix["after"], shared_prefix["cold"][1])
+
+
+def test_planner_sync_hybrid_failure_reported_per_request() -> None:
+    """With the scheduler class, a hybrid's restore is synchronous; a worker
+    report naming the request refuses it from then on (vLLM recomputes it,
+    offloading again) and `load_blocks` names the blocks it filled, per
+    group, without vLLM's null block."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from layerlift.hosts.vllm.layout import GroupKind, GroupLayout, Layout
+    from layerlift.hosts.vllm.meta import WorkerReport
+    from layerlift.hosts.vllm.planner import BlockPlanner
+    from layerlift.linker.memory_store import MemoryStore
+
+    page = 16
+    groups = (GroupLayout(0, GroupKind.FULL, ("f",)), GroupLayout(1, GroupKind.SWA, ("s",), 16),
+              GroupLayout(2, GroupKind.MAMBA, ("m",)))
+    layout = Layout(groups, page, {"f": 64, "s": 64, "m": 32}, "unit", "float32", 0, 1)
+    store = MemoryStore()
+    src = torch.zeros(8, dtype=torch.uint8)
+    ptr = store.register(src)
+    tokens = list(range(3, 3 + 3 * page + 5))
+    schema = layout.schema("ns")
+    hashes = prompt_hashes(tokens, page)
+    keys = [schema.key(c, hashes[p]) for c in ("full0", "swa1", "mamba2") for p in range(3)]
+    store.put(keys, [ptr] * len(keys), [8] * len(keys))
+    planner = BlockPlanner(store, layout, "ns", offload=True, sync_hybrid=True)
+    assert planner.sync_loads
+    request = SimpleNamespace(request_id="r", prompt_token_ids=tokens)
+    n = None
+    for _ in range(3):
+        n = planner.matched_tokens(request, 0)
+        if n is not None:
+            break
+        pending = planner.pending_lookup("r")
+        assert pending is not None
+        pending.result(30)
+    assert n == 3 * page
+    planner.after_alloc(request, ([11, 12, 13, 14], [0, 0, 23, 24], [31]), 3 * page)
+    (load,) = planner.step_meta(SimpleNamespace(
+        num_scheduled_tokens={}, scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[], new_block_ids=[], num_computed_tokens=[], resumed_req_ids=set()))).loads
+    assert load.sync
+    assert planner.load_blocks({"r"}) == {0: {11, 12, 13}, 1: {23}, 2: {31}}
+    planner.worker_report(WorkerReport(failed={"r"}))
+    assert planner.matched_tokens(request, 0) == 0  # never offered again
+    planner.close()
