@@ -160,8 +160,8 @@ class LayerLiftLinker(UnifiedCacheLinker):  # type: ignore[misc,unused-ignore]
             self.ring = StagingRing(self.store, s.staging_mib << 20, timeout_s=s.timeout_s)
             self.offload_ring = StagingRing(self.store, s.staging_mib << 20,
                                             timeout_s=s.timeout_s)
-            for layout in self.layouts.values():  # the only size a staged transfer refuses
-                require_fit(self.ring, layout.objects)
+            for pool in self.layouts.values():  # the only size a staged transfer refuses
+                require_fit(self.ring, pool.objects)
             for ring in (self.ring, self.offload_ring):
                 ring.open()
                 rings.append(ring)
