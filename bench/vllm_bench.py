@@ -60,7 +60,8 @@ _SYNC_LINE = re.compile(r"synchronous restore of \S+: load ([\d.]+) ms, the forw
 TRAFFIC = ("each prefix (a page multiple) served alone first, then prefix + suffix timed; "
            "a Mamba hybrid restores only such traffic (its state is stored at the end of a "
            "prefill that ended on a page boundary), never prefix-plus-question traffic whose "
-           "prefix was never served alone")
+           "prefix was never served alone, except with layerlift-sync (LayerLiftScheduler "
+           "splits the prefill so a step ends on the last page boundary of any prompt)")
 
 
 def _prompts(n: int, pages: int, suffix: int, seed: int) -> tuple[list[list[int]],
