@@ -60,12 +60,6 @@ are counted under the region's own lock; its last release takes the ring's
 lock. Nothing here calls the store while holding a lock except the one-time
 registration.
 
-Porting (SGLang ``staging.Arena``/``Region``, vLLM ``ScratchArena``/``Scratch``):
-``Arena.allocate(n)`` is ``ring.acquire(n, timeout_s=0)`` (raises instead of
-returning None); ``Region.view`` is ``Region.tensor``; ``hand_over(exc, region,
-on_end)`` is ``region.hand_over(exc, on_end)``; ``Arena.idle()`` is
-``ring.idle()``. ``ScratchArena.take(n)`` is ``ring.acquire(n, zero=True,
-overflow=True)`` (``linker/scratch.py`` keeps that name for the vLLM worker).
 """
 
 from __future__ import annotations

@@ -1,26 +1,27 @@
-"""ScratchArena (the staging ring under its old name): regions of one registered
-buffer; close unregisters it. The engine's ring (``ring_for``) holds its store weakly."""
+"""The staging ring's registration: regions of one registered buffer; close
+unregisters it and a later acquire registers again. The engine's ring
+(``ring_for``) holds its store weakly."""
 
 from __future__ import annotations
 
 import pytest
 
 from layerlift.linker.memory_store import MemoryStore
-from layerlift.linker.scratch import ScratchArena
+from layerlift.linker.ring import StagingRing
 from layerlift.linker.store_base import StoreError
 
 
 def test_close_unregisters_and_a_later_take_registers_again() -> None:
     store = MemoryStore()
-    arena = ScratchArena(store, nbytes=4096)
-    first = arena.take(100)
+    arena = StagingRing(store, 4096, timeout_s=0.0)
+    first = arena.acquire(100, zero=True)
     assert arena.registered
     first.release()
     arena.close()
     assert not arena.registered and arena.free_bytes == 4096
     with pytest.raises(StoreError):
         store.unregister(first.ptr)  # it is not registered any more
-    again = arena.take(100)
+    again = arena.acquire(100, zero=True)
     assert arena.registered
     again.tensor.fill_(7)
     again.release()
@@ -43,4 +44,4 @@ def test_an_arena_does_not_keep_its_store_alive() -> None:
     gone = weakref.ref(store)
     del store, region
     gc.collect()
-    assert gone() is None, "the scratch arena kept its store alive"
+    assert gone() is None, "the staging ring kept its store alive"
