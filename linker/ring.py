@@ -59,7 +59,6 @@ list and a condition wakes waiters when a region returns. A region's holders
 are counted under the region's own lock; its last release takes the ring's
 lock. Nothing here calls the store while holding a lock except the one-time
 registration.
-
 """
 
 from __future__ import annotations
