@@ -98,7 +98,8 @@ class Instance:
 
     def __init__(self, model: str, connector: str, extra: dict[str, Any] | None,
                  log_path: Path, env: dict[str, str] | None = None, *,
-                 prefix_caching: bool = False, scheduler_cls: str = "") -> None:
+                 prefix_caching: bool = False, scheduler_cls: str = "",
+                 failure_policy: str = "") -> None:
         env = dict(os.environ, MC_LOG_LEVEL="ERROR", GLOG_minloglevel="2",
                    PYTHONUNBUFFERED="1", **(env or {}))
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override the serve's KV bytes
@@ -108,7 +109,8 @@ class Instance:
             [sys.executable, "-m", "layerlift.testing.vllm_verify", "serve", "--model", model,
              "--connector", connector, "--extra", json.dumps(extra or {}),
              *(["--prefix-caching"] if prefix_caching else []),
-             *(["--scheduler-cls", scheduler_cls] if scheduler_cls else [])],
+             *(["--scheduler-cls", scheduler_cls] if scheduler_cls else []),
+             *(["--failure-policy", failure_policy] if failure_policy else [])],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env)
         self._replies: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -205,6 +207,8 @@ def _serve(args: argparse.Namespace) -> int:
     from vllm import LLM
 
     kv = kv_transfer_config(args.connector, json.loads(args.extra))
+    if kv is not None and args.failure_policy:
+        kv["kv_load_failure_policy"] = args.failure_policy
     sched: dict[str, Any] = ({"scheduler_cls": args.scheduler_cls, "async_scheduling": False}
                              if args.scheduler_cls else {})
     llm = LLM(model=args.model, skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
@@ -242,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
                        help="vLLM's KV cache bytes (default: 256 MiB)")
     serve.add_argument("--prefix-caching", action="store_true",
                        help="vLLM's local prefix caching on (default: off)")
+    serve.add_argument("--failure-policy", default="", choices=("", "recompute", "fail"),
+                       help="kv_load_failure_policy (default: recompute)")
     serve.add_argument("--scheduler-cls", default="",
                        help="vLLM's scheduler_cls (async scheduling then off), e.g. "
                             "layerlift.hosts.vllm.LayerLiftScheduler")

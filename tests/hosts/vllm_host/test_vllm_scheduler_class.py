@@ -421,3 +421,58 @@ def test_planner_sync_hybrid_failure_reported_per_request() -> None:
     planner.worker_report(WorkerReport(failed={"r"}))
     assert planner.matched_tokens(request, 0) == 0  # never offered again
     planner.close()
+
+
+def test_fail_policy_ends_only_the_failed_request(
+        mooncake_master: EmbeddedMaster, store_node: subprocess.Popen[str],
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """``kv_load_failure_policy="fail"``: a request whose restore fails ends
+    with an error (the harness reports its empty output as an error); the
+    instance keeps serving and a request that restores fine answers as the
+    cold run did."""
+    tmp = tmp_path_factory.mktemp("s-fail")
+    model = make_tiny_model("gemma3", str(tmp / "gemma3"), seed=6)
+    rng = random.Random(31)
+    qa, qb = ([rng.randrange(3, 500) for _ in range(2 * PAGE + 17)] for _ in range(2))
+    extra = {"store": f"mooncake://{mooncake_master.master_address}",
+             "metadata": mooncake_master.metadata_url, "namespace": "s-fail",
+             "store_timeout_s": STORE_TIMEOUT_S, "layer_wait_timeout_s": LAYER_WAIT_S}
+    inst = Instance(model, "layerlift", extra, tmp / "fail.log", scheduler_cls=SCHED,
+                    failure_policy="fail")
+    try:
+        cold = inst.generate([qa, qb])
+        key = f"{_key_prefix(inst.log_text())}full3/0/{prompt_hashes(qa, PAGE)[0].hex()}"
+        deadline = time.monotonic() + 60
+        while True:  # until qa's object is stored (put in the background)
+            try:
+                corrupt_object(mooncake_master, key)
+                break
+            except AssertionError:
+                assert time.monotonic() < deadline, f"{key} was never stored"
+                time.sleep(0.5)
+        b_key = f"{_key_prefix(inst.log_text())}full3/0/{prompt_hashes(qb, PAGE)[1].hex()}"
+        while not inst_has(mooncake_master, b_key):
+            assert time.monotonic() < deadline, f"{b_key} was never stored"
+            time.sleep(0.5)
+        with pytest.raises(AssertionError, match="vLLM instance failed"):
+            inst.generate([qa])
+        restored = inst.generate([qb])[0]
+        log = inst.log_text()
+    finally:
+        inst.close()
+    assert "kv_load_failure_policy=fail" in log
+    assert restored["num_cached_tokens"] == 2 * PAGE
+    _same_answer(restored, cold[1])
+
+
+def inst_has(master: EmbeddedMaster, key: str) -> bool:
+    """Whether ``key`` is in the store (a raw Mooncake client)."""
+    from mooncake.store import MooncakeDistributedStore
+
+    client = MooncakeDistributedStore()
+    assert client.setup("127.0.0.1", master.metadata_url, 0, 16 << 20, "tcp", "",
+                        master.master_address) == 0
+    try:
+        return bool(client.is_exist(key) == 1)
+    finally:
+        client.close()
