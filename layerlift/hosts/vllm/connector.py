@@ -374,9 +374,9 @@ def uses_layerlift_scheduler(vllm_config: Any) -> bool:
             cls = getattr(importlib.import_module(module), name)
         except (ImportError, AttributeError, ValueError):
             return False  # vLLM itself reports a scheduler class it cannot import
-    from layerlift.hosts.vllm.scheduler import LayerLiftScheduler
-
-    ours = isinstance(cls, type) and issubclass(cls, LayerLiftScheduler)
+    # The class says so itself (``LAYERLIFT_SCHEDULER``): importing the
+    # scheduler module here would make the package's imports a cycle.
+    ours = isinstance(cls, type) and bool(getattr(cls, "LAYERLIFT_SCHEDULER", False))
     if ours:
         import vllm  # type: ignore[import-not-found, unused-ignore]
 

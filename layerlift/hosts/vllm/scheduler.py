@@ -83,6 +83,8 @@ class LayerLiftScheduler(Scheduler):  # type: ignore[misc, unused-ignore]
     """vLLM's `Scheduler` plus per-request load failures of running requests
     and Mamba checkpoint splits (module docstring)."""
 
+    LAYERLIFT_SCHEDULER = True  # what the connector checks (uses_layerlift_scheduler)
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         check_vllm_version(str(vllm.__version__))
         super().__init__(*args, **kwargs)
