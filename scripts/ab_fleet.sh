@@ -19,7 +19,8 @@ if [[ "${1:-}" == "--summary" ]]; then
 fi
 a="${1:?usage: ab_fleet.sh ROOT_A ROOT_B PAIRS OUTDIR}"
 b="${2:?}"; pairs="${3:-3}"; out="${4:-/tmp/ab_out}"
-trace="${AB_TRACE:-/work/shared/traces/conversation_trace.jsonl}"
+trace_args=()  # the replay's bundled conversation trace unless AB_TRACE names another
+[[ -n "${AB_TRACE:-}" ]] && trace_args=(--trace "$AB_TRACE")
 mkdir -p "$out"
 run() {  # label root index policy
     local label="$1_$4_$3" root="$2"
@@ -27,7 +28,7 @@ run() {  # label root index policy
     (cd /tmp && timeout 1200 "$py" "$here/scripts/ab_run.py" "$root" bench replay \
         --instances 8 --router round-robin --policies "$4" \
         --links emulated:0.1,10 --preset tiny --requests "${AB_REQUESTS:-200}" \
-        --trace "$trace" --kl-samples 1 --json "$out/$label.json" ${AB_ARGS:-}) \
+        "${trace_args[@]}" --kl-samples 1 --json "$out/$label.json" ${AB_ARGS:-}) \
         >"$out/$label.txt" 2>&1 || echo "$label FAILED (see $out/$label.txt)" | tee -a "$out/log"
     echo "$label end $(date -u +%T) load $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$out/log"
 }
