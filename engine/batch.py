@@ -616,6 +616,9 @@ class Batch:
         had already ended and landed. Idempotent; no-op after the exit."""
         if self._exit_task is None:
             self._abort_reason = error or RuntimeError("aborted")
+            # Stop now, not when the exit task first runs: a fetch that
+            # resumes before then must not land the layers after it.
+            self._stop(f"batch aborted: {self._abort_reason!r}")
             self._exit_task = asyncio.get_running_loop().create_task(
                 self._exit(self._abort_reason))
 
