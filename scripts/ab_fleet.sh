@@ -4,7 +4,9 @@
 # see the same machine and the same background load.
 #
 #   git worktree add /tmp/ab_old cdc45ec
-#   scripts/ab_fleet.sh /tmp/ab_old /work/main 3 /tmp/ab_out   # 3 pairs
+#   AB_TRACE=PATH scripts/ab_fleet.sh /tmp/ab_old /work/main 3 /tmp/ab_out   # 3 pairs
+#   (AB_TRACE: the conversation trace file, for an old commit whose replay has
+#   no bundled default)
 #   scripts/ab_fleet.sh --summary /tmp/ab_out
 #
 # Each run (one process per policy; its CPU seconds are recorded): 8 instances, round-robin, the emulated 0.1 GB/s link, one store,
