@@ -34,6 +34,7 @@ __all__ = [
     "SkipLayerWaits",
     "UnfencedLoads",
     "WrongStreamEvents",
+    "spy_lock_wait",
 ]
 
 
@@ -172,3 +173,19 @@ async def cancel_while_held(task: asyncio.Task[Any], cancel: Callable[[], object
         assert not done, "the cancelled call returned while its worker thread still ran"
     finally:
         gate.set()
+
+
+def spy_lock_wait(engine: Any) -> asyncio.Event:
+    """An event set when a caller starts waiting for ``engine``'s held load
+    lock (the race tests order a release or a close after that wait began)."""
+    lock = engine._ctx.lock
+    waiting = asyncio.Event()
+    original = lock.acquire
+
+    async def spied() -> bool:
+        if lock.locked():
+            waiting.set()
+        return bool(await original())
+
+    lock.acquire = spied
+    return waiting

@@ -38,7 +38,7 @@ from layerlift.linker.memory_store import MemoryStore
 from layerlift.overlap.base import LayerLoadError
 from layerlift.pools.spec import Component
 from layerlift.testing import FaultyModel, FaultyStore, assert_quiescent, offload_and_drop
-from layerlift.testing.controls import cancel_while_held
+from layerlift.testing.controls import cancel_while_held, spy_lock_wait
 from layerlift.testing.reference import assert_exact, cold_prefills, random_prompts
 from layerlift.testing.sanitizer import PoolSanitizer
 
@@ -61,21 +61,6 @@ def spy_end_load(batch: Batch) -> asyncio.Event:
 
     batch._end_load = spied  # type: ignore[method-assign]
     return entered
-
-
-def spy_lock_wait(engine: Engine) -> asyncio.Event:
-    """An event set when a caller starts waiting for the held load lock."""
-    lock = engine._ctx.lock
-    waiting = asyncio.Event()
-    original = lock.acquire
-
-    async def spied() -> bool:
-        if lock.locked():
-            waiting.set()
-        return await original()
-
-    lock.acquire = spied  # type: ignore[method-assign]
-    return waiting
 
 
 def host_forward(model: Any, engine: Engine, ext: ExternalForward,

@@ -34,6 +34,7 @@ from layerlift.linker.memory_store import MemoryStore
 from layerlift.linker.mooncake_store import MooncakeStore
 from layerlift.overlap.base import LayerLoadError
 from layerlift.testing import FaultyModel, FaultyStore, assert_quiescent, offload_and_drop
+from layerlift.testing.controls import spy_lock_wait
 from layerlift.testing.reference import assert_exact, cold_prefills, random_prompts
 
 WAIT_S = 30.0
@@ -52,21 +53,6 @@ def child_masters() -> set[int]:
         if ppid == os.getpid() and name.startswith("mooncake_master"):
             pids.add(int(stat.parent.name))
     return pids
-
-
-def spy_lock_wait(engine: Engine) -> asyncio.Event:
-    """An event set when a caller starts waiting for the held load lock."""
-    lock = engine._ctx.lock
-    waiting = asyncio.Event()
-    original = lock.acquire
-
-    async def spied() -> bool:
-        if lock.locked():
-            waiting.set()
-        return await original()
-
-    lock.acquire = spied  # type: ignore[method-assign]
-    return waiting
 
 
 async def settled(readiness: Any) -> None:
