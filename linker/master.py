@@ -68,7 +68,8 @@ def free_port(host: str = "127.0.0.1") -> int:
         return port
 
 
-def _port_open(host: str, port: int) -> bool:
+def port_open(host: str, port: int) -> bool:
+    """True when ``host:port`` takes a TCP connection now (0.2 s at most)."""
     try:
         socket.create_connection((host, port), timeout=0.2).close()
     except OSError:
@@ -83,12 +84,16 @@ class EmbeddedMaster:
     clients dial (127.0.0.1; a namespace host's address across namespaces).
     `http_metadata=False` runs no HTTP metadata server (clients then use
     "P2PHANDSHAKE"; `metadata_url` is that string). `lease_ttl_ms` is the master's
-    `--default_kv_lease_ttl` (milliseconds): the default 50 ms lets tests
-    `remove` soon after a read, but a read that takes longer than the lease
-    fails with LEASE_EXPIRED (-707): use seconds for large transfers (the CLI
-    and the benchmark use 5000). `start()` raises FileNotFoundError if the binary is
-    missing and StoreUnavailable (with the log's last lines) if the master does
-    not accept connections within `start_timeout_s`.
+    `--default_kv_lease_ttl` (milliseconds): how long a read's lease holds an
+    object against `remove`. The default, 5000, is what the CLI, the engine's
+    `store="embedded"`, the SGLang adapter and the benchmarks pass
+    (`mooncake_master`'s own default is 10 s in 0.3.13); a read that takes
+    longer than the lease fails with LEASE_EXPIRED (-707) unless the store
+    renews the session. The test suite's session master passes 50 ms so that
+    tests can `remove` soon after a read. `start()`
+    raises FileNotFoundError if the binary is missing and StoreUnavailable
+    (with the log's last lines) if the master does not accept connections
+    within `start_timeout_s`.
     """
 
     def __init__(
@@ -98,7 +103,7 @@ class EmbeddedMaster:
         http_port: int | None = None,
         metrics_port: int | None = None,
         log_path: str | os.PathLike[str] | None = None,
-        lease_ttl_ms: int = 50,
+        lease_ttl_ms: int = 5000,
         start_timeout_s: float = 20.0,
         stop_timeout_s: float = 5.0,
         binary: str | None = None,
@@ -198,7 +203,7 @@ class EmbeddedMaster:
         deadline = time.monotonic() + self.start_timeout_s
         ports = (self.rpc_port, self.http_port) if self.http_metadata else (self.rpc_port,)
         for port in ports:
-            while not _port_open(self.host, port):
+            while not port_open(self.host, port):
                 if self._proc.poll() is not None:
                     raise StoreUnavailable(
                         f"mooncake_master exited with code {self._proc.returncode} during "

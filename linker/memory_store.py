@@ -25,6 +25,7 @@ from layerlift.linker.store_base import (
     StoreFull,
     StoreIOError,
     StoreKeyMissing,
+    StoreObjectSize,
     StoreTimeout,
     StoreUnavailable,
     TensorLike,
@@ -320,13 +321,18 @@ class MemoryStore(Store):
             with self._lock:
                 present = [k for k in keys if k in self._objects]
                 self._check_keys(present, reading=True)
+                wrong: list[tuple[str, int, int]] = []
                 for key, ptr, size in zip(keys, ptrs, sizes, strict=True):
                     self._check_span(ptr, size)
                     data = self._objects.get(key)
                     if data is not None and len(data) != size:
-                        raise StoreIOError(
-                            f"Object {key} is {len(data)} bytes but {size} were requested."
-                        )
+                        wrong.append((key, len(data), size))
+                if wrong:
+                    key, has, want = wrong[0]
+                    raise StoreObjectSize(
+                        [k for k, _, _ in wrong],
+                        f"Object {key} is {has} bytes but {want} were requested "
+                        f"({len(wrong)} object(s) of another size).")
                 for key, ptr, size in zip(keys, ptrs, sizes, strict=True):
                     if key in self._objects:
                         ctypes.memmove(ptr, self._objects[key], size)
@@ -357,14 +363,19 @@ class MemoryStore(Store):
             if missing:
                 raise StoreKeyMissing(missing)
             self._check_keys(keys, reading=True)
+            short: list[str] = []
+            first = ""
             for key, ptrs, lens, offs in zip(keys, dst_ptrs, sizes, src_offsets, strict=True):
                 total = len(self._objects[key])
                 for ptr, size, off in zip(ptrs, lens, offs, strict=True):
                     self._check_span(ptr, size)
-                    if off + size > total:
-                        raise StoreIOError(
-                            f"Slice [{off}, {off + size}) lies outside object {key} of {total} bytes."
-                        )
+                    if off + size > total and key not in short:
+                        short.append(key)
+                        first = first or (f"Slice [{off}, {off + size}) lies outside object "
+                                          f"{key} of {total} bytes")
+            if short:
+                raise StoreObjectSize(short, f"{first} ({len(short)} object(s) shorter than "
+                                             "the slices read: truncated or foreign).")
             for key, ptrs, lens, offs in zip(keys, dst_ptrs, sizes, src_offsets, strict=True):
                 base = _address(self._objects[key])
                 for ptr, size, off in zip(ptrs, lens, offs, strict=True):

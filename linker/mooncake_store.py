@@ -48,6 +48,7 @@ from layerlift.linker.store_base import (
     StoreIOError,
     StoreKeyMissing,
     StoreObjectLeased,
+    StoreObjectSize,
     StoreTimeout,
     StoreUnavailable,
     TensorLike,
@@ -63,6 +64,9 @@ _log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 apply_defaults()  # before mooncake is imported: see mooncake_env.py
+
+# Mooncake's ErrorCode values the ranged read tells apart (mooncake-store/include/types.h).
+_INVALID_PARAMS, _LEASE_EXPIRED = -600, -707
 
 def _release(client: Any, registered: dict[int, int], pool: DaemonPool, timeout_s: float) -> None:
     """Finalizer body: once no call runs, unregister buffers and close the client.
@@ -108,6 +112,20 @@ class MooncakeStore(Store):
     master's lease TTL (`--default_kv_lease_ttl`): it stays until then.
     `get_ranges` needs a get session: call it inside `open_session(keys)`, or it
     opens and closes one itself around the call.
+
+    A get session caches each object's replica with the master's read lease
+    (``--default_kv_lease_ttl``, granted at session start, not renewed by the
+    reads). The client checks the lease after each transfer: a read that
+    ended past it returns LEASE_EXPIRED (its bytes may come from memory freed
+    meanwhile, so they count as not read) and drops that key's session.
+    `get_ranges` renews the sessions of such keys (a fresh master query: a new
+    replica and lease, or StoreKeyMissing if the object went meanwhile) and
+    reads them again, once per call: so a session outlives its lease, a load
+    may take as long as its caller allows, and only one read longer than the
+    lease fails (StoreIOError naming the lease). An object shorter than a slice
+    asked for (the client answers INVALID_PARAMS, as it does for a key without
+    a session) is told apart by the object's size from the master:
+    StoreObjectSize names those keys.
 
     A call that times out goes on in the client's worker: its StoreTimeout
     carries it (`wait_finished()`); a call still queued is cancelled. The
@@ -263,15 +281,25 @@ class MooncakeStore(Store):
             elif code == size:
                 found.append(True)
             elif code >= 0:
-                raise StoreIOError(f"Object {key} is {code} bytes but {size} were requested.")
-            elif code == -600:
+                raise StoreObjectSize(
+                    [key], f"Object {key} is {code} bytes but {size} were requested.")
+            elif code == _INVALID_PARAMS:
+                actual = self._sizes([key])[0]
+                if actual >= 0 and actual != size:
+                    raise StoreObjectSize(
+                        [key], f"Object {key} is {actual} bytes but {size} were requested.")
                 raise StoreIOError(
-                    f"Mooncake get of {key} failed with error -600 (INVALID_PARAMS): the object "
-                    f"is most likely larger than the {size} bytes requested."
-                )
+                    f"Mooncake get of {key} failed with error -600 (INVALID_PARAMS) for "
+                    f"{size} bytes.")
             else:
                 raise code_error("get", code, [key])
         return found
+
+    def _sizes(self, keys: Sequence[str]) -> list[int]:
+        """Each object's size from the master (negative: Mooncake's error,
+        e.g. OBJECT_NOT_FOUND)."""
+        client = self._client
+        return self._call("get_size", lambda: [int(client.get_size(k)) for k in keys])
 
     def get_ranges(
         self,
@@ -305,6 +333,53 @@ class MooncakeStore(Store):
         sizes: Sequence[Sequence[int]],
         src_offsets: Sequence[Sequence[int]],
     ) -> None:
+        codes = self._read(keys, dst_ptrs, sizes, src_offsets)
+        wants = [sum(s) for s in sizes]
+        stale = [i for i, (c, w) in enumerate(zip(codes, wants, strict=True))
+                 if c in (_LEASE_EXPIRED, _INVALID_PARAMS) and c != w]
+        if stale and self._renew([keys[i] for i in stale]):
+            again = self._read([keys[i] for i in stale], [dst_ptrs[i] for i in stale],
+                               [sizes[i] for i in stale], [src_offsets[i] for i in stale])
+            for i, code in zip(stale, again, strict=True):
+                codes[i] = code
+        failed = [(k, c, w) for k, c, w in zip(keys, codes, wants, strict=True) if c != w]
+        if not failed:
+            return
+        if any(c in UNAVAILABLE_CODES for _, c, _ in failed):
+            raise code_error("get_ranges", -900, [k for k, _, _ in failed])
+        failed_keys = [k for k, _, _ in failed]
+        missing = [k for k, ok in zip(failed_keys, self.exists(failed_keys), strict=True) if not ok]
+        if missing:
+            raise StoreKeyMissing(missing)
+        expired = [k for k, c, _ in failed if c == _LEASE_EXPIRED]
+        if expired:
+            raise StoreIOError(
+                f"Mooncake ranged read of {expired[0]} ended past the master's read lease "
+                f"(--default_kv_lease_ttl) twice, in a renewed session too ({len(expired)} "
+                "object(s)): one read takes longer than the lease; raise the lease above "
+                "the store's timeout_s.")
+        ends = {k: max(o + n for o, n in zip(offs, lens, strict=True))
+                for k, offs, lens in zip(keys, src_offsets, sizes, strict=True)}
+        invalid = [k for k, c, _ in failed if c == _INVALID_PARAMS]
+        if invalid:
+            short = [(k, n) for k, n in zip(invalid, self._sizes(invalid), strict=True)
+                     if 0 <= n < ends[k]]
+            if short:
+                key, has = short[0]
+                raise StoreObjectSize(
+                    [k for k, _ in short],
+                    f"Object {key} is {has} bytes, shorter than the slices read (up to byte "
+                    f"{ends[key]}): truncated or foreign ({len(short)} object(s)).")
+        key, code, want = failed[0]
+        raise StoreIOError(
+            f"Mooncake ranged read of {key} returned {code} "
+            f"({ERROR_NAMES.get(code, 'bytes read') if code < 0 else 'bytes read'}) instead of "
+            f"{want} bytes ({len(failed)} object(s) failed); a slice may lie outside its object."
+        )
+
+    def _read(self, keys: Sequence[str], dst_ptrs: Sequence[Sequence[int]],
+              sizes: Sequence[Sequence[int]], src_offsets: Sequence[Sequence[int]]) -> list[int]:
+        """One ranged read; per key the bytes read or Mooncake's error code."""
         args = (
             list(keys),
             [list(p) for p in dst_ptrs],
@@ -314,21 +389,23 @@ class MooncakeStore(Store):
         codes: list[int] = self._call(
             "get_ranges", lambda: self._client.batch_get_into_multi_buffer_ranges(*args)
         )
-        failed = [(k, c, sum(s)) for k, c, s in zip(keys, codes, sizes, strict=True) if c != sum(s)]
-        if not failed:
-            return
-        if any(c in UNAVAILABLE_CODES for _, c, _ in failed):
-            raise code_error("get_ranges", -900, [k for k, _, _ in failed])
-        failed_keys = [k for k, _, _ in failed]
-        missing = [k for k, ok in zip(failed_keys, self.exists(failed_keys), strict=True) if not ok]
+        return list(codes)
+
+    def _renew(self, keys: list[str]) -> bool:
+        """Start again the get sessions of ``keys`` still held by a session of
+        this store (a read past the lease dropped them in the client): a
+        fresh query, a new replica and lease. True when every one restarted;
+        StoreKeyMissing for objects gone meanwhile."""
+        with self._session_lock:
+            held = list(dict.fromkeys(k for k in keys if self._sessions[k] > 0))
+            if len(held) < len(set(keys)):
+                return False
+            codes: list[int] = self._call(
+                "session renew", lambda: self._client.batch_get_session_start(held))
+        missing = [k for k, c in zip(held, codes, strict=True) if c == MISSING]
         if missing:
             raise StoreKeyMissing(missing)
-        key, code, want = failed[0]
-        raise StoreIOError(
-            f"Mooncake ranged read of {key} returned {code} "
-            f"({ERROR_NAMES.get(code, 'bytes read') if code < 0 else 'bytes read'}) instead of "
-            f"{want} bytes ({len(failed)} object(s) failed); a slice may lie outside its object."
-        )
+        return all(c == 0 for c in codes)
 
     @contextlib.contextmanager
     def _session(self, keys: tuple[str, ...]) -> Iterator[None]:

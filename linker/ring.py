@@ -63,6 +63,7 @@ registration.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -75,6 +76,8 @@ import torch
 
 from layerlift.linker.store_base import Store, StoreError, StoreTimeout
 from layerlift.overlap.device import DeviceEvent
+
+_log = logging.getLogger(__name__)
 
 __all__ = [
     "DEFAULT_RING_BYTES",
@@ -254,8 +257,11 @@ class StagingRing:
             self._buffer = buffer
             # A ring dropped while registered (no region is alive then: each
             # holds its ring) unregisters, so the address may be registered again.
+            # The finalizer holds the buffer until the janitor has unregistered
+            # it: freed earlier, its address could be lent to a new ring's buffer
+            # and the late unregistration would then drop *that* registration.
             self._finalizer = weakref.finalize(self, _unregister_quietly, self._store,
-                                               self._base)
+                                               self._base, buffer)
         return self._buffer
 
     def acquire(self, nbytes: int, *, timeout_s: float | None = None, zero: bool = False,
@@ -430,14 +436,67 @@ class StagingRing:
             return True
 
 
-def _unregister_quietly(store_ref: weakref.ref[Store], base: int) -> None:
-    store = store_ref()
-    if store is None:  # a collected store took its registrations
+_JanitorJob = tuple[weakref.ref[Store], int, torch.Tensor] | threading.Event
+_janitor_jobs: queue.SimpleQueue[_JanitorJob] = queue.SimpleQueue()
+_janitor_lock = threading.Lock()
+_janitor: threading.Thread | None = None
+
+
+def _unregister_quietly(store_ref: weakref.ref[Store], base: int,
+                        buffer: torch.Tensor) -> None:
+    """A dropped ring's finalizer. It may run wherever the garbage collector
+    runs, even on a thread inside one of the store's own calls (holding the
+    store's lock): so it only hands the unregistration to the janitor thread,
+    with the buffer, which the janitor lets go only once it is unregistered."""
+    _janitor_jobs.put((store_ref, base, buffer))
+    _start_janitor()
+
+
+def drain_janitor(timeout_s: float | None = None) -> bool:
+    """Block until every dropped ring queued so far is unregistered (tests,
+    and a host's shutdown). Returns False if ``timeout_s`` ran out first."""
+    done = threading.Event()
+    _janitor_jobs.put(done)
+    _start_janitor()
+    return done.wait(timeout_s)
+
+
+def _start_janitor() -> None:
+    """Start the janitor unless it runs (or a fork left its thread behind).
+    Never blocks: a finalizer may run in the middle of this very function
+    (a collection while the thread is being made). Whoever holds the lock
+    then is starting the janitor, which will find the job in the queue."""
+    global _janitor
+    if _janitor is not None and _janitor.is_alive():
+        return
+    if not _janitor_lock.acquire(blocking=False):
         return
     try:
-        store.unregister(base)
-    except StoreError:  # a closed store forgot it already
-        return
+        if _janitor is None or not _janitor.is_alive():
+            _janitor = threading.Thread(target=_unregister_dropped, name="layerlift-ring-janitor",
+                                        daemon=True)
+            _janitor.start()
+    finally:
+        _janitor_lock.release()
+
+
+def _unregister_dropped() -> None:
+    while True:
+        job = _janitor_jobs.get()
+        if isinstance(job, threading.Event):
+            job.set()
+            continue
+        store_ref, base, buffer = job
+        store = store_ref()
+        if store is not None:  # else a collected store took its registrations
+            try:
+                store.unregister(base)
+            except StoreError:  # a closed store forgot it already
+                pass
+            except Exception:  # the janitor outlives one store's bug
+                _log.exception("LayerLift: unregistering a dropped staging ring failed")
+        # Only now may the buffer's memory (and so its address) be reused.
+        del store, buffer, job
 
 
 def _watch_events(pending: queue.SimpleQueue[tuple[DeviceEvent, Region]]) -> None:

@@ -1,6 +1,8 @@
 """The staged transfer: fetch → verify CRC → gated copy (loads); snapshot → put (offloads).
 
-One mechanism for the engine, the SGLang linker and the vLLM worker. It moves
+One mechanism for the SGLang linker and the vLLM worker (the engine reads its
+pages straight into its registered pools and takes only its checksum footers
+from the same staging ring: ``engine/loads.py``). It moves
 store objects in the format of ``linker/integrity.py`` (a page's layer slices,
 layer-major, then one CRC-32 per slice, seeded with the key and the slice's
 index) between the store and a host's memory, always through a
@@ -10,50 +12,10 @@ behind two small seams each adapter supplies: a **sink** (where verified rows
 go) and a **snapshot** (where an offload's page bytes come from). Nothing in
 here knows a host's vocabulary.
 
-Vocabulary
-==========
-
-* :class:`ObjectLayout`: the byte layout of one kind of object (each slice's
-  ``(offset, size)`` in footer order, and ``page_bytes``, where the footer
-  starts).
-* A **part** is a run of objects of one layout with one destination (a
-  component of the engine's pool, an SGLang pool, a vLLM KV-cache group):
-  :class:`LoadPart` (keys + the adapter's opaque ``target``) or
-  :class:`OffloadPart` (keys + the adapter's opaque ``source``). ``keys[i]``
-  is row ``i`` of the part: the adapter maps row ``i`` to its slot, block or
-  page.
-* ``layers``: for a load, per *global* layer (the forward's order), the
-  ``(part index, local slice index)`` pairs that layer reads.
-
-Chunking
-========
-
-A transfer of any size streams through the ring, whatever the ring's size, as
-long as one object's slice (loads) or one whole object (offloads) fits it
-(else ``ValueError`` at construction, with a sentence). Each chunk's staging
-is at most ``ring.capacity // depth`` bytes (or one row, if a row is larger):
-
-* a load chunk is :class:`LoadChunk` ``(layer, segments)``: one store call
-  (``get_ranges``) into one region. Each :class:`LoadSegment` ``(layer, part,
-  local, lo, hi)`` is slice ``local`` of objects ``keys[lo:hi]`` of one part,
-  with their footer entries; a chunk packs the layer's segments of every part
-  in order (a batch of many requests is still one call per layer when it fits
-  the budget). Staging layout, per segment in order: ``n = hi - lo`` rows of
-  ``size`` bytes, then ``n`` little-endian ``uint32`` CRCs. At most ``depth``
-  chunks of one load hold
-  staging at once (a semaphore per transfer; a chunk whose device copy is still
-  pending, or whose read timed out and still runs, counts);
-* an offload chunk is :class:`OffloadChunk` ``(segments)``: one ``put`` from
-  one region. Each :class:`OffloadSegment` ``(part, lo, hi)`` is whole
-  objects ``keys[lo:hi]`` of one part (page then footer, as stored; a put
-  cannot append, so an object is never split), segments in the parts' order.
-  An offload keeps one chunk in flight: chunks are put
-  in order and the next is sent only once the previous put succeeded, so a
-  later object (a checkpoint, a deeper page) is never stored without the
-  earlier ones.
-
-So with the default 64 MiB staging and ``depth`` 4, any request streams in
-16 MiB chunks.
+The plain data of a transfer (layouts, parts, segments, chunks, the
+packing) is in ``linker/transfer_plan.py``; the sinks, snapshots and the
+gate in ``linker/sinks.py``. Both are re-exported here: this module is the
+staged transfer's public face.
 
 Loads (:class:`StagedLoad`)
 ===========================
@@ -63,12 +25,18 @@ Loads (:class:`StagedLoad`)
 layer's chunks in order; per chunk:
 
 1. take a region (bounded wait: :class:`~layerlift.linker.ring.StagingTimeout`);
-2. one ``get_ranges`` call: each object's slice and its footer entry into the
-   region;
+2. one ``get_ranges`` call into the region: each object's slice, and beside
+   it, for a part's first slice (``local`` 0) the object's whole footer, for a
+   later slice nothing when that first slice's chunk verified the rows'
+   footers already (they are kept per row: one range per object, not two),
+   else the slice's own footer entry;
 3. verify every CRC; on a mismatch raise :class:`CorruptSlices` (``.keys``,
    ``.layer``) *before* anything is copied: a corrupt, foreign or truncated
    slice never reaches the destination (``on_corrupt`` hears the keys first,
-   for an adapter that removes them);
+   for an adapter that removes them). An object shorter than its layout
+   (the store's :class:`~layerlift.linker.store_base.StoreObjectSize`: the
+   read of its slice or footer entry lies past its end) is treated the same:
+   ``on_corrupt`` hears its keys, then :class:`CorruptSlices`, nothing copied;
 4. under the :class:`Gate`: if it is closed raise :class:`TransferRevoked` (no
    copy); else, per segment, ``sink.write(segment, part, rows)`` with
    ``rows`` the verified ``uint8[n, size]`` view of the region;
@@ -122,60 +90,49 @@ worker waits until the put really ended; if it succeeded it counts as
 hosts' rule: report at once) the region is handed over to the call, the
 offload fails at once with that ``StoreTimeout``, and ``on_late_end`` runs
 when the call ended.
-
-Device path
-===========
-
-:class:`DeviceSink` is the sink for device memory, written once for every
-adapter: after the host CRC check, ``write`` issues the H2D copy of the
-chunk's rows and the adapter's ``scatter`` (gather/scatter into its slot or
-block indices) on its load stream through the device seam
-(``overlap/device.py``: ``Device.launch``), then records an event on that same
-stream after the copies and returns it. The region is released only once that
-event completed; the layer's event (the last chunk's) is what the forward's
-stream waits on before it reads the layer (``event.wait(forward stream)``).
-``begin()`` orders the load stream after the caller's current stream (a fence,
-no host sync), as ``CudaLane.begin_load`` does. :class:`DeviceSnapshot` is the
-offload side: the gather of device slots into pinned staging runs on a stream
-ordered after an event the adapter recorded after the forward that wrote them,
-and ``read`` returns once that copy finished. The ring of a device path is
-pinned: ``StagingRing(store, alloc=device.pinned)``. :class:`HostSink` and
-:class:`HostSnapshot` are the CPU forms (the copy is done when they return).
-
-Threads
-=======
-
-``fetch_layer`` of different layers may run at once on different threads (the
-lane's workers); ``write`` of one sink is serialised only where it says so
-(``DeviceSink``: launch and record under one lock, so events are recorded in
-issue order). The gate's lock is held during a sink's ``write``: ``close()``
-returns only once no write is in progress, and none starts afterwards.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Hashable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
 
 import numpy as np
 import torch
 
-from layerlift.linker.integrity import (
-    CHECK_BYTES,
-    checksums,
-    component_slices,
-    mismatches,
-    slice_seed,
-)
+from layerlift.linker.integrity import CHECK_BYTES, checksums, mismatches, slice_seed
 from layerlift.linker.ring import Region, StagingRing, StagingTimeout
-from layerlift.linker.store_base import Store, StoreError, StoreIntegrityError, StoreTimeout
+from layerlift.linker.sinks import (
+    DeviceSink,
+    DeviceSnapshot,
+    Gate,
+    HostSink,
+    HostSnapshot,
+    Sink,
+    Snapshot,
+)
+from layerlift.linker.store_base import (
+    Store,
+    StoreError,
+    StoreIntegrityError,
+    StoreObjectSize,
+    StoreTimeout,
+)
+from layerlift.linker.transfer_plan import (
+    LoadChunk,
+    LoadPart,
+    LoadSegment,
+    ObjectLayout,
+    OffloadChunk,
+    OffloadPart,
+    OffloadSegment,
+    pack_runs,
+    require_fit,
+)
 from layerlift.overlap.base import LayerJob
-from layerlift.overlap.device import Device, DeviceEvent
-from layerlift.pools.spec import Component, ModelSpec
+from layerlift.overlap.device import DeviceEvent
 
 __all__ = [
     "DEFAULT_DEPTH",
@@ -205,112 +162,11 @@ DEFAULT_DEPTH = 4
 """Chunks of one load in flight at most; a chunk is at most ``capacity // depth``."""
 
 
-# ---- what moves ------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class ObjectLayout:
-    """One kind of store object: slice ``j`` is ``slices[j] = (offset, size)``
-    bytes of the page, the footer (one CRC per slice, in that order) starts at
-    ``page_bytes``. ``ValueError`` for a slice outside the page."""
-
-    slices: tuple[tuple[int, int], ...]
-    page_bytes: int
-
-    def __post_init__(self) -> None:
-        if not self.slices:
-            raise ValueError("an object layout needs at least one slice")
-        for offset, size in self.slices:
-            if offset < 0 or size <= 0 or offset + size > self.page_bytes:
-                raise ValueError(f"slice ({offset}, {size}) lies outside the "
-                                 f"{self.page_bytes}-byte page")
-
-    @classmethod
-    def of(cls, spec: ModelSpec, component: Component) -> ObjectLayout:
-        """The layout of ``component``'s page objects (the engine's pools)."""
-        return cls(tuple(component_slices(spec, component)), spec.page_bytes(component))
-
-    @property
-    def footer_bytes(self) -> int:
-        return CHECK_BYTES * len(self.slices)
-
-    @property
-    def object_bytes(self) -> int:
-        return self.page_bytes + self.footer_bytes
-
-    def footer_at(self, local: int) -> int:
-        """Offset of slice ``local``'s CRC in the object."""
-        return self.page_bytes + CHECK_BYTES * local
-
-
-@dataclass(frozen=True, slots=True)
-class LoadPart:
-    """Objects ``keys`` of one layout that a load reads; row ``i`` is
-    ``keys[i]``. ``target`` is the adapter's (the transfer only passes it on)."""
-
-    layout: ObjectLayout
-    keys: tuple[str, ...]
-    target: Any = None
-
-
-@dataclass(frozen=True, slots=True)
-class LoadSegment:
-    """Slice ``local`` of rows ``[lo, hi)`` of part ``part``, for global
-    ``layer``: what one ``Sink.write`` copies."""
-
-    layer: int
-    part: int
-    local: int
-    lo: int
-    hi: int
-
-    @property
-    def rows(self) -> int:
-        return self.hi - self.lo
-
-
-@dataclass(frozen=True, slots=True)
-class LoadChunk:
-    """The segments of one ``layer`` read by one store call into one region."""
-
-    layer: int
-    segments: tuple[LoadSegment, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class OffloadPart:
-    """Objects ``keys`` of one layout that an offload puts; row ``i`` is
-    ``keys[i]``. ``source`` is the adapter's (passed to the snapshot)."""
-
-    layout: ObjectLayout
-    keys: tuple[str, ...]
-    source: Any = None
-
-
-@dataclass(frozen=True, slots=True)
-class OffloadSegment:
-    """Whole objects ``[lo, hi)`` of part ``part``: what one ``Snapshot.read``
-    copies."""
-
-    part: int
-    lo: int
-    hi: int
-
-    @property
-    def rows(self) -> int:
-        return self.hi - self.lo
-
-
-@dataclass(frozen=True, slots=True)
-class OffloadChunk:
-    """The segments put by one store call from one region, in order."""
-
-    segments: tuple[OffloadSegment, ...]
-
-
 class CorruptSlices(StoreIntegrityError):
-    """Slices of ``keys`` read for ``layer`` failed their CRC; nothing of the
-    chunk was copied into the destination."""
+    """Slices of ``keys`` read for ``layer`` failed their CRC, or lie past the
+    end of their object (a truncated or shorter foreign object: the store's
+    ``StoreObjectSize`` is the ``__cause__``); nothing of the chunk was copied
+    into the destination."""
 
     def __init__(self, layer: int, keys: Sequence[str]) -> None:
         self.layer, self.keys = layer, tuple(keys)
@@ -323,195 +179,28 @@ class TransferRevoked(StoreError):
     """The load's gate was closed before this chunk's copy: nothing was written."""
 
 
-class Gate:
-    """Opens once, closes once: copies into a load's destination happen only
-    while it is open, holding its lock (see the module docstring)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._open = True
-
-    @contextmanager
-    def held(self) -> Iterator[bool]:
-        """Hold the gate; yields whether it is open (copy only if True)."""
-        with self._lock:
-            yield self._open
-
-    def close(self) -> None:
-        """Close it: returns once no copy runs; none starts afterwards. Idempotent."""
-        with self._lock:
-            self._open = False
-
-    @property
-    def open(self) -> bool:
-        return self._open
-
-
-# ---- the seams -------------------------------------------------------------------
-
-
-class Sink(Protocol):
-    """Where a load's verified rows go (the adapter's destination)."""
-
-    def write(self, seg: LoadSegment, part: LoadPart, rows: torch.Tensor) -> DeviceEvent | None:
-        """Copy ``rows`` (``uint8[seg.rows, size]``, host staging, verified)
-        into slice ``seg.local`` of rows ``seg.lo..seg.hi`` of ``part``'s
-        destination. Called under the load's gate, on a worker thread. Return
-        None once the copy is done, or an event recorded after copies that
-        still read ``rows`` (the region is reused only once it completed)."""
-
-
-Scatter = Callable[[LoadSegment, LoadPart, torch.Tensor], None]
-"""``scatter(seg, part, rows)``: write ``rows`` (on the destination's device)
-into the destination of the segment's rows (e.g. ``view.index_copy_(0, idx, rows)``)."""
-
-
-class HostSink:
-    """The host path: ``scatter`` copies from staging; done when it returns."""
-
-    def __init__(self, scatter: Scatter) -> None:
-        self.scatter = scatter
-
-    def write(self, seg: LoadSegment, part: LoadPart, rows: torch.Tensor) -> DeviceEvent | None:
-        self.scatter(seg, part, rows)
-        return None
-
-
-class DeviceSink:
-    """The device path (see the module docstring): per segment, an H2D copy of
-    the rows plus ``scatter`` issued on ``stream`` (a new load stream of
-    ``device`` by default), then an event recorded on that stream, returned."""
-
-    def __init__(self, device: Device, scatter: Scatter, stream: Any = None) -> None:
-        self.device, self.scatter = device, scatter
-        self.stream = device.new_stream() if stream is None else stream
-        self._lock = threading.Lock()
-
-    def begin(self) -> None:
-        """Order the load stream after everything the calling thread's current
-        stream issued so far (relocations, a previous forward): one event, no
-        host sync. Call once per load, before its first write."""
-        with self.device.use():
-            fence = self.device.event()
-            fence.record(self.device.current_stream())
-            fence.wait(self.stream)
-
-    def issue(self, work: Callable[[], None]) -> DeviceEvent:
-        """Issue ``work`` on the load stream (e.g. zeroing a failed layer's
-        slots after its copies) and return an event recorded after it."""
-        with self._lock:
-            self.device.launch(self.stream, work)
-            event = self.device.event()
-            event.record(self.stream)
-        return event
-
-    def write(self, seg: LoadSegment, part: LoadPart, rows: torch.Tensor) -> DeviceEvent | None:
-        target = self.device.torch_device
-        scatter = self.scatter
-
-        def work() -> None:
-            scatter(seg, part, rows.to(target, non_blocking=True))
-
-        return self.issue(work)
-
-
-class Snapshot(Protocol):
-    """Where an offload's page bytes come from (the adapter's source)."""
-
-    def read(self, seg: OffloadSegment, part: OffloadPart, pages: torch.Tensor) -> None:
-        """Copy the page bytes of rows ``seg.lo..seg.hi`` of ``part``
-        (layer-major, ``layout.page_bytes`` each) into ``pages``
-        (``uint8[seg.rows, page_bytes]``, a strided view of staging).
-        Returns once the bytes are in ``pages``."""
-
-
-Gather = Callable[[OffloadSegment, OffloadPart], torch.Tensor]
-"""``gather(seg, part)``: the segment's pages as ``uint8[rows, page_bytes]``
-(on the source's device)."""
-
-
-class HostSnapshot:
-    """The host path: ``pages.copy_(gather(seg, part))``."""
-
-    def __init__(self, gather: Gather) -> None:
-        self.gather = gather
-
-    def read(self, seg: OffloadSegment, part: OffloadPart, pages: torch.Tensor) -> None:
-        pages.copy_(self.gather(seg, part))
-
-
-class DeviceSnapshot:
-    """The device path: the gather and its D2H copy into pinned staging run on
-    ``stream``, ordered after ``after()`` (an event the adapter recorded on the
-    forward's stream after the forward that wrote the slots; None: a fence on
-    the calling thread's current stream); ``read`` returns once the copy ran."""
-
-    def __init__(self, device: Device, gather: Gather, stream: Any = None,
-                 after: Callable[[], DeviceEvent | None] | None = None) -> None:
-        self.device, self.gather, self.after = device, gather, after
-        self.stream = device.new_stream() if stream is None else stream
-
-    def read(self, seg: OffloadSegment, part: OffloadPart, pages: torch.Tensor) -> None:
-        device, gather = self.device, self.gather
-        ready = self.after() if self.after is not None else None
-        if ready is None:
-            with device.use():
-                ready = device.event()
-                ready.record(device.current_stream())
-        ready.wait(self.stream)
-
-        def work() -> None:
-            pages.copy_(gather(seg, part), non_blocking=True)
-
-        device.launch(self.stream, work)
-        done = device.event()
-        done.record(self.stream)
-        done.synchronize()
-
-
-def require_fit(ring: StagingRing, layout: ObjectLayout) -> None:
-    """Raise ``ValueError`` (a sentence naming the size needed) unless every
-    transfer of ``layout``'s objects streams through ``ring``: one slice with
-    its checksum (loads) and one whole object (offloads) must fit. This is the
-    only size a staged transfer refuses, so an adapter that checks it once at
-    start-up never advertises a hit (``lookup``) that its load then refuses."""
-    need = max(layout.object_bytes, max(size for _, size in layout.slices) + CHECK_BYTES)
-    if not ring.fits(need):
-        raise ValueError(
-            f"objects of {layout.object_bytes} bytes do not fit the {ring.capacity}-byte "
-            f"staging ring; give the ring at least {ring.span(need)} bytes")
-
-
-def _pack(runs: Sequence[tuple[int, int, int]], budget: int,
-          ring: StagingRing) -> list[list[tuple[int, int, int]]]:
-    """Cut ``runs`` (``(index, rows, row_bytes)``, in order) into chunks of
-    ``(index, lo, hi)`` pieces: a chunk holds at most ``budget`` bytes (or one
-    row, if a row is larger) and always fits the ring; order is kept."""
-    chunks: list[list[tuple[int, int, int]]] = []
-    cur: list[tuple[int, int, int]] = []
-    used = 0
-    for index, rows, row in runs:
-        lo = 0
-        while lo < rows:
-            room = (budget - used) // row
-            while room > 0 and not ring.fits(used + room * row):
-                room -= 1
-            if room <= 0:
-                if cur:
-                    chunks.append(cur)
-                    cur, used = [], 0
-                    continue
-                room = 1  # a row larger than the budget travels alone
-            hi = min(rows, lo + room)
-            cur.append((index, lo, hi))
-            used += (hi - lo) * row
-            lo = hi
-    if cur:
-        chunks.append(cur)
-    return chunks
-
-
 # ---- loads -----------------------------------------------------------------------
+
+
+def _check_bytes(layout: ObjectLayout, local: int) -> int:
+    """Staging bytes a row's check takes when slice ``local`` is read: the
+    whole footer for the part's first slice, one CRC otherwise."""
+    return layout.footer_bytes if local == 0 else CHECK_BYTES
+
+
+@dataclass(slots=True)
+class _SegmentRead:
+    """One segment of a load chunk as read: where its rows start in the
+    region, each row's slice size and check bytes, its keys, and the CRCs
+    already known for it (None: read with the slices)."""
+
+    seg: LoadSegment
+    part: LoadPart
+    start: int
+    size: int
+    check: int
+    keys: list[str]
+    known: np.ndarray | None
 
 
 class StagedLoad:
@@ -546,7 +235,7 @@ class StagedLoad:
                 if not 0 <= local < len(part.layout.slices):
                     raise ValueError(f"layer {layer} reads slice {local} of part {p}, whose "
                                      f"objects have {len(part.layout.slices)} slice(s)")
-                row = part.layout.slices[local][1] + CHECK_BYTES
+                row = part.layout.slices[local][1] + _check_bytes(part.layout, local)
                 if not ring.fits(row):
                     raise ValueError(
                         f"one slice of {row} bytes (with its checksum) does not fit the "
@@ -556,12 +245,22 @@ class StagedLoad:
             self.chunks.append([
                 LoadChunk(layer, tuple(LoadSegment(layer, reads[i][0], reads[i][1], lo, hi)
                                        for i, lo, hi in pieces))
-                for pieces in _pack(runs, budget, ring)])
+                for pieces in pack_runs(runs, budget, ring)])
         self.events: list[DeviceEvent | None] = [None] * len(self.chunks)
         self.timed_out: list[StoreTimeout] = []
         self._slots = threading.Semaphore(depth)
         self._lock = threading.Condition()
         self._out = 0  # regions of this load not yet back in the ring
+        # Each part's footers (one CRC per row and slice), filled by its first
+        # slice's reads (which read whole footers) once they verified: a later
+        # slice of those rows is read alone and checked against them. A footer
+        # entry read beside every slice is one more tiny transfer per object
+        # per layer (+44 % on a 64 x 256 KiB layer over Mooncake loopback,
+        # bench/results/integrity.json); rows not in yet read their own entry.
+        self._crcs = [np.zeros((len(p.keys), len(p.layout.slices)), dtype="<u4")
+                      for p in self.parts]
+        self._have = [np.zeros(len(p.keys), dtype=bool) for p in self.parts]
+        self._crcs_lock = threading.Lock()
 
     def nbytes(self, layer: int) -> int:
         """Payload bytes layer ``layer`` moves (without checksums)."""
@@ -620,14 +319,23 @@ class StagedLoad:
 
     def _chunk(self, chunk: LoadChunk, last: bool) -> DeviceEvent | None:
         # Region layout, per segment in order: its rows of ``size`` bytes, then
-        # their CRCs; one ranged call reads every segment's slices and CRCs.
-        plan: list[tuple[LoadSegment, LoadPart, int, int, list[str]]] = []
+        # their checks (``_check_bytes`` a row: whole footers for a part's
+        # first slice, one CRC otherwise; unused where the footers are in);
+        # one ranged call reads every segment's slices and checks.
+        plan: list[_SegmentRead] = []
         at = 0
         for seg in chunk.segments:
             part = self.parts[seg.part]
             size = part.layout.slices[seg.local][1]
-            plan.append((seg, part, at, size, list(part.keys[seg.lo : seg.hi])))
-            at += seg.rows * (size + CHECK_BYTES)
+            check = _check_bytes(part.layout, seg.local)
+            known = None
+            if seg.local > 0:
+                with self._crcs_lock:
+                    if self._have[seg.part][seg.lo : seg.hi].all():
+                        known = self._crcs[seg.part][seg.lo : seg.hi, seg.local].copy()
+            plan.append(_SegmentRead(seg, part, at, size, check,
+                                     list(part.keys[seg.lo : seg.hi]), known))
+            at += seg.rows * (size + check)
         region = self._take(at)
         event: DeviceEvent | None = None
         try:
@@ -636,39 +344,68 @@ class StagedLoad:
             dst: list[list[int]] = []
             lens: list[list[int]] = []
             offs: list[list[int]] = []
-            for seg, part, start, size, seg_keys in plan:
-                crcs = base + start + seg.rows * size
-                slice_at = part.layout.slices[seg.local][0]
-                footer_at = part.layout.footer_at(seg.local)
-                for i in range(seg.rows):
-                    dst.append([base + start + i * size, crcs + i * CHECK_BYTES])
-                    lens.append([size, CHECK_BYTES])
-                    offs.append([slice_at, footer_at])
-                keys += seg_keys
+            for r in plan:
+                seg, layout = r.seg, r.part.layout
+                slice_at = layout.slices[seg.local][0]
+                first = base + r.start  # the segment's first row in the region
+                checks = first + seg.rows * r.size
+                if r.known is not None:  # the slices alone
+                    dst += [[first + i * r.size] for i in range(seg.rows)]
+                    lens += [[r.size] for _ in range(seg.rows)]
+                    offs += [[slice_at] for _ in range(seg.rows)]
+                else:  # beside each slice the whole footer (first slice) or its own entry
+                    check_at = layout.page_bytes if seg.local == 0 else layout.footer_at(seg.local)
+                    dst += [[first + i * r.size, checks + i * r.check] for i in range(seg.rows)]
+                    lens += [[r.size, r.check] for _ in range(seg.rows)]
+                    offs += [[slice_at, check_at] for _ in range(seg.rows)]
+                keys += r.keys
             try:
                 self.store.get_ranges(keys, dst, lens, offs)
             except StoreTimeout as exc:
                 region.hand_over(exc)
                 self.timed_out.append(exc)
                 raise
+            except StoreObjectSize as exc:
+                # Objects shorter than their layout (truncated, foreign): as
+                # corrupt as a checksum mismatch, and nothing was copied.
+                asked = set(keys)
+                short = [k for k in dict.fromkeys(exc.keys) if k in asked]
+                if not short:
+                    raise
+                if self.on_corrupt is not None:
+                    self.on_corrupt(short)
+                raise CorruptSlices(chunk.layer, short) from exc
             corrupt: list[str] = []
-            for seg, _, start, size, seg_keys in plan:
-                n = seg.rows
-                raw = region.tensor[start + n * size : start + n * (size + CHECK_BYTES)].numpy()
+            footers: list[tuple[_SegmentRead, np.ndarray]] = []
+            for r in plan:
+                n, start, size = r.seg.rows, r.start, r.size
+                if r.known is not None:
+                    expected = r.known
+                else:
+                    raw = region.tensor[start + n * size : start + n * (size + r.check)].numpy()
+                    table = raw.view("<u4").reshape(n, r.check // CHECK_BYTES)
+                    expected = table[:, 0]  # the whole footers' column 0, or the entry
+                    if r.seg.local == 0:
+                        footers.append((r, table))
                 bad = mismatches([base + start + i * size for i in range(n)], size,
-                                 raw.view("<u4"), [slice_seed(k, seg.local) for k in seg_keys])
-                corrupt += [seg_keys[b] for b in bad]
+                                 expected, [slice_seed(k, r.seg.local) for k in r.keys])
+                corrupt += [r.keys[b] for b in bad]
             if corrupt:
                 if self.on_corrupt is not None:
                     self.on_corrupt(corrupt)
                 raise CorruptSlices(chunk.layer, corrupt)
+            for r, table in footers:  # verified: later slices of these rows use them
+                with self._crcs_lock:
+                    self._crcs[r.seg.part][r.seg.lo : r.seg.hi] = table
+                    self._have[r.seg.part][r.seg.lo : r.seg.hi] = True
             with self.gate.held() as open_:
                 if not open_:
                     raise TransferRevoked(f"layer {chunk.layer}: the load was stopped before "
                                           "its copy; nothing was written")
-                for seg, part, start, size, _ in plan:
-                    rows = region.tensor[start : start + seg.rows * size].view(seg.rows, size)
-                    written = self.sink.write(seg, part, rows)
+                for r in plan:
+                    rows = region.tensor[r.start : r.start + r.seg.rows * r.size].view(
+                        r.seg.rows, r.size)
+                    written = self.sink.write(r.seg, r.part, rows)
                     event = written if written is not None else event
                 if last:
                     self.events[chunk.layer] = event
@@ -737,7 +474,7 @@ class StagedOffload:
             runs.append((p, len(part.keys), size))
         self.chunks: list[OffloadChunk] = [
             OffloadChunk(tuple(OffloadSegment(p, lo, hi) for p, lo, hi in pieces))
-            for pieces in _pack(runs, budget, ring)]
+            for pieces in pack_runs(runs, budget, ring)]
 
     def run(self, on_source_free: Callable[[], None] | None = None) -> OffloadOutcome:
         """Worker thread: put every chunk in order; stop at the first failure.

@@ -110,6 +110,21 @@ class StoreIntegrityError(StoreIOError):
     (a corrupted, truncated or foreign object): the read counts as failed."""
 
 
+class StoreObjectSize(StoreIntegrityError):
+    """Objects (`.keys`) are not of the size the read expects: shorter than a
+    slice `get_ranges` asked for, or (`get`) of another size than requested.
+    Backends raise it only once the object's own size shows it (not for a
+    failed transfer): the object is truncated or foreign, so a reader may
+    treat it like a checksum mismatch and quarantine the keys."""
+
+    def __init__(self, keys: Sequence[str], message: str | None = None) -> None:
+        self.keys: tuple[str, ...] = tuple(keys)
+        shown = ", ".join(self.keys[:4]) + (" ..." if len(self.keys) > 4 else "")
+        super().__init__(
+            message or f"{len(self.keys)} object(s) are not of the size the read expects "
+                       f"(truncated or foreign): {shown}")
+
+
 class StoreFull(StoreIOError):
     """The store has no space for an object (Mooncake: NO_AVAILABLE_HANDLE)."""
 
@@ -267,8 +282,8 @@ class Store(ABC):
     def get(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[bool]:
         """Read whole objects into memory; return per key True (read) or False (missing).
 
-        Each object must be exactly `sizes[i]` bytes: a size mismatch or a
-        short read raises StoreIOError.
+        Each object must be exactly `sizes[i]` bytes: a size mismatch raises
+        StoreObjectSize (naming the keys), a short read StoreIOError.
         """
 
     @abstractmethod
@@ -287,8 +302,10 @@ class Store(ABC):
         open session (`open_session`); without one, a backend that needs a
         session opens and closes one itself (correct, slower).
 
-        Raises StoreKeyMissing (with `.keys`) for missing objects, StoreIOError
-        for a slice out of bounds or a failed transfer.
+        Raises StoreKeyMissing (with `.keys`) for missing objects,
+        StoreObjectSize (with `.keys`) for objects shorter than a slice asked
+        for (truncated or foreign: the object's own size shows it),
+        StoreIOError for a failed transfer.
         """
 
     def open_session(self, keys: Sequence[str]) -> contextlib.AbstractContextManager[None]:

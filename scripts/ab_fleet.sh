@@ -12,7 +12,10 @@
 # Each run (one process per policy; its CPU seconds are recorded): 8 instances, round-robin, the emulated 0.1 GB/s link, one store,
 # the tiny preset, 200 requests of the conversation trace, barrier and
 # overlap. The load average is recorded before and after each run.
-# AB_REQUESTS (200) and AB_ARGS (more replay options, e.g. "--time-scale 50").
+# AB_REQUESTS (200) and AB_ARGS (more replay options for both sides, e.g.
+# "--time-scale 50"); AB_ARGS_A / AB_ARGS_B: options for one side only, e.g.
+# AB_ARGS_B="--host-costs off" when side A predates the replay's host costs
+# (an A/B of the engine must run the same benchmark on both sides).
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
 py="${AB_PYTHON:-$here/.venv/bin/python}"
@@ -25,12 +28,13 @@ trace_args=()  # the replay's bundled conversation trace unless AB_TRACE names a
 [[ -n "${AB_TRACE:-}" ]] && trace_args=(--trace "$AB_TRACE")
 mkdir -p "$out"
 run() {  # label root index policy
-    local label="$1_$4_$3" root="$2"
+    local label="$1_$4_$3" root="$2" side_var="AB_ARGS_$1"
+    local side_args="${!side_var:-}"
     echo "$label start $(date -u +%T) load $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$out/log"
     (cd /tmp && timeout 1200 "$py" "$here/scripts/ab_run.py" "$root" bench replay \
         --instances 8 --router round-robin --policies "$4" \
         --links emulated:0.1,10 --preset tiny --requests "${AB_REQUESTS:-200}" \
-        "${trace_args[@]}" --kl-samples 1 --json "$out/$label.json" ${AB_ARGS:-}) \
+        "${trace_args[@]}" --kl-samples 1 --json "$out/$label.json" ${AB_ARGS:-} $side_args) \
         >"$out/$label.txt" 2>&1 || echo "$label FAILED (see $out/$label.txt)" | tee -a "$out/log"
     echo "$label end $(date -u +%T) load $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$out/log"
 }

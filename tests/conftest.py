@@ -38,9 +38,11 @@ def _no_leftover_mooncake_masters() -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def mooncake_master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedMaster]:
-    """A mooncake_master on loopback for the session. Fails (never skips) if it cannot start."""
+    """A mooncake_master on loopback for the session. Fails (never skips) if it cannot start.
+    Its read lease is 50 ms (the library's default is 5 s) so that tests can
+    ``remove`` soon after a read; the tests that read longer start masters of their own."""
     log = tmp_path_factory.mktemp("mooncake") / "mooncake_master.log"
-    with EmbeddedMaster(log_path=log) as master:
+    with EmbeddedMaster(log_path=log, lease_ttl_ms=50) as master:
         yield master
 
 

@@ -17,6 +17,7 @@ import ctypes
 import os
 import signal
 import threading
+import time
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -293,6 +294,15 @@ def _write_crc(at: int, ptr: int, size: int, seed: int) -> None:
     ctypes.memmove(at, crc.to_bytes(CHECK_BYTES, "little"), CHECK_BYTES)
 
 
+def _proc_state(pid: int) -> str | None:
+    """The kernel's one-letter state of ``pid`` (None: no /proc entry)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
 class ProcessStall:
     """Stops (SIGSTOP) and resumes (SIGCONT) a server process, as a GC pause,
     an overloaded host or a network blip would: its clients' calls hang and
@@ -303,9 +313,19 @@ class ProcessStall:
         self.pid = pid
         self.stopped = threading.Event()
 
-    def stop(self) -> None:
+    def stop(self, wait_s: float = 5.0) -> None:
+        """SIGSTOP the process and return once the kernel shows it stopped
+        (``/proc/PID/stat`` state ``T``, at most ``wait_s``; where there is
+        no ``/proc``, at once): a call made after ``stop`` meets a stopped
+        server."""
         os.kill(self.pid, signal.SIGSTOP)
         self.stopped.set()
+        deadline = time.monotonic() + wait_s
+        while _proc_state(self.pid) not in ("T", "t", None):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"process {self.pid} was sent SIGSTOP but did not stop "
+                                   f"within {wait_s:g} s")
+            time.sleep(0.001)
 
     def resume(self) -> None:
         os.kill(self.pid, signal.SIGCONT)

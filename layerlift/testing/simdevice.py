@@ -46,7 +46,7 @@ import torch
 
 from layerlift.overlap.device import Device, DeviceEvent, bind
 
-__all__ = ["POISON", "SimDevice", "SimEvent", "SimStream"]
+__all__ = ["POISON", "SimDevice", "SimEvent", "SimStream", "block_stream"]
 
 POISON = 0xCD
 """The byte fresh pinned staging holds."""
@@ -316,3 +316,20 @@ class SimDevice(Device):
                 if not (torch.equal(src, moved) and torch.equal(dst, moved)):
                     dst.copy_(src)  # another stream touched the page before this copy
                     self.relocation_hazards += 1
+
+
+def block_stream(device: SimDevice, stream: Any, timeout_s: float = 30.0) -> threading.Event:
+    """Hold ``stream`` until the returned event is set: a blocker queued on it,
+    returned once it started (so everything queued after it runs late). The
+    blocker fails its stream if nobody sets the event within ``timeout_s``."""
+    go, started = threading.Event(), threading.Event()
+
+    def work() -> None:
+        started.set()
+        if not go.wait(timeout_s):
+            raise TimeoutError(f"the blocker on {stream!r} was never released")
+
+    device.launch(stream, work)
+    if not started.wait(timeout_s):
+        raise TimeoutError(f"the blocker on {stream!r} never started")
+    return go

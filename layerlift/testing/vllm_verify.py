@@ -22,9 +22,11 @@ vLLM starts processes, so the `LLM` is made under ``if __name__ == "__main__"``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import queue
+import signal
 import subprocess
 import sys
 import threading
@@ -32,10 +34,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["kv_transfer_config", "main", "make_tiny_model"]
+__all__ = ["IN_PROCESS_ENV", "kv_transfer_config", "main", "make_tiny_model"]
 
 MARK = "LLJSON "
 START_TIMEOUT_S = 600.0  # a bound on a hung child; a loaded 2-core machine takes minutes
+# vLLM's engine core and its worker inside the `serve` process (one process
+# instead of three spawned ones, each importing torch and vLLM: a start-up
+# takes a third of the time), one torch thread as vLLM's CPU worker uses.
+# The scheduler's and the worker's connector then share a process: the
+# connector's metadata and reports are passed, not serialized.
+IN_PROCESS_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}
 
 
 def make_tiny_model(kind: str, path: str, seed: int = 0, *, hidden: int = 128,
@@ -94,14 +102,20 @@ class Instance:
     """The client of one ``serve`` child process (a ``vllm.LLM``). Its log
     file gets the child's stderr and the non-JSON lines of its stdout (vLLM's
     log). Every wait is bounded: a child that does not answer in time is
-    killed and AssertionError raised (a test or benchmark failure)."""
+    killed and AssertionError raised (a test or benchmark failure).
+    ``in_process``: vLLM's engine core and worker in the child itself
+    (``IN_PROCESS_ENV``), for instances whose process boundary is not what
+    is tested (a cold reference, an offloading first instance).
+    ``wait=False``: return at once (start others meanwhile); the first
+    command, or `wait_ready`, waits for the start."""
 
     def __init__(self, model: str, connector: str, extra: dict[str, Any] | None,
                  log_path: Path, env: dict[str, str] | None = None, *,
                  prefix_caching: bool = False, scheduler_cls: str = "",
-                 failure_policy: str = "") -> None:
+                 failure_policy: str = "", in_process: bool = False,
+                 wait: bool = True) -> None:
         env = dict(os.environ, MC_LOG_LEVEL="ERROR", GLOG_minloglevel="2",
-                   PYTHONUNBUFFERED="1", **(env or {}))
+                   PYTHONUNBUFFERED="1", **(IN_PROCESS_ENV if in_process else {}), **(env or {}))
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override the serve's KV bytes
         self.log_path = log_path
         self._log = log_path.open("w")
@@ -111,11 +125,21 @@ class Instance:
              *(["--prefix-caching"] if prefix_caching else []),
              *(["--scheduler-cls", scheduler_cls] if scheduler_cls else []),
              *(["--failure-policy", failure_policy] if failure_policy else [])],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env)
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env,
+            start_new_session=True)  # its own process group: `kill` ends vLLM's children too
         self._replies: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
-        self._expect(START_TIMEOUT_S)
+        self._ready = False
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Until the ``LLM`` is built (at most ``START_TIMEOUT_S``); with
+        ``wait=False`` the caller starts several instances, then waits."""
+        if not self._ready:
+            self._expect(START_TIMEOUT_S)
+            self._ready = True
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -153,6 +177,7 @@ class Instance:
         self._command({"op": "reset_prefix_cache"}, timeout_s)
 
     def _command(self, cmd: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        self.wait_ready()
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps(cmd) + "\n")
         self.proc.stdin.flush()
@@ -180,8 +205,10 @@ class Instance:
         self._log.flush()
 
     def kill(self) -> None:
+        """SIGKILL the child's process group (vLLM's engine core and worker with it)."""
         if self.proc.poll() is None:
-            self.proc.kill()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(30)
 
 

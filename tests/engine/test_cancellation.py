@@ -171,7 +171,7 @@ async def test_prepare_cancelled_while_waiting_for_offloads_leaks_nothing(
     restore transaction, then waited for the offloads to free room for the
     second and was cancelled there: the PREPAREd slots stayed allocated and
     pinned for good. Now the exit aborts every transaction never committed."""
-    import layerlift.engine.batch as batch_mod
+    import layerlift.engine.batch_lifecycle as batch_mod
 
     a, b, c = random_prompts(model, 5, [600, 600, 600])
     store = FaultyStore(MemoryStore(), model.spec)

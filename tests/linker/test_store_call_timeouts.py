@@ -9,8 +9,6 @@ models the stopped master; for Mooncake the test stops a real
 
 from __future__ import annotations
 
-import os
-import signal
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -133,19 +131,31 @@ def test_a_timed_out_session_start_that_succeeds_is_ended(
     try:
         src = torch.arange(SIZE, dtype=torch.int32).to(torch.uint8)
         store.register(src)
-        store.put([f"{ns}/a"], [src.data_ptr()], [SIZE])
-        os.kill(pid, signal.SIGSTOP)
-        try:
-            with pytest.raises(StoreTimeout) as info, store.open_session([f"{ns}/a"]):
-                pass
-        finally:
-            os.kill(pid, signal.SIGCONT)
-        assert info.value.future is not None
-        info.value.future.exception(30.0)  # the orphan's end runs in its done callback
+        stall = ProcessStall(pid)
+        timed_out: StoreTimeout | None = None
+        # The precondition is a session start that times out. On a loaded
+        # machine a start was once answered with the master just stopped
+        # (not understood; see the vLLM stopped-master test): such an
+        # attempt proves nothing, so it is ended and tried on a new key.
+        for attempt in range(3):
+            key = f"{ns}/a{attempt}"
+            store.put([key], [src.data_ptr()], [SIZE])
+            stall.stop()
+            try:
+                with store.open_session([key]):
+                    pass
+            except StoreTimeout as exc:
+                timed_out = exc
+                break
+            finally:
+                stall.release()
+        assert timed_out is not None, "no session start timed out with the master stopped"
+        assert timed_out.future is not None
+        timed_out.future.exception(30.0)  # the orphan's end runs in its done callback
         dst = torch.zeros(SIZE, dtype=torch.uint8)
         store.register(dst)
-        with store.open_session([f"{ns}/a"]):
-            store.get_ranges([f"{ns}/a"], [[dst.data_ptr()]], [[SIZE]], [[0]])
+        with store.open_session([key]):
+            store.get_ranges([key], [[dst.data_ptr()]], [[SIZE]], [[0]])
         assert torch.equal(dst, src)
     finally:
         store.close()

@@ -34,7 +34,7 @@ from layerlift.linker.staged import (
     StagedOffload,
 )
 from layerlift.overlap.device import DeviceEvent
-from layerlift.testing.simdevice import POISON, SimDevice
+from layerlift.testing.simdevice import POISON, SimDevice, block_stream
 
 WAIT_S = 30.0
 LAYOUT = ObjectLayout(((0, 512), (512, 512)), 1024)
@@ -79,15 +79,7 @@ class Pool:
 
 def block(sim: SimDevice, stream: Any) -> threading.Event:
     """Hold ``stream`` until the returned event is set (a blocker queued on it)."""
-    go, started = threading.Event(), threading.Event()
-
-    def work() -> None:
-        started.set()
-        assert go.wait(WAIT_S)
-
-    sim.launch(stream, work)
-    assert started.wait(WAIT_S)
-    return go
+    return block_stream(sim, stream, WAIT_S)
 
 
 def make_load(sim: SimDevice, store: MemoryStore, keys: list[str], pool: Pool,

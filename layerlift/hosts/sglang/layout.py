@@ -30,8 +30,8 @@ import torch
 from layerlift.linker.integrity import CHECK_BYTES
 from layerlift.linker.staged import ObjectLayout
 
-__all__ = ["LayerParts", "Part", "PoolLayout", "fingerprint", "pool_layouts",
-           "refuse_unmoved_state"]
+__all__ = ["LayerParts", "Part", "PoolLayout", "fingerprint", "mamba_layout", "mha_layers",
+           "pool_layouts", "refuse_unmoved_state"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,15 +136,16 @@ def _rows_view(t: torch.Tensor) -> torch.Tensor:
     if not t.is_contiguous():
         raise ValueError("LayerLiftLinker needs contiguous pool buffers; one has strides "
                          f"{tuple(t.stride())}")
-    if t.device.type != "cpu":
+    if t.device.type not in ("cpu", "cuda"):
         raise ValueError(
-            "LayerLiftLinker 0.1 copies layers with the host CPU and supports pools on the "
-            f"CPU only; this pool is on {t.device} (the CUDA path is not wired yet)")
+            "LayerLiftLinker supports pools on the CPU (host copies) or on a CUDA device "
+            f"(copies on a load stream, ``device``); this pool is on {t.device}")
     return t
 
 
-def _mha_layers(pool: Any, layer_of: dict[int, int]) -> list[LayerParts]:
-    """``layer_of``: stage layer -> index into the MHA pool's buffers."""
+def mha_layers(pool: Any, layer_of: dict[int, int]) -> list[LayerParts]:
+    """The layers of an MHA pool (``k_buffer``/``v_buffer`` lists, ``page_size``, as
+    SGLang's ``MHATokenToKVPool``); ``layer_of``: stage layer -> index into its buffers."""
     if getattr(pool, "k_scale_buffer", None) is not None or \
             getattr(pool, "native_k_scale_buffer", None) is not None:
         raise ValueError("LayerLiftLinker does not support scaled (quantized) KV caches")
@@ -181,14 +182,17 @@ def _kv_layouts(kvcache: Any, page_size: int) -> list[PoolLayout]:
         if int(pool.page_size) != page_size:
             raise ValueError(f"the {name} pool's page size {pool.page_size} is not the "
                              f"tree's {page_size}")
-        layers = _mha_layers(pool, layer_of)
+        layers = mha_layers(pool, layer_of)
         if layers:
             rows = min(int(p.tensor.shape[0]) for lp in layers for p in lp.parts)
             out.append(PoolLayout(name, component, page_size, page_size, rows, tuple(layers)))
     return out
 
 
-def _mamba_layout(req_to_token_pool: Any) -> PoolLayout:
+def mamba_layout(req_to_token_pool: Any) -> PoolLayout:
+    """The Mamba pool of ``req_to_token_pool`` (SGLang's ``HybridReqToTokenPool``: its
+    ``mamba_pool.mamba_cache.temporal``/``conv`` and ``mamba_map``) as one unit per state
+    slot."""
     pool = req_to_token_pool.mamba_pool
     start = int(getattr(req_to_token_pool, "start_layer", 0) or 0)
     cache = pool.mamba_cache
@@ -208,7 +212,7 @@ def pool_layouts(kvcache: Any, req_to_token_pool: Any, page_size: int,
     layouts = {p.name: p for p in _kv_layouts(kvcache, page_size)}
     wanted = {"kv"} | ({"swa"} if "SWA" in components else set())
     if "MAMBA" in components:
-        layouts["mamba"] = _mamba_layout(req_to_token_pool)
+        layouts["mamba"] = mamba_layout(req_to_token_pool)
         wanted.add("mamba")
     unknown = set(components) - {"FULL", "SWA", "MAMBA"}
     if unknown:

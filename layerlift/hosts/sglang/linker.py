@@ -39,7 +39,11 @@ and bounded waits. Its promises (each tested under SGLang's real wrapper):
 - Pool features whose state it does not move are refused at construction.
 
 The SGLang vocabulary (``PoolTransfer``, ``PoolName``) stops at this module.
-Pools on CPU only in this version (see ``layout``).
+Pools on the CPU take the host path (host copies); pools on a CUDA device the
+device path (``device``: pinned staging rings, H2D copies and scatters on a load
+stream with one event per layer that ``forward_stream`` waits on, offload
+gathers on a stream ordered after the forward). ``device=`` injects another
+:class:`~layerlift.overlap.device.Device` (tests: a simulated one).
 """
 
 from __future__ import annotations
@@ -59,9 +63,11 @@ from layerlift.linker.ring import StagingRing
 from layerlift.linker.staged import require_fit
 from layerlift.linker.store_base import Store
 from layerlift.overlap.base import LoadPolicy
+from layerlift.overlap.device import Device
 from layerlift.overlap.lanes import CpuLane
 from layerlift.overlap.scheduler import LoadScheduler
 
+from .device import DevicePath, pool_device
 from .layout import PoolLayout, fingerprint, pool_layouts, refuse_unmoved_state
 from .load import BatchLoad, LoadCounter, LoadItem, LoopThread
 from .lookup import LookupGuard
@@ -121,11 +127,14 @@ class LayerLiftLinker(UnifiedCacheLinker):  # type: ignore[misc,unused-ignore]
     calls ``layer_done_counter.wait_until``; loads run on LayerLift's lane
     threads under an event loop of the linker's own, offloads on one thread,
     lookups' store calls on one more (``lookup.LookupGuard``).
+
+    ``device``: the :class:`~layerlift.overlap.device.Device` the pools live on
+    (default: found from the pools' tensors; None for CPU pools, the host path).
     """
 
     def __init__(self, server_args: Any, params: Any, *, components: Any,
                  extra_config: dict[str, Any] | None = None,
-                 forward_stream: Any = None) -> None:
+                 forward_stream: Any = None, device: Device | None = None) -> None:
         self.settings = s = LinkerSettings.parse(extra_config)
         self.forward_stream = forward_stream
         kvcache = params.token_to_kv_pool_allocator.get_kvcache()
@@ -134,6 +143,8 @@ class LayerLiftLinker(UnifiedCacheLinker):  # type: ignore[misc,unused-ignore]
         self.layouts: dict[str, PoolLayout] = pool_layouts(
             kvcache, params.req_to_token_pool, int(params.page_size), names)
         self.pools: dict[PoolName, object] = {PoolName(n): p for n, p in self.layouts.items()}
+        found = pool_device(self.layouts, device)
+        self.path = DevicePath.open(found, forward_stream) if found is not None else None
         self.num_layers = 1 + max(lp.layer for p in self.layouts.values() for lp in p.layers)
         rank, layout = _topology(params)
         model = s.model or getattr(server_args, "model_path", None) or "model"
@@ -157,8 +168,11 @@ class LayerLiftLinker(UnifiedCacheLinker):  # type: ignore[misc,unused-ignore]
         try:
             # Loads and offloads stream through bounded staging rings (``linker/ring.py``):
             # a request of any size passes through, in chunks of capacity // depth.
-            self.ring = StagingRing(self.store, s.staging_mib << 20, timeout_s=s.timeout_s)
-            self.offload_ring = StagingRing(self.store, s.staging_mib << 20,
+            # On a device both are pinned (the H2D and D2H copies read and write them).
+            alloc = self.path.device.pinned if self.path is not None else None
+            self.ring = StagingRing(self.store, s.staging_mib << 20, alloc=alloc,
+                                    timeout_s=s.timeout_s)
+            self.offload_ring = StagingRing(self.store, s.staging_mib << 20, alloc=alloc,
                                             timeout_s=s.timeout_s)
             for pool in self.layouts.values():  # the only size a staged transfer refuses
                 require_fit(self.ring, pool.objects)
@@ -182,7 +196,8 @@ class LayerLiftLinker(UnifiedCacheLinker):  # type: ignore[misc,unused-ignore]
         self._failed_starts: set[int] = set()  # counter indices whose start failed
         self._next_index = 0
         self.quarantine = Quarantine()
-        self._offloader = Offloader(self.store, self.offload_ring, self.quarantine, s.timeout_s)
+        self._offloader = Offloader(self.store, self.offload_ring, self.quarantine, s.timeout_s,
+                                    path=self.path)
         self.lookups = LookupGuard(s.lookup_timeout_s, s.lookup_breaker_s, s.lookup_share)
         self.finished: deque[BatchLoad] = deque(maxlen=256)  # recent batches (timings, verdict)
         self.errors = 0  # calls that failed by an unexpected error (logged; SGLang went on)
@@ -292,7 +307,8 @@ class LayerLiftLinker(UnifiedCacheLinker):  # type: ignore[misc,unused-ignore]
             batch = BatchLoad(index, [item for items in pending for item in items],
                               self.num_layers, self.store, self.settings.load_timeout_s,
                               self.ring, depth=self.settings.depth,
-                              timeout_s=self.settings.timeout_s, quarantine=self.quarantine)
+                              timeout_s=self.settings.timeout_s, quarantine=self.quarantine,
+                              path=self.path)
             jobs = batch.jobs()
         except Exception:  # nothing was read: the verdict is False, SGLang aborts them
             self._unexpected(f"start of load batch {index}")
@@ -338,7 +354,10 @@ class LayerLiftLinker(UnifiedCacheLinker):  # type: ignore[misc,unused-ignore]
                      for layout, keys, rows in self._items(transfers)]
             if not items:
                 return False
-            self._offloader.submit(items)
+            # Device path: the gather runs after what wrote the slots (SGLang's
+            # record_offload_ready: the current stream and the forward stream).
+            ready = self.path.offload_ready() if self.path is not None else []
+            self._offloader.submit(items, ready)
             return True
         except ValueError as exc:
             _log.error("LayerLift: an offload is refused (%s)", exc)

@@ -28,6 +28,18 @@ Promises (each a test in ``tests/hosts/sglang_host``):
 Like SGLang's own counter, a failed layer does not raise into the forward
 (that would take the scheduler down): the forward goes on over zeroed slots,
 and the verdict comes from ``finish``.
+
+Pools on a device (``path``, a :class:`~.device.DevicePath`): the sink is the
+staged transfer's :class:`~layerlift.linker.staged.DeviceSink` on the path's
+load stream (fenced after the scheduler's current stream and the forward
+stream when the batch is built): a chunk's H2D copy and scatter are issued
+there and an event is recorded after them; its pinned staging returns to the
+ring once that event completed. A layer *lands* when its copies are issued;
+``wait_layer`` then makes the forward stream wait on the layer's event (no
+host sync). ``stop`` zeroes the layers that did not land on the load stream
+(after any copy of theirs) and the forward stream waits on that too. The same
+promises hold, with "copied" read as "issued on the load stream, before the
+event the forward waits on".
 """
 
 from __future__ import annotations
@@ -46,11 +58,21 @@ from typing import Any
 import torch
 
 from layerlift.linker.ring import StagingRing
-from layerlift.linker.staged import Gate, HostSink, LoadPart, LoadSegment, StagedLoad
+from layerlift.linker.staged import (
+    DeviceSink,
+    Gate,
+    HostSink,
+    LoadPart,
+    LoadSegment,
+    Sink,
+    StagedLoad,
+)
 from layerlift.linker.store_base import Store, StoreError
 from layerlift.overlap.base import LayerJob, LayerLoadError, LayerWaitTimeout
+from layerlift.overlap.device import DeviceEvent
 from layerlift.overlap.readiness import LayerReadiness
 
+from .device import DevicePath, scatter_units, zero_units
 from .layout import PoolLayout
 from .offload import Quarantine
 
@@ -97,8 +119,9 @@ class BatchLoad:
 
     def __init__(self, index: int, items: Sequence[LoadItem], num_layers: int, store: Store,
                  bound_s: float, ring: StagingRing, *, depth: int, timeout_s: float,
-                 quarantine: Quarantine | None = None) -> None:
+                 quarantine: Quarantine | None = None, path: DevicePath | None = None) -> None:
         self.index = index
+        self.path = path
         self.quarantine = quarantine
         self.items = tuple(items)
         self.store = store
@@ -110,9 +133,15 @@ class BatchLoad:
             for j, lp in enumerate(item.layout.layers):
                 reads[lp.layer].append((p, j))
         self.gate = Gate()
+        self.sink: DeviceSink | None = None
+        sink: Sink = HostSink(self._scatter)
+        if path is not None:
+            self.sink = DeviceSink(path.device, self._device_scatter, stream=path.load_stream)
+            path.fence_load()  # no copy overtakes earlier work on the slots
+            sink = self.sink
         self.staged = StagedLoad(
             ring, store, [LoadPart(item.layout.objects, item.keys, item) for item in self.items],
-            reads, HostSink(self._scatter), depth=depth, gate=self.gate, timeout_s=timeout_s,
+            reads, sink, depth=depth, gate=self.gate, timeout_s=timeout_s,
             on_corrupt=self._quarantine, on_layer=self._on_layer)
         self.reads = reads
         self.landed = [not r for r in reads]
@@ -122,6 +151,8 @@ class BatchLoad:
         self._stop_lock = threading.Lock()
         self._stopped = False
         self._zeroed = False
+        self._zero_event: DeviceEvent | None = None  # the device path's zeroing of unlanded layers
+        self._waited: set[int] = set()  # layers the forward stream already waits on
         self._session = contextlib.ExitStack()
         self._session_lock = threading.Lock()
         self._session_tried = False
@@ -165,6 +196,13 @@ class BatchLoad:
                 ctypes.memmove(lp.ptr(row), at, lp.nbytes)
                 at += lp.nbytes
 
+    @staticmethod
+    def _device_scatter(seg: LoadSegment, part: LoadPart, rows: torch.Tensor) -> None:
+        """Device path, on the load stream: ``rows`` (already on the slots' device)
+        into the segment's units."""
+        item: LoadItem = part.target
+        scatter_units(item.layout.layers[seg.local], item.rows[seg.lo : seg.hi], rows)
+
     def _on_layer(self, layer: int, event: object) -> None:
         """Under the gate, after the layer's last copy: it landed."""
         self.landed[layer] = True
@@ -176,17 +214,31 @@ class BatchLoad:
 
     def wait_layer(self, layer: int) -> None:
         """Forward thread: return once ``layer`` landed, or (failed, or past the
-        bound) once the batch is stopped and its unlanded slots zeroed."""
-        if self.landed[layer] or self._stopped:  # stopped: its slots are zeroed, the gate shut
+        bound) once the batch is stopped and its unlanded slots zeroed. On a
+        device "landed" means its copies were issued: the forward stream then
+        waits on their event (or on the zeroing), with no host sync."""
+        if not self.landed[layer]:
+            if not self._stopped:
+                remaining = self.deadline - time.monotonic()
+                try:
+                    self.readiness.wait(layer, timeout=max(remaining, 1e-3))
+                except (LayerLoadError, LayerWaitTimeout) as exc:
+                    self.error = self.error or exc
+            if not self.landed[layer]:
+                self.stop()  # idempotent: returns once the unlanded slots are zeroed (or issued)
+        self._order_forward(layer)
+
+    def _order_forward(self, layer: int) -> None:
+        """Device path: the forward stream waits on the event after ``layer``'s
+        copies (a landed layer) or after the zeroing of the unlanded ones."""
+        path = self.path
+        if path is None or layer in self._waited:
             return
-        remaining = self.deadline - time.monotonic()
-        try:
-            self.readiness.wait(layer, timeout=max(remaining, 1e-3))
-            if self.landed[layer]:
-                return
-        except (LayerLoadError, LayerWaitTimeout) as exc:
-            self.error = self.error or exc
-        self.stop()
+        event = self.staged.events[layer] if self.landed[layer] else self._zero_event
+        if event is not None:
+            path.wait(event)
+        if path.forward_stream is not None:  # one stream: once ordered, ordered for good
+            self._waited.add(layer)
 
     def stop(self) -> None:
         """Close the gate (no copy into the slots from now on) and zero the
@@ -197,14 +249,20 @@ class BatchLoad:
             if self._zeroed:
                 return
             self._zeroed = True
-            for layer, r in enumerate(self.reads):
-                if self.landed[layer]:
-                    continue
-                for p, j in r:
-                    item = self.items[p]
-                    for part in item.layout.layers[j].parts:
-                        for row in item.rows:
-                            ctypes.memset(part.ptr(row), 0, part.nbytes)
+            unlanded = [(self.items[p], j) for layer, r in enumerate(self.reads)
+                        if not self.landed[layer] for p, j in r]
+            if self.sink is not None:
+                if unlanded:  # on the load stream: after any copy of these layers
+                    def zero() -> None:
+                        for item, j in unlanded:
+                            zero_units([item.layout.layers[j]], item.rows)
+
+                    self._zero_event = self.sink.issue(zero)
+                return
+            for item, j in unlanded:
+                for part in item.layout.layers[j].parts:
+                    for row in item.rows:
+                        ctypes.memset(part.ptr(row), 0, part.nbytes)
 
     def finish(self) -> bool:
         """Scheduler thread: wait (at most until the bound) for the batch to
@@ -212,6 +270,8 @@ class BatchLoad:
         verified."""
         self.quiet.wait(max(0.0, self.deadline - time.monotonic()))
         self.stop()
+        for layer in range(len(self.landed)):  # device: later work on the slots follows the copies
+            self._order_forward(layer)
         failed = self.readiness.failed_requests()
         if self.error is None and failed:
             self.error = LayerLoadError(-1, None, failed, "a layer failed")

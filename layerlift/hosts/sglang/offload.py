@@ -24,6 +24,12 @@ Promises (each a test in ``tests/hosts/sglang_host``):
   of those same bytes: never another request's bytes under these keys.
 - Any exception of an offload (a bug, a store client's ``RuntimeError``) is
   logged and reported as a failed offload; the thread goes on with the next.
+- **Device pools** (``path``, a :class:`~.device.DevicePath`): the snapshot
+  gathers the units on the path's offload stream, ordered after the events
+  ``offload`` recorded on the scheduler's current stream and on the forward
+  stream (the slots' writers), into the pinned offload ring, and returns once
+  that copy ran (``linker/staged.py``'s ``DeviceSnapshot``): the bytes put are
+  what the forward wrote, copied before SGLang unlocks the node.
 - **Repair** (:class:`Quarantine`): a key whose object failed its checks on
   a load is removed from the store and offered by no lookup until it is gone;
   the next offload of that key writes fresh bytes.
@@ -35,16 +41,26 @@ import ctypes
 import logging
 import threading
 import time
+import weakref
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from layerlift.linker.ring import StagingRing
-from layerlift.linker.staged import DEFAULT_DEPTH, OffloadPart, OffloadSegment, StagedOffload
+from layerlift.linker.staged import (
+    DEFAULT_DEPTH,
+    DeviceSnapshot,
+    OffloadPart,
+    OffloadSegment,
+    Snapshot,
+    StagedOffload,
+)
 from layerlift.linker.store_base import Store, StoreError, StoreObjectLeased, StoreTimeout
+from layerlift.overlap.device import DeviceEvent
 
+from .device import DevicePath, gather_units
 from .layout import PoolLayout
 
 __all__ = ["OffloadItem", "Offloader", "Quarantine"]
@@ -67,18 +83,37 @@ class Quarantine:
     truncated). ``lookup`` treats them as missing; the offload thread removes
     them from the store (Mooncake refuses a remove while a read's lease is
     held: it retries) and forgets a key once the store no longer has it, or
-    once an offload replaced it. Thread-safe."""
+    once an offload replaced it. Thread-safe. ``on_add`` callbacks (the
+    offload thread's wake-up) run after a key is added, outside the lock, so
+    a removal starts at once rather than at the next offload."""
 
     def __init__(self) -> None:
         self._keys: dict[str, float] = {}  # key -> when quarantined
         self._lock = threading.Lock()
+        self._on_add: list[weakref.WeakMethod[Callable[[], None]]] = []
         self.removed = 0  # objects this linker removed from the store
+
+    def subscribe(self, on_add: Callable[[], None]) -> None:
+        """Call the bound method ``on_add()`` (from the adding thread) whenever
+        new keys arrive. Held weakly: the quarantine keeps no offloader alive
+        (a reference cycle would leave it, its ring and the ring's store
+        registration to the garbage collector)."""
+        with self._lock:
+            self._on_add.append(weakref.WeakMethod(on_add))
 
     def add(self, keys: Iterable[str]) -> None:
         now = time.monotonic()
         with self._lock:
+            before = len(self._keys)
             for key in keys:
                 self._keys.setdefault(key, now)
+            grew = len(self._keys) > before
+            listeners = list(self._on_add)
+        if grew:
+            for ref in listeners:
+                wake = ref()
+                if wake is not None:
+                    wake()
 
     def discard(self, keys: Iterable[str]) -> None:
         with self._lock:
@@ -126,16 +161,50 @@ class _SlotSnapshot:
                         at += p.nbytes
 
 
+class _DeviceSlotSnapshot:
+    """The device path's snapshot: as :class:`_SlotSnapshot` (the epoch check
+    under the epoch lock), but the gather and its D2H copy into pinned staging
+    run on the offload stream, after ``ready`` (events recorded after the
+    slots' writers), and ``read`` returns once the copy ran."""
+
+    def __init__(self, offloader: Offloader, epoch: int, path: DevicePath,
+                 ready: Sequence[DeviceEvent]) -> None:
+        self.offloader, self.epoch = offloader, epoch
+        stream = path.offload_stream
+        earlier, last = list(ready[:-1]), (ready[-1] if ready else None)
+
+        def after() -> DeviceEvent | None:
+            for event in earlier:
+                event.wait(stream)
+            return last
+
+        self._snapshot = DeviceSnapshot(path.device, self._gather, stream=stream, after=after)
+
+    @staticmethod
+    def _gather(seg: OffloadSegment, part: OffloadPart) -> torch.Tensor:
+        item: OffloadItem = part.source
+        return gather_units(item.layout.layers, item.rows[seg.lo : seg.hi])
+
+    def read(self, seg: OffloadSegment, part: OffloadPart, pages: torch.Tensor) -> None:
+        with self.offloader._epoch_lock:
+            if self.epoch != self.offloader._epoch:
+                raise _Revoked
+            self._snapshot.read(seg, part, pages)
+
+
 class Offloader:
     """Runs offloads on one daemon thread, first in first out; results are
     read in the same order (``completed`` / ``pop``). Thread-safe.
 
     ``remove_bound_s``: how long one offload keeps retrying the removal of a
-    quarantined key it is about to replace (a read's lease blocks removal)."""
+    quarantined key it is about to replace (a read's lease blocks removal).
+    ``path``: the device path of pools on a device (None: host pools)."""
 
     def __init__(self, store: Store, ring: StagingRing, quarantine: Quarantine,
-                 remove_bound_s: float, depth: int = DEFAULT_DEPTH) -> None:
+                 remove_bound_s: float, depth: int = DEFAULT_DEPTH,
+                 path: DevicePath | None = None) -> None:
         self._store = store
+        self.path = path
         self._ring = ring
         self._depth = depth
         self.quarantine = quarantine
@@ -143,20 +212,28 @@ class Offloader:
         self._cond = threading.Condition()
         self._epoch_lock = threading.Lock()  # held by a snapshot and by quiesce's epoch bump
         self._epoch = 0
-        self._queue: deque[tuple[int, list[OffloadItem]]] = deque()
+        self._queue: deque[tuple[int, list[OffloadItem], list[DeviceEvent]]] = deque()
         self._results: deque[bool] = deque()
         self._running = False
         self._stopping = False
         self.timed_out = 0  # puts still running after their timeout (held staging)
         self.errors = 0  # offloads that failed by an exception other than a StoreError
         self._thread = threading.Thread(target=self._run, name="layerlift-offload", daemon=True)
+        quarantine.subscribe(self._wake)
         self._thread.start()
 
-    def submit(self, items: list[OffloadItem]) -> None:
+    def _wake(self) -> None:
+        """A key was quarantined: the idle thread starts its repair timer now."""
+        with self._cond:
+            self._cond.notify_all()
+
+    def submit(self, items: list[OffloadItem], ready: Sequence[DeviceEvent] = ()) -> None:
+        """Queue one offload; ``ready`` (device path): events recorded after the
+        work that wrote its slots, which the gather waits on (``DevicePath.offload_ready``)."""
         with self._cond:
             if self._stopping:
                 raise RuntimeError("the offload thread is stopped")
-            self._queue.append((self._epoch, items))
+            self._queue.append((self._epoch, items, list(ready)))
             self._cond.notify_all()
 
     def pending(self) -> int:
@@ -167,6 +244,11 @@ class Offloader:
     def completed(self) -> int:
         with self._cond:
             return len(self._results)
+
+    def wait_completed(self, count: int, timeout_s: float) -> bool:
+        """Block until at least ``count`` results wait (at most ``timeout_s``)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: len(self._results) >= count, timeout_s)
 
     def pop(self) -> bool:
         """The oldest result. Raises IndexError when none is waiting."""
@@ -210,9 +292,9 @@ class Offloader:
             if task is None:
                 self._repair()
                 continue
-            epoch, items = task
+            epoch, items, ready = task
             try:
-                ok = self._offload(epoch, items)
+                ok = self._offload(epoch, items, ready)
             except Exception:  # a bug or a client's own error: this offload failed, go on
                 self.errors += 1
                 _log.exception("LayerLift offload failed by an unexpected error; reported failed")
@@ -260,7 +342,8 @@ class Offloader:
             pause = min(pause * 2, 0.25)
             keys = left
 
-    def _offload(self, epoch: int, items: list[OffloadItem]) -> bool:
+    def _offload(self, epoch: int, items: list[OffloadItem],
+                 ready: Sequence[DeviceEvent] = ()) -> bool:
         all_keys = [k for item in items for k in item.keys]
         try:
             present = self._store.exists(all_keys)
@@ -284,10 +367,12 @@ class Offloader:
                          "(a read holds a lease); they stay unoffered", len(kept))
         if not missing:
             return not kept
+        snapshot: Snapshot = _SlotSnapshot(self, epoch) if self.path is None else \
+            _DeviceSlotSnapshot(self, epoch, self.path, ready)
         staged = StagedOffload(
             self._ring, self._store,
             [OffloadPart(m.layout.objects, m.keys, m) for m in missing],
-            _SlotSnapshot(self, epoch), depth=self._depth, timeout_s=self._ring.timeout_s,
+            snapshot, depth=self._depth, timeout_s=self._ring.timeout_s,
             on_late_end=self._timed_out_ended)
         try:
             outcome = staged.run()

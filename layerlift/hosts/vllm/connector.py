@@ -231,7 +231,9 @@ class LayerLiftConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Wait for this layer of this step's synchronous restores only
         (bounded by ``layer_wait_timeout_s``; a failure is reported at the
-        step's end, never raised into the forward)."""
+        step's end, never raised into the forward). On CUDA the host waits
+        until the layer's copies were issued on LayerLift's load stream, then
+        the current stream waits on the layer's event (no host sync)."""
         if self._worker is not None:
             self._worker.wait_layer(layer_name)
 
@@ -241,8 +243,9 @@ class LayerLiftConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,
         return None
 
     def wait_for_save(self) -> None:
-        """Stage this step's completed pages (copied before returning) and put
-        them in the background."""
+        """Stage this step's completed pages (copied before returning: on
+        CUDA gathered on LayerLift's save stream after an event recorded on
+        the current stream, and waited for) and put them in the background."""
         meta = self._step()
         if meta is not None and self._worker is not None and meta.saves:
             self._worker.save(meta.saves)

@@ -6,11 +6,19 @@ the layer, so a foreign object or a swapped slice fails too): the
 `ObjectLayout` of ``linker/staged.py`` with one slice per layer. Plain and
 synchronous: the worker stages offloads on vLLM's thread; restores go through
 `StagedLoad` (the worker's sink copies verified rows with `block_bytes`).
+
+On a device (CUDA, or the simulated device of the tests) the same bytes move
+with index copies instead: `scatter_rows` writes a segment's verified rows
+into its blocks (issued on the load stream by `BlockSink`), `gather_pages`
+reads a run of blocks as page bytes (issued on the save stream by
+``DeviceSnapshot``) and `stage_pages` lays the footers over what a snapshot
+staged.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -18,8 +26,11 @@ import torch
 from layerlift.hosts.vllm.layout import Layout
 from layerlift.linker.integrity import CHECK_BYTES, checksums, slice_seed
 from layerlift.linker.ring import Region
+from layerlift.linker.staged import DeviceSink, LoadPart, LoadSegment
+from layerlift.overlap.device import Device, DeviceEvent
 
-__all__ = ["KeyedItem", "block_bytes", "stage_objects"]
+__all__ = ["BlockSink", "KeyedItem", "block_bytes", "block_table", "gather_pages",
+           "scatter_rows", "stage_objects", "stage_pages"]
 
 # (group index, store key, block id): an item with the key of this worker's rank
 KeyedItem = tuple[int, str, int]
@@ -49,3 +60,114 @@ def stage_objects(layout: Layout, kv: dict[str, torch.Tensor], items: Sequence[K
         sizes.append(layout.object_bytes(group))
         at += sizes[-1]
     return ptrs, sizes
+
+
+def block_table(kv: torch.Tensor) -> torch.Tensor | None:
+    """A layer's KV tensor as ``uint8[num_blocks, block_bytes]`` (one row per
+    block: a view, writes reach the cache), or None when its blocks are not
+    laid out as evenly strided contiguous rows (then copy block by block)."""
+    if kv.dim() < 2 or not kv[0].is_contiguous() or kv.stride(-1) != 1:
+        return None
+    size = kv.element_size()
+    row = kv[0].numel() * size
+    raw = kv.view(torch.uint8)
+    if kv.stride(0) * size < row:
+        return None  # overlapping blocks: not a block table
+    return raw.as_strided((int(kv.shape[0]), row), (kv.stride(0) * size, 1))
+
+
+def _index(blocks: Sequence[int], device: torch.device) -> torch.Tensor:
+    """``blocks`` as an index on ``device``. To CUDA from pinned memory: an
+    asynchronous copy on the current stream (from pageable memory the copy
+    would first wait for that stream on the host); torch's pinned allocator
+    keeps the buffer until the copy ran."""
+    index = torch.tensor(list(blocks), dtype=torch.int64)
+    if device.type == "cpu":
+        return index
+    return index.pin_memory().to(device, non_blocking=True)
+
+
+def scatter_rows(kv: torch.Tensor, blocks: Sequence[int], rows: torch.Tensor) -> None:
+    """Write ``rows[i]`` (``uint8[n, block_bytes]``, on ``kv``'s device) into
+    block ``blocks[i]`` of ``kv``; issued on the caller's current stream."""
+    with torch.inference_mode():  # vLLM's caches may be inference tensors
+        table = block_table(kv)
+        if table is not None:
+            table.index_copy_(0, _index(blocks, kv.device), rows)
+            return
+        for i, block in enumerate(blocks):
+            block_bytes(kv, block).copy_(rows[i])
+
+
+def gather_pages(layout: Layout, kv: dict[str, torch.Tensor], group: int,
+                 blocks: Sequence[int], pad: int = 0) -> torch.Tensor:
+    """Blocks ``blocks`` of ``group``'s layers as ``uint8[n, page_bytes +
+    pad]`` (each row one object's page: its layers' blocks, layer-major, then
+    ``pad`` zero bytes where the footer goes), on the caches' device; issued
+    on the caller's current stream."""
+    names = next(g for g in layout.groups if g.index == group).layer_names
+    cols = []
+    for name in names:
+        table = block_table(kv[name])
+        if table is not None:
+            cols.append(table.index_select(0, _index(blocks, kv[name].device)))
+        else:
+            cols.append(torch.stack([block_bytes(kv[name], b) for b in blocks]))
+    if pad:
+        cols.append(torch.zeros((len(blocks), pad), dtype=torch.uint8, device=cols[0].device))
+    return torch.cat(cols, dim=1)
+
+
+def stage_pages(layout: Layout, items: Sequence[KeyedItem], scratch: Region,
+                read: Callable[[int, list[int], torch.Tensor], None]) -> tuple[list[int], list[int]]:
+    """Like `stage_objects`, with the page bytes copied by ``read(group,
+    blocks, objects)`` (``objects``: ``uint8[n, object_bytes]``, the run's
+    objects in ``scratch``, contiguous; ``read`` fills each row's page and may
+    write anything into its footer, and returns once the bytes are there), one
+    call per run of consecutive items of one group; the footers are then
+    computed over the staged bytes. Returns the objects' addresses and sizes."""
+    groups = {g.index: g for g in layout.groups}
+    ptrs: list[int] = []
+    sizes: list[int] = []
+    at = 0
+    i = 0
+    while i < len(items):
+        g = items[i][0]
+        j = i
+        while j < len(items) and items[j][0] == g:
+            j += 1
+        run = items[i:j]
+        group, n = groups[g], j - i
+        slices = layout.slices(group)
+        page = sum(s for _, s in slices)
+        ob = layout.object_bytes(group)
+        objects = scratch.tensor[at:at + n * ob].view(n, ob)
+        read(g, [b for _, _, b in run], objects)
+        for k, (off, size) in enumerate(slices):
+            sums = checksums([scratch.ptr + at + r * ob + off for r in range(n)], size,
+                             [slice_seed(key, k) for _, key, _ in run])
+            objects[:, page + CHECK_BYTES * k:page + CHECK_BYTES * (k + 1)] = torch.from_numpy(
+                np.ascontiguousarray(sums).view(np.uint8).reshape(n, CHECK_BYTES))
+        ptrs += [scratch.ptr + at + r * ob for r in range(n)]
+        sizes += [ob] * n
+        at += n * ob
+        i = j
+    return ptrs, sizes
+
+
+class BlockSink(DeviceSink):
+    """`DeviceSink` on the worker's one load stream: per verified segment an
+    H2D copy from the pinned staging and `scatter_rows` into the segment's
+    blocks, then an event recorded on the load stream after them (the layer's
+    event is its last chunk's). ``drain()`` blocks until every copy issued so
+    far ran (before a load is reported, see the worker)."""
+
+    def __init__(self, device: Device, stream: Any,
+                 scatter: Callable[[LoadSegment, LoadPart, torch.Tensor], None]) -> None:
+        super().__init__(device, scatter, stream)
+
+    def drain(self) -> None:
+        """Host-wait for everything issued on the load stream so far."""
+        done: DeviceEvent = self.device.event()
+        done.record(self.stream)
+        done.synchronize()

@@ -9,6 +9,12 @@ objects was corrupted in the store, and Q3 while the master is stopped
 (SIGSTOP). Every answer must equal the cold one. The store's memory is a
 segment of this test process, so it outlives A. The master is this module's,
 with the 5 s read lease of `layerlift master`.
+
+The three start at once (B serves only after A closed). The cold instance
+and A run vLLM's engine core and worker inside their one process
+(``in_process``: a third of the start-up); B, whose restores are tested,
+and the single-group instance run vLLM's real processes (the connector's
+metadata and worker reports cross a process boundary, serialized).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import random
 import re
 import time
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +36,8 @@ from layerlift.linker.mooncake_store import MooncakeStore
 from layerlift.testing.faults import ProcessStall
 from layerlift.testing.vllm_verify import make_tiny_model
 
-pytestmark = [pytest.mark.vllm, pytest.mark.mooncake]
+# an instance takes 60-200 s to start on a loaded 2-core machine; a scenario starts three
+pytestmark = [pytest.mark.vllm, pytest.mark.mooncake, pytest.mark.timeout(1800)]
 
 PAGE = 128  # vLLM's CPU block size
 STORE_TIMEOUT_S = 3.0
@@ -78,18 +86,31 @@ def _scenario(kind: str, master: EmbeddedMaster, tmp: Path) -> dict[str, Any]:
              "namespace": f"t-{kind}", "store_timeout_s": STORE_TIMEOUT_S,
              "layer_wait_timeout_s": 10.0}
     out: dict[str, Any] = {}
-    cold = Instance(model, "none", None, tmp / f"{kind}-cold.log")
-    try:
+    with ExitStack() as stack:
+        # the three start at once; B serves only after A has closed (its offloads put)
+        cold = _start(stack, model, "none", None, tmp / f"{kind}-cold.log", in_process=True)
+        a = _start(stack, model, "layerlift", extra, tmp / f"{kind}-a.log", in_process=True)
+        b = _start(stack, model, "layerlift", extra, tmp / f"{kind}-b.log")  # vLLM's processes
         out["cold"] = cold.generate(qs)
-    finally:
         cold.close()
-    a = Instance(model, "layerlift", extra, tmp / f"{kind}-a.log")
-    try:
         out["a"] = a.generate(ps)
         out["a_log"] = a.log_text()
-    finally:
         a.close()
-    b = Instance(model, "layerlift", extra, tmp / f"{kind}-b.log")
+        out.update(_serve_b(kind, b, master, ps, qs, out["a_log"]))
+    return out
+
+
+def _start(stack: ExitStack, model: str, connector: str, extra: dict[str, Any] | None,
+           log: Path, **kwargs: Any) -> Instance:
+    """An instance started without waiting for it, closed when ``stack`` ends."""
+    inst = Instance(model, connector, extra, log, wait=False, **kwargs)
+    stack.callback(inst.close)
+    return inst
+
+
+def _serve_b(kind: str, b: Instance, master: EmbeddedMaster, ps: list[list[int]],
+             qs: list[list[int]], a_log: str) -> dict[str, Any]:
+    out: dict[str, Any] = {"a_log": a_log}
     stall = ProcessStall(master.pid or 0)
     try:
         out["restored"] = b.generate([qs[0]])[0]
@@ -107,7 +128,6 @@ def _scenario(kind: str, master: EmbeddedMaster, tmp: Path) -> dict[str, Any]:
         out["b_log"] = b.log_text()
     finally:
         stall.release()
-        b.close()
     return out
 
 
@@ -153,26 +173,41 @@ def test_corrupt_object_recomputes_cold(scenario: dict[str, Any]) -> None:
 
 
 def test_stopped_master_computes_cold_in_bounded_time(scenario: dict[str, Any]) -> None:
-    assert scenario["stalled"]["num_cached_tokens"] == 0, scenario["stalled_s"]
+    assert scenario["stalled"]["num_cached_tokens"] == 0, \
+        f"restored while the master was stopped, in {scenario['stalled_s']:.3f} s"
     _same_answer(scenario["stalled"], scenario["cold"][2])  # answered within generate's 60 s
 
 
 @pytest.fixture(scope="module")
-def single_group(mooncake_master: EmbeddedMaster, segment_holder: MooncakeStore,
-                 tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def llama_instances(mooncake_master: EmbeddedMaster, segment_holder: MooncakeStore,
+                    tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """The instances of `single_group` (vLLM's processes) and `prefix_cached`
+    (in process), started at once: a full-attention-only model (one KV
+    cache group), its own namespace each."""
+    tmp = tmp_path_factory.mktemp("llama")
+    out: dict[str, Any] = {"tmp": tmp}
+    with ExitStack() as stack:
+        for name, seed, prefix_caching in (("single", 0, False), ("pc", 5, True)):
+            model = make_tiny_model("llama", str(tmp / f"llama-{name}"), seed=seed)
+            extra = {"store": f"mooncake://{mooncake_master.master_address}",
+                     "metadata": mooncake_master.metadata_url, "namespace": f"t-llama-{name}",
+                     "store_timeout_s": STORE_TIMEOUT_S, "layer_wait_timeout_s": 10.0}
+            out[name] = _start(stack, model, "layerlift", extra, tmp / f"{name}.log",
+                               prefix_caching=prefix_caching, in_process=prefix_caching)
+        yield out
+
+
+@pytest.fixture(scope="module")
+def single_group(mooncake_master: EmbeddedMaster,
+                 llama_instances: dict[str, Any]) -> dict[str, Any]:
     """A full-attention-only model (one KV cache group): restores run during
     the forward (synchronous, per layer). One instance (its cold answers are
     its first ones, with nothing in the store yet) serves Q1 and Q2 cold
     (offloading them), Q1 again (restored), then Q2 again after Q2's first
     page was corrupted in the store."""
-    tmp = tmp_path_factory.mktemp("llama")
-    model = make_tiny_model("llama", str(tmp / "llama"))
     _, qs = _prompts(seed=7)
-    extra = {"store": f"mooncake://{mooncake_master.master_address}",
-             "metadata": mooncake_master.metadata_url, "namespace": "t-llama",
-             "store_timeout_s": STORE_TIMEOUT_S, "layer_wait_timeout_s": 10.0}
     out: dict[str, Any] = {}
-    inst = Instance(model, "layerlift", extra, tmp / "layerwise.log")
+    inst = llama_instances["single"]
     try:
         out["cold"] = inst.generate(qs[:2])
         out["cold_log"] = inst.log_text()
@@ -203,7 +238,7 @@ def test_single_group_corrupt_block_is_recomputed(single_group: dict[str, Any]) 
 
 @pytest.fixture(scope="module")
 def prefix_cached(mooncake_master: EmbeddedMaster, segment_holder: MooncakeStore,
-                  tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+                  llama_instances: dict[str, Any]) -> dict[str, Any]:
     """Prefix caching on (vLLM's default), one KV cache group (synchronous
     restores), vLLM's real order. One instance serves Qa and Qb (one prefix,
     two suffixes) in one batch, cold: the references. Then, with its local
@@ -213,16 +248,11 @@ def prefix_cached(mooncake_master: EmbeddedMaster, segment_holder: MooncakeStore
     the same step over them. Then Qa alone, after another reset: a restore
     of whatever the store holds now (the corrupt object replaced by the
     recompute's offload, never by Qb's unrestored blocks)."""
-    tmp = tmp_path_factory.mktemp("llama-pc")
-    model = make_tiny_model("llama", str(tmp / "llama"), seed=5)
     rng = random.Random(23)
     prefix = [rng.randrange(3, 500) for _ in range(3 * PAGE)]
     qa, qb = (prefix + [rng.randrange(3, 500) for _ in range(40)] for _ in range(2))
-    extra = {"store": f"mooncake://{mooncake_master.master_address}",
-             "metadata": mooncake_master.metadata_url, "namespace": "t-llama-pc",
-             "store_timeout_s": STORE_TIMEOUT_S, "layer_wait_timeout_s": 10.0}
     out: dict[str, Any] = {}
-    inst = Instance(model, "layerlift", extra, tmp / "prefix-cached.log", prefix_caching=True)
+    inst = llama_instances["pc"]
     try:
         out["cold"] = inst.generate([qa, qb], batch=True)
         prefix_keys = [f"{_key_prefix(inst.log_text())}full0/0/{h.hex()}"

@@ -12,6 +12,12 @@ the store, batched with Q1 and Q3 that restore fine; serves the three while
 the store node holding the objects is stopped (every layer late); serves
 Q3 while the master is stopped. Every answer equals the cold one and vLLM's
 engine core never raises (an exception would end the instance).
+
+A and B start at once (B serves only after A closed). A, and the instances
+of the prefix-sharing and fail-policy cases (started together), run vLLM's
+engine core and worker inside their one process (``in_process``: a third of
+the start-up); B runs vLLM's real processes, so its synchronous loads'
+metadata and failure reports cross a process boundary, serialized.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +41,7 @@ from layerlift.linker.master import EmbeddedMaster
 from layerlift.testing.faults import ProcessStall
 from layerlift.testing.vllm_verify import make_tiny_model
 
-# an instance takes 20-180 s to start on a loaded 2-core machine; a scenario starts two
+# an instance takes 60-200 s to start on a loaded 2-core machine; a scenario starts two
 pytestmark = [pytest.mark.vllm, pytest.mark.mooncake, pytest.mark.timeout(1800)]
 
 PAGE = 128  # vLLM's CPU block size
@@ -105,13 +112,29 @@ def _scenario(kind: str, master: EmbeddedMaster, node: subprocess.Popen[str],
              "namespace": f"s-{kind}", "store_timeout_s": STORE_TIMEOUT_S,
              "layer_wait_timeout_s": LAYER_WAIT_S}
     out: dict[str, Any] = {"kind": kind}
-    a = Instance(model, "layerlift", extra, tmp / f"{kind}-a.log", scheduler_cls=SCHED)
-    try:
+    with ExitStack() as stack:
+        # both start at once; B serves only after A has closed (its offloads put)
+        a = _start(stack, model, extra, tmp / f"{kind}-a.log", in_process=True)
+        b = _start(stack, model, extra, tmp / f"{kind}-b.log")  # vLLM's processes
         out["a"] = out["cold"] = a.generate(qs)  # nothing in the store yet: computed cold
         out["a_log"] = a.log_text()
-    finally:
         a.close()
-    b = Instance(model, "layerlift", extra, tmp / f"{kind}-b.log", scheduler_cls=SCHED)
+        out.update(_serve_b(b, master, node, qs, out["a_log"], kind))
+    return out
+
+
+def _start(stack: ExitStack, model: str, extra: dict[str, Any], log: Path,
+           **kwargs: Any) -> Instance:
+    """A LayerLift instance with the scheduler class, started without
+    waiting for it, closed when ``stack`` ends."""
+    inst = Instance(model, "layerlift", extra, log, scheduler_cls=SCHED, wait=False, **kwargs)
+    stack.callback(inst.close)
+    return inst
+
+
+def _serve_b(b: Instance, master: EmbeddedMaster, node: subprocess.Popen[str],
+             qs: list[list[int]], a_log: str, kind: str) -> dict[str, Any]:
+    out: dict[str, Any] = {"a_log": a_log}
     node_stall = ProcessStall(node.pid)
     master_stall = ProcessStall(master.pid or 0)
     try:
@@ -140,7 +163,6 @@ def _scenario(kind: str, master: EmbeddedMaster, node: subprocess.Popen[str],
     finally:
         node_stall.release()
         master_stall.release()
-        b.close()
     return out
 
 
@@ -324,8 +346,27 @@ def test_bench_reads_the_workers_hidden_fraction() -> None:
 
 
 @pytest.fixture(scope="module")
-def shared_prefix(mooncake_master: EmbeddedMaster, store_node: subprocess.Popen[str],
-                  tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def gemma_instances(mooncake_master: EmbeddedMaster, store_node: subprocess.Popen[str],
+                    tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Instance]]:
+    """The instances of `shared_prefix` and `test_fail_policy_ends_only_the_failed_request`,
+    started at once (in process, gemma3, the scheduler class, a namespace each)."""
+    tmp = tmp_path_factory.mktemp("s-gemma")
+    out: dict[str, Instance] = {}
+    with ExitStack() as stack:
+        for name, seed, kwargs in (("shared", 4, {"prefix_caching": True}),
+                                   ("fail", 6, {"failure_policy": "fail"})):
+            model = make_tiny_model("gemma3", str(tmp / f"gemma3-{name}"), seed=seed)
+            extra = {"store": f"mooncake://{mooncake_master.master_address}",
+                     "metadata": mooncake_master.metadata_url, "namespace": f"s-{name}",
+                     "store_timeout_s": STORE_TIMEOUT_S, "layer_wait_timeout_s": LAYER_WAIT_S}
+            out[name] = _start(stack, model, extra, tmp / f"{name}.log", in_process=True,
+                               **kwargs)
+        yield out
+
+
+@pytest.fixture(scope="module")
+def shared_prefix(mooncake_master: EmbeddedMaster,
+                  gemma_instances: dict[str, Instance]) -> dict[str, Any]:
     """gemma3, prefix caching on, the scheduler class. One instance serves Qa
     and Qb (one 3-page prefix, two suffixes) in one batch, cold: the
     references. Then, its local cache emptied and page 1 of the prefix's
@@ -333,17 +374,11 @@ def shared_prefix(mooncake_master: EmbeddedMaster, store_node: subprocess.Popen[
     restores synchronously and fails; Qb gets a local hit on the blocks Qa
     is restoring (vLLM caches them at allocation) and runs in the same step
     over them: both must be recomputed."""
-    tmp = tmp_path_factory.mktemp("s-shared")
-    model = make_tiny_model("gemma3", str(tmp / "gemma3"), seed=4)
     rng = random.Random(29)
     prefix = [rng.randrange(3, 500) for _ in range(3 * PAGE)]
     qa, qb = (prefix + [rng.randrange(3, 500) for _ in range(41)] for _ in range(2))
-    extra = {"store": f"mooncake://{mooncake_master.master_address}",
-             "metadata": mooncake_master.metadata_url, "namespace": "s-shared",
-             "store_timeout_s": STORE_TIMEOUT_S, "layer_wait_timeout_s": LAYER_WAIT_S}
     out: dict[str, Any] = {}
-    inst = Instance(model, "layerlift", extra, tmp / "shared.log", prefix_caching=True,
-                    scheduler_cls=SCHED)
+    inst = gemma_instances["shared"]
     try:
         out["cold"] = inst.generate([qa, qb], batch=True)
         key = f"{_key_prefix(inst.log_text())}full3/0/{prompt_hashes(prefix, PAGE)[1].hex()}"
@@ -424,21 +459,14 @@ def test_planner_sync_hybrid_failure_reported_per_request() -> None:
 
 
 def test_fail_policy_ends_only_the_failed_request(
-        mooncake_master: EmbeddedMaster, store_node: subprocess.Popen[str],
-        tmp_path_factory: pytest.TempPathFactory) -> None:
+        mooncake_master: EmbeddedMaster, gemma_instances: dict[str, Instance]) -> None:
     """``kv_load_failure_policy="fail"``: a request whose restore fails ends
     with an error (the harness reports its empty output as an error); the
     instance keeps serving and a request that restores fine answers as the
     cold run did."""
-    tmp = tmp_path_factory.mktemp("s-fail")
-    model = make_tiny_model("gemma3", str(tmp / "gemma3"), seed=6)
     rng = random.Random(31)
     qa, qb = ([rng.randrange(3, 500) for _ in range(2 * PAGE + 17)] for _ in range(2))
-    extra = {"store": f"mooncake://{mooncake_master.master_address}",
-             "metadata": mooncake_master.metadata_url, "namespace": "s-fail",
-             "store_timeout_s": STORE_TIMEOUT_S, "layer_wait_timeout_s": LAYER_WAIT_S}
-    inst = Instance(model, "layerlift", extra, tmp / "fail.log", scheduler_cls=SCHED,
-                    failure_policy="fail")
+    inst = gemma_instances["fail"]
     try:
         cold = inst.generate([qa, qb])
         key = f"{_key_prefix(inst.log_text())}full3/0/{prompt_hashes(qa, PAGE)[0].hex()}"

@@ -1,0 +1,204 @@
+"""The two seams of a staged transfer (``linker/staged.py``), and its gate.
+
+A load's verified rows go to a **sink**; an offload's page bytes come from a
+**snapshot**. Each adapter supplies its own scatter or gather; the host
+forms (:class:`HostSink`, :class:`HostSnapshot`) are done when they return,
+the device forms are written once here for every adapter. The
+:class:`Gate` is what a load's copies hold: once ``close()`` returned, no
+copy into the destination runs and none starts.
+
+Device path
+===========
+
+:class:`DeviceSink` is the sink for device memory, written once for every
+adapter: after the host CRC check, ``write`` issues the H2D copy of the
+chunk's rows and the adapter's ``scatter`` (gather/scatter into its slot or
+block indices) on its load stream through the device seam
+(``overlap/device.py``: ``Device.launch``), then records an event on that same
+stream after the copies and returns it. The region is released only once that
+event completed; the layer's event (the last chunk's) is what the forward's
+stream waits on before it reads the layer (``event.wait(forward stream)``).
+``begin()`` orders the load stream after the caller's current stream (a fence,
+no host sync), as ``CudaLane.begin_load`` does. :class:`DeviceSnapshot` is the
+offload side: the gather of device slots into pinned staging runs on a stream
+ordered after an event the adapter recorded after the forward that wrote them,
+and ``read`` returns once that copy finished. The ring of a device path is
+pinned: ``StagingRing(store, alloc=device.pinned)``. :class:`HostSink` and
+:class:`HostSnapshot` are the CPU forms (the copy is done when they return).
+
+Threads
+=======
+
+``fetch_layer`` of different layers may run at once on different threads (the
+lane's workers); ``write`` of one sink is serialised only where it says so
+(``DeviceSink``: launch and record under one lock, so events are recorded in
+issue order). The gate's lock is held during a sink's ``write``: ``close()``
+returns only once no write is in progress, and none starts afterwards.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, Protocol
+
+import torch
+
+from layerlift.linker.transfer_plan import LoadPart, LoadSegment, OffloadPart, OffloadSegment
+from layerlift.overlap.device import Device, DeviceEvent
+
+__all__ = [
+    "DeviceSink",
+    "DeviceSnapshot",
+    "Gate",
+    "Gather",
+    "HostSink",
+    "HostSnapshot",
+    "Scatter",
+    "Sink",
+    "Snapshot",
+]
+
+
+class Gate:
+    """Opens once, closes once: copies into a load's destination happen only
+    while it is open, holding its lock (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open = True
+
+    @contextmanager
+    def held(self) -> Iterator[bool]:
+        """Hold the gate; yields whether it is open (copy only if True)."""
+        with self._lock:
+            yield self._open
+
+    def close(self) -> None:
+        """Close it: returns once no copy runs; none starts afterwards. Idempotent."""
+        with self._lock:
+            self._open = False
+
+    @property
+    def open(self) -> bool:
+        return self._open
+
+
+class Sink(Protocol):
+    """Where a load's verified rows go (the adapter's destination)."""
+
+    def write(self, seg: LoadSegment, part: LoadPart, rows: torch.Tensor) -> DeviceEvent | None:
+        """Copy ``rows`` (``uint8[seg.rows, size]``, host staging, verified)
+        into slice ``seg.local`` of rows ``seg.lo..seg.hi`` of ``part``'s
+        destination. Called under the load's gate, on a worker thread. Return
+        None once the copy is done, or an event recorded after copies that
+        still read ``rows`` (the region is reused only once it completed)."""
+
+
+Scatter = Callable[[LoadSegment, LoadPart, torch.Tensor], None]
+"""``scatter(seg, part, rows)``: write ``rows`` (on the destination's device)
+into the destination of the segment's rows (e.g. ``view.index_copy_(0, idx, rows)``)."""
+
+
+class HostSink:
+    """The host path: ``scatter`` copies from staging; done when it returns."""
+
+    def __init__(self, scatter: Scatter) -> None:
+        self.scatter = scatter
+
+    def write(self, seg: LoadSegment, part: LoadPart, rows: torch.Tensor) -> DeviceEvent | None:
+        self.scatter(seg, part, rows)
+        return None
+
+
+class DeviceSink:
+    """The device path (see the module docstring): per segment, an H2D copy of
+    the rows plus ``scatter`` issued on ``stream`` (a new load stream of
+    ``device`` by default), then an event recorded on that stream, returned."""
+
+    def __init__(self, device: Device, scatter: Scatter, stream: Any = None) -> None:
+        self.device, self.scatter = device, scatter
+        self.stream = device.new_stream() if stream is None else stream
+        self._lock = threading.Lock()
+
+    def begin(self) -> None:
+        """Order the load stream after everything the calling thread's current
+        stream issued so far (relocations, a previous forward): one event, no
+        host sync. Call once per load, before its first write."""
+        with self.device.use():
+            fence = self.device.event()
+            fence.record(self.device.current_stream())
+            fence.wait(self.stream)
+
+    def issue(self, work: Callable[[], None]) -> DeviceEvent:
+        """Issue ``work`` on the load stream (e.g. zeroing a failed layer's
+        slots after its copies) and return an event recorded after it."""
+        with self._lock:
+            self.device.launch(self.stream, work)
+            event = self.device.event()
+            event.record(self.stream)
+        return event
+
+    def write(self, seg: LoadSegment, part: LoadPart, rows: torch.Tensor) -> DeviceEvent | None:
+        target = self.device.torch_device
+        scatter = self.scatter
+
+        def work() -> None:
+            scatter(seg, part, rows.to(target, non_blocking=True))
+
+        return self.issue(work)
+
+
+class Snapshot(Protocol):
+    """Where an offload's page bytes come from (the adapter's source)."""
+
+    def read(self, seg: OffloadSegment, part: OffloadPart, pages: torch.Tensor) -> None:
+        """Copy the page bytes of rows ``seg.lo..seg.hi`` of ``part``
+        (layer-major, ``layout.page_bytes`` each) into ``pages``
+        (``uint8[seg.rows, page_bytes]``, a strided view of staging).
+        Returns once the bytes are in ``pages``."""
+
+
+Gather = Callable[[OffloadSegment, OffloadPart], torch.Tensor]
+"""``gather(seg, part)``: the segment's pages as ``uint8[rows, page_bytes]``
+(on the source's device)."""
+
+
+class HostSnapshot:
+    """The host path: ``pages.copy_(gather(seg, part))``."""
+
+    def __init__(self, gather: Gather) -> None:
+        self.gather = gather
+
+    def read(self, seg: OffloadSegment, part: OffloadPart, pages: torch.Tensor) -> None:
+        pages.copy_(self.gather(seg, part))
+
+
+class DeviceSnapshot:
+    """The device path: the gather and its D2H copy into pinned staging run on
+    ``stream``, ordered after ``after()`` (an event the adapter recorded on the
+    forward's stream after the forward that wrote the slots; None: a fence on
+    the calling thread's current stream); ``read`` returns once the copy ran."""
+
+    def __init__(self, device: Device, gather: Gather, stream: Any = None,
+                 after: Callable[[], DeviceEvent | None] | None = None) -> None:
+        self.device, self.gather, self.after = device, gather, after
+        self.stream = device.new_stream() if stream is None else stream
+
+    def read(self, seg: OffloadSegment, part: OffloadPart, pages: torch.Tensor) -> None:
+        device, gather = self.device, self.gather
+        ready = self.after() if self.after is not None else None
+        if ready is None:
+            with device.use():
+                ready = device.event()
+                ready.record(device.current_stream())
+        ready.wait(self.stream)
+
+        def work() -> None:
+            pages.copy_(gather(seg, part), non_blocking=True)
+
+        device.launch(self.stream, work)
+        done = device.event()
+        done.record(self.stream)
+        done.synchronize()

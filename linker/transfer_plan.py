@@ -1,0 +1,216 @@
+"""What a staged transfer moves, and how it is cut into chunks (``linker/staged.py``).
+
+The staged transfer's plain data: the byte layout of one kind of object,
+the parts, segments and chunks a load or an offload is made of, and the
+packing of rows into chunks that fit the staging ring. Nothing here does
+I/O or holds a lock.
+
+Vocabulary
+==========
+
+* :class:`ObjectLayout`: the byte layout of one kind of object (each slice's
+  ``(offset, size)`` in footer order, and ``page_bytes``, where the footer
+  starts).
+* A **part** is a run of objects of one layout with one destination (a
+  component of the engine's pool, an SGLang pool, a vLLM KV-cache group):
+  :class:`LoadPart` (keys + the adapter's opaque ``target``) or
+  :class:`OffloadPart` (keys + the adapter's opaque ``source``). ``keys[i]``
+  is row ``i`` of the part: the adapter maps row ``i`` to its slot, block or
+  page.
+* ``layers``: for a load, per *global* layer (the forward's order), the
+  ``(part index, local slice index)`` pairs that layer reads.
+
+Chunking
+========
+
+A transfer of any size streams through the ring, whatever the ring's size, as
+long as one object's slice (loads) or one whole object (offloads) fits it
+(else ``ValueError`` at construction, with a sentence). Each chunk's staging
+is at most ``ring.capacity // depth`` bytes (or one row, if a row is larger):
+
+* a load chunk is :class:`LoadChunk` ``(layer, segments)``: one store call
+  (``get_ranges``) into one region. Each :class:`LoadSegment` ``(layer, part,
+  local, lo, hi)`` is slice ``local`` of objects ``keys[lo:hi]`` of one part,
+  with their footer entries; a chunk packs the layer's segments of every part
+  in order (a batch of many requests is still one call per layer when it fits
+  the budget). Staging layout, per segment in order: ``n = hi - lo`` rows of
+  ``size`` bytes, then ``n`` little-endian ``uint32`` CRCs. At most ``depth``
+  chunks of one load hold
+  staging at once (a semaphore per transfer; a chunk whose device copy is still
+  pending, or whose read timed out and still runs, counts);
+* an offload chunk is :class:`OffloadChunk` ``(segments)``: one ``put`` from
+  one region. Each :class:`OffloadSegment` ``(part, lo, hi)`` is whole
+  objects ``keys[lo:hi]`` of one part (page then footer, as stored; a put
+  cannot append, so an object is never split), segments in the parts' order.
+  An offload keeps one chunk in flight: chunks are put
+  in order and the next is sent only once the previous put succeeded, so a
+  later object (a checkpoint, a deeper page) is never stored without the
+  earlier ones.
+
+So with the default 64 MiB staging and ``depth`` 4, any request streams in
+16 MiB chunks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from layerlift.linker.integrity import CHECK_BYTES, component_slices
+from layerlift.linker.ring import StagingRing
+from layerlift.pools.spec import Component, ModelSpec
+
+__all__ = [
+    "LoadChunk",
+    "LoadPart",
+    "LoadSegment",
+    "ObjectLayout",
+    "OffloadChunk",
+    "OffloadPart",
+    "OffloadSegment",
+    "pack_runs",
+    "require_fit",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectLayout:
+    """One kind of store object: slice ``j`` is ``slices[j] = (offset, size)``
+    bytes of the page, the footer (one CRC per slice, in that order) starts at
+    ``page_bytes``. ``ValueError`` for a slice outside the page."""
+
+    slices: tuple[tuple[int, int], ...]
+    page_bytes: int
+
+    def __post_init__(self) -> None:
+        if not self.slices:
+            raise ValueError("an object layout needs at least one slice")
+        for offset, size in self.slices:
+            if offset < 0 or size <= 0 or offset + size > self.page_bytes:
+                raise ValueError(f"slice ({offset}, {size}) lies outside the "
+                                 f"{self.page_bytes}-byte page")
+
+    @classmethod
+    def of(cls, spec: ModelSpec, component: Component) -> ObjectLayout:
+        """The layout of ``component``'s page objects (the engine's pools)."""
+        return cls(tuple(component_slices(spec, component)), spec.page_bytes(component))
+
+    @property
+    def footer_bytes(self) -> int:
+        return CHECK_BYTES * len(self.slices)
+
+    @property
+    def object_bytes(self) -> int:
+        return self.page_bytes + self.footer_bytes
+
+    def footer_at(self, local: int) -> int:
+        """Offset of slice ``local``'s CRC in the object."""
+        return self.page_bytes + CHECK_BYTES * local
+
+
+@dataclass(frozen=True, slots=True)
+class LoadPart:
+    """Objects ``keys`` of one layout that a load reads; row ``i`` is
+    ``keys[i]``. ``target`` is the adapter's (the transfer only passes it on)."""
+
+    layout: ObjectLayout
+    keys: tuple[str, ...]
+    target: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSegment:
+    """Slice ``local`` of rows ``[lo, hi)`` of part ``part``, for global
+    ``layer``: what one ``Sink.write`` copies."""
+
+    layer: int
+    part: int
+    local: int
+    lo: int
+    hi: int
+
+    @property
+    def rows(self) -> int:
+        return self.hi - self.lo
+
+
+@dataclass(frozen=True, slots=True)
+class LoadChunk:
+    """The segments of one ``layer`` read by one store call into one region."""
+
+    layer: int
+    segments: tuple[LoadSegment, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadPart:
+    """Objects ``keys`` of one layout that an offload puts; row ``i`` is
+    ``keys[i]``. ``source`` is the adapter's (passed to the snapshot)."""
+
+    layout: ObjectLayout
+    keys: tuple[str, ...]
+    source: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadSegment:
+    """Whole objects ``[lo, hi)`` of part ``part``: what one ``Snapshot.read``
+    copies."""
+
+    part: int
+    lo: int
+    hi: int
+
+    @property
+    def rows(self) -> int:
+        return self.hi - self.lo
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadChunk:
+    """The segments put by one store call from one region, in order."""
+
+    segments: tuple[OffloadSegment, ...]
+
+
+def require_fit(ring: StagingRing, layout: ObjectLayout) -> None:
+    """Raise ``ValueError`` (a sentence naming the size needed) unless every
+    transfer of ``layout``'s objects streams through ``ring``: one slice with
+    its checksum (loads) and one whole object (offloads) must fit. This is the
+    only size a staged transfer refuses, so an adapter that checks it once at
+    start-up never advertises a hit (``lookup``) that its load then refuses."""
+    need = max(layout.object_bytes, max(size for _, size in layout.slices) + CHECK_BYTES)
+    if not ring.fits(need):
+        raise ValueError(
+            f"objects of {layout.object_bytes} bytes do not fit the {ring.capacity}-byte "
+            f"staging ring; give the ring at least {ring.span(need)} bytes")
+
+
+def pack_runs(runs: Sequence[tuple[int, int, int]], budget: int,
+          ring: StagingRing) -> list[list[tuple[int, int, int]]]:
+    """Cut ``runs`` (``(index, rows, row_bytes)``, in order) into chunks of
+    ``(index, lo, hi)`` pieces: a chunk holds at most ``budget`` bytes (or one
+    row, if a row is larger) and always fits the ring; order is kept."""
+    chunks: list[list[tuple[int, int, int]]] = []
+    cur: list[tuple[int, int, int]] = []
+    used = 0
+    for index, rows, row in runs:
+        lo = 0
+        while lo < rows:
+            room = (budget - used) // row
+            while room > 0 and not ring.fits(used + room * row):
+                room -= 1
+            if room <= 0:
+                if cur:
+                    chunks.append(cur)
+                    cur, used = [], 0
+                    continue
+                room = 1  # a row larger than the budget travels alone
+            hi = min(rows, lo + room)
+            cur.append((index, lo, hi))
+            used += (hi - lo) * row
+            lo = hi
+    if cur:
+        chunks.append(cur)
+    return chunks
