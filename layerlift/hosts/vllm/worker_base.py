@@ -44,7 +44,8 @@ class _Load:
     items: list[KeyedItem]
     readiness: LayerReadiness
     gate: Gate = field(default_factory=Gate)
-    settled: bool = False
+    settled: bool = False  # a settle has started (`quiet`: it has ended)
+    quiet: threading.Event = field(default_factory=threading.Event)
     bad: bool = False  # a synchronous wait failed or timed out
     started: float = field(default_factory=time.monotonic)
     landed: float = 0.0  # when it settled verified (monotonic)

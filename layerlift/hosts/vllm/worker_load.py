@@ -172,14 +172,21 @@ class LoadSide(WorkerBase):
 
     def _settle(self, load: _Load, *, ok: bool) -> None:
         """Revoke the load (no copy into vLLM's blocks after this), then
-        report an asynchronous one, once."""
+        report an asynchronous one, once. Every caller returns only once
+        the load is quiet: a caller that finds another thread settling it
+        (the loop's outcome against the forward's failed wait) waits for
+        that settle to end, or it would report the load while copies issued
+        into its blocks still run."""
         with self._lock:
-            if load.settled:
-                return
+            first = not load.settled
             load.settled = True
-        load.gate.close()  # returns once no copy runs; none starts afterwards
-        if load.sink is not None:
-            load.sink.drain()  # vLLM hears of it once every copy issued into its blocks ran
+        if not first:
+            load.quiet.wait()  # bounded: closing the gate and draining the sink end
+            return
+        try:
+            self._quiesce(load)
+        finally:
+            load.quiet.set()
         if ok:
             load.landed = time.monotonic()
             log.info("LayerLift: restored %s (%d objects, verified)", load.spec.req_id,
@@ -188,6 +195,12 @@ class LoadSide(WorkerBase):
             with self._lock:
                 (self._done if ok else self._failed).add(load.spec.req_id)
                 self._reported.notify_all()
+
+    @staticmethod
+    def _quiesce(load: _Load) -> None:
+        load.gate.close()  # returns once no copy runs; none starts afterwards
+        if load.sink is not None:
+            load.sink.drain()  # vLLM hears of it once every copy issued into its blocks ran
 
     def _staged(self, load: _Load) -> StagedLoad:
         """The load as a `StagedLoad`: one part per KV cache group (row ``i``:

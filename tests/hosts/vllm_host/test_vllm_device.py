@@ -409,6 +409,56 @@ def test_a_load_is_reported_only_once_its_copies_ran(
         worker.close()
 
 
+def test_a_failed_wait_during_the_loops_settle_waits_for_its_drain(
+        sim: SimDevice, monkeypatch: pytest.MonkeyPatch) -> None:
+    """CI's order of the test above, forced: the loop settles the failed
+    synchronous load first (it sits in the sink's drain, the load stream
+    still held), then the forward's wait of layer 1 fails too and
+    `step_errors` reports. That report must come only once the loop's drain
+    has ended; a second settler that returned at once (``settled`` meaning
+    "started") reported with layer 0's copies still pending."""
+    store = MemoryStore()
+    _offload(store)
+    layout = _layout()
+    _spoil_layer1(store, layout.schema("dev").key("full0", HASHES[1]))
+    kv = _kv(fill=False)
+    count = CopyCount(monkeypatch)
+    worker = _worker(store, kv, sim)
+    go = block(sim, worker.load_stream)
+    real_drain = BlockSink.drain
+    in_drain, reported, drained = threading.Event(), threading.Event(), threading.Event()
+
+    def drain(sink: BlockSink) -> None:
+        in_drain.set()
+        # Give the forward's report its chance to overtake the drain: bounded,
+        # since with the fix the report waits for this drain to end.
+        reported.wait(1.0)
+        go.set()
+        real_drain(sink)
+        drained.set()
+
+    monkeypatch.setattr(BlockSink, "drain", drain)
+    fwd = sim.new_stream()
+    try:
+        worker.begin_step()
+        with sim.use(fwd):
+            worker.start_loads([_spec(sync=True)])
+            assert in_drain.wait(WAIT_S), "the loop never settled the failed load"
+            for name in LAYERS:
+                worker.wait_layer(name)
+        errors = worker.step_errors()
+        drained_before_report = drained.is_set()
+        reported.set()
+        assert errors == set(TARGET)
+        assert drained_before_report, "step_errors reported while the loop's drain still ran"
+        assert count.issued > 0 and count.pending() == 0
+    finally:
+        reported.set()
+        go.set()
+        sim.synchronize()
+        worker.close()
+
+
 def test_an_asynchronous_restore_is_finished_only_once_its_copies_ran(
         sim: SimDevice, monkeypatch: pytest.MonkeyPatch) -> None:
     store = MemoryStore()
