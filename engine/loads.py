@@ -26,6 +26,7 @@ from layerlift.linker.integrity import (
     slice_seed,
 )
 from layerlift.linker.ring import Region, ring_for
+from layerlift.linker.staged import LoadPart, LoadSegment, ObjectLayout, StagedLoad
 from layerlift.linker.store_base import Store, StoreIntegrityError, StoreTimeout
 from layerlift.overlap.base import LayerJob
 from layerlift.overlap.device import Device, device_of
@@ -43,14 +44,17 @@ class LoadItems:
     keys: list[str] = field(default_factory=list)
     indices: list[int] = field(default_factory=list)
     owners: list[Hashable] = field(default_factory=list)
+    version: int = 0  # bumped by every change (a plan built over older items is stale)
 
     def add(self, keys: list[str], indices: list[int], owner: Hashable) -> None:
+        self.version += 1
         self.keys.extend(keys)
         self.indices.extend(indices)
         self.owners.extend([owner] * len(keys))
 
     def drop_indices(self, dropped: set[int]) -> None:
         """Remove items whose device index is in ``dropped`` (duplicates)."""
+        self.version += 1
         keep = [i for i, idx in enumerate(self.indices) if idx not in dropped]
         self.keys = [self.keys[i] for i in keep]
         self.indices = [self.indices[i] for i in keep]
@@ -59,6 +63,7 @@ class LoadItems:
     def drop_owners(self, owners: frozenset[Hashable]) -> None:
         """Remove the items of requests in ``owners`` (restores dropped
         before their jobs were issued)."""
+        self.version += 1
         keep = [i for i, o in enumerate(self.owners) if o not in owners]
         self.keys = [self.keys[i] for i in keep]
         self.indices = [self.indices[i] for i in keep]
@@ -89,20 +94,20 @@ class BatchLoad:
         self._staging: torch.Tensor | None = None
         self._staging_ptr = 0
         self._layer_offsets: list[int] = []
-        # Integrity: footer entries read beside each slice land here (a region
-        # of the store's staging ring, ``ring_for``), one per layer (or per component
-        # for a whole read); see ``linker/integrity.py``.
+        # Integrity of a whole read: every footer lands in one region of the
+        # store's staging ring (``ring_for``); see ``linker/integrity.py``.
+        # Per-layer reads go through the staged transfer in place
+        # (``StagedLoad`` with a placement: the slices straight into the pool
+        # pages or the pinned staging, their checks through the same ring,
+        # each object's footers read once with its component's first layer).
         self._checks: Region | None = None
         self._checks_ptr = 0
-        self._check_offsets: dict[int | Component, int] = {}
-        # Per-layer loads read each component's footers whole once, with its
-        # first layer; later layers read their slice alone and verify against
-        # them (a footer entry per object per layer would be one more tiny
-        # transfer per object per layer: +44% on a 64 x 256 KiB layer over
-        # Mooncake loopback, bench/results/integrity.json).
-        self._footer_rows: dict[Component, dict[str, int]] = {}
-        self._footers_read: dict[Component, frozenset[str]] = {}
-        self._footers_lock = threading.Lock()
+        self._check_offsets: dict[Component, int] = {}
+        # The staged load over the items as they are (their versions): a job
+        # built after COMMIT trimmed them gets a new one, keeping the footers
+        # the old one verified; jobs issued before keep the old one.
+        self._staged: StagedLoad | None = None
+        self._staged_versions: tuple[int, ...] = ()
         # Timed-out reads that still run (see ``_hold``): their pool pages
         # stay pinned and the buffers above stay alive until they ended.
         try:
@@ -159,29 +164,19 @@ class BatchLoad:
             self._checks = None
 
     def _open_checks(self) -> None:
-        """The host buffer the footer entries land in, sized before COMMIT
-        trims: per layer ``items * 4`` bytes, or per component whole footers."""
+        """A whole read's footers land here, sized before COMMIT trims: per
+        component, its objects' whole footers."""
         if self._checks is not None:
             return
         spec, total = self.pool.spec, 0
-        if self.whole:
-            for c in Component:
-                self._check_offsets[c] = total
-                total += footer_bytes(spec, c) * len(self.items[c])
-        else:
-            for c in Component:  # whole footers, read with the component's first layer
-                self._check_offsets[c] = total
-                total += footer_bytes(spec, c) * len(self.items[c])
-                self._footer_rows[c] = {k: i for i, k in enumerate(self.items[c].keys)}
-                self._footers_read[c] = frozenset()
-            for layer in range(spec.num_layers):  # one entry per object, when read alone
-                self._check_offsets[layer] = total
-                total += CHECK_BYTES * len(self.items[spec.kinds[layer]])
+        for c in Component:
+            self._check_offsets[c] = total
+            total += footer_bytes(spec, c) * len(self.items[c])
         self._checks = ring_for(self.store).acquire(total, zero=True, overflow=True)
         self._checks_ptr = self._checks.ptr
 
-    def _expected(self, region: int | Component, count: int) -> np.ndarray:
-        """A ``uint32`` view of ``count`` footer entries of one region."""
+    def _expected(self, region: Component, count: int) -> np.ndarray:
+        """A ``uint32`` view of ``count`` footer entries of one component."""
         assert self._checks is not None
         start = self._check_offsets[region]
         raw = self._checks.tensor.numpy()[start : start + count * CHECK_BYTES]
@@ -268,69 +263,57 @@ class BatchLoad:
         self._staging = self._staging_alloc(max(total, 1))
         self._staging_ptr = self.store.register(self._staging)
 
+    def _staged_load(self) -> StagedLoad:
+        """The per-layer reads of the current items as one in-place
+        `StagedLoad`: one part per component (row ``i``: its ``i``-th item),
+        layer ``l`` reading slice ``local`` of its component's part. Rebuilt
+        after COMMIT trimmed the items, keeping the footers verified so far."""
+        versions = tuple(self.items[c].version for c in Component)
+        previous = self._staged
+        if previous is not None and versions == self._staged_versions:
+            return previous
+        spec = self.pool.spec
+        parts: list[LoadPart] = []
+        part_of: dict[Component, int] = {}
+        for c in Component:
+            items = self.items[c]
+            if len(items) and spec.layers_of(c):  # a component without layers reads nothing
+                part_of[c] = len(parts)
+                parts.append(LoadPart(ObjectLayout.of(spec, c), tuple(items.keys),
+                                      (c, np.asarray(items.indices, dtype=np.int64))))
+        layers = []
+        for layer in range(spec.num_layers):
+            component, local, _, _ = spec.layer_slice(layer)
+            layers.append([(part_of[component], local)] if component in part_of else [])
+        staged = StagedLoad(ring_for(self.store), self.store, parts, layers, None,
+                            depth=spec.num_layers + 1, placement=_Placement(self),
+                            verify=self.verify)
+        if previous is not None:
+            staged.adopt_footers(previous)
+        self._staged, self._staged_versions = staged, versions
+        return staged
+
     def _job(self, layer: int) -> LayerJob:
-        component, local, offset, size = self.pool.spec.layer_slice(layer)
+        component, _, offset, size = self.pool.spec.layer_slice(layer)
         items = self.items[component]
-        keys = list(items.keys)
-        if not keys:
+        n = len(items)
+        if not n:
             return LayerJob(layer=layer, fetch=_noop)
-        store, n = self.store, len(keys)
         h2d = None
         if self.on_device:
             self.open_staging()
             assert self._staging is not None
             start = self._layer_offsets[layer]
-            host = self._staging[start : start + n * size]
-            ptrs = [self._staging_ptr + start + i * size for i in range(n)]
-            h2d = [(host, PageScatter(self.pool.buffer, self.pool.page_bytes(component),
-                                       offset, size, items.indices, self.device))]
-        else:
-            base = np.asarray(items.indices, dtype=np.int64) * self.pool.page_bytes(component)
-            ptrs = (base + (self.pool.buffer.data_ptr() + offset)).tolist()
-
-        self._open_checks()
-        spec, pb = self.pool.spec, self.pool.page_bytes(component)
-        fb, nslices = footer_bytes(spec, component), len(spec.layers_of(component))
-        rows = [self._footer_rows[component][k] for k in keys]
-        region = self._checks_ptr + self._check_offsets[component]
-        table = self._expected(component, len(self._footer_rows[component]) * nslices)
-        ck = self._checks_ptr + self._check_offsets[layer]
-        alone = self._expected(layer, n)
-        seeds = [slice_seed(k, local) for k in keys]
-        wanted = frozenset(keys)
-        written = [] if self.on_device else [(component, list(items.indices))]
+            h2d = [(self._staging[start : start + n * size],
+                    PageScatter(self.pool.buffer, self.pool.page_bytes(component),
+                                offset, size, items.indices, self.device))]
+        staged = self._staged_load()
 
         def fetch() -> None:
-            try:
-                read()
-            except StoreTimeout as exc:
-                _hold(self, exc, written)
-                raise
-
-        def read() -> None:
-            """Slice ``layer`` of every object, then every slice verified
-            against its footer entry (StoreIntegrityError). The component's
-            first layer reads the whole footers beside its slices; a later
-            layer reads its slices alone if they are in, else its own entry."""
-            if not self.verify:
-                store.get_ranges(keys, [[p] for p in ptrs], [[size]] * n, [[offset]] * n)
-                return
-            if local == 0:
-                store.get_ranges(keys, [[p, region + r * fb] for p, r in zip(ptrs, rows,
-                                                                             strict=True)],
-                                 [[size, fb]] * n, [[offset, pb]] * n)
-                with self._footers_lock:
-                    self._footers_read[component] |= wanted
-                expected = table.reshape(-1, nslices)[rows, local]
-            elif wanted <= self._footers_read[component]:
-                store.get_ranges(keys, [[p] for p in ptrs], [[size]] * n, [[offset]] * n)
-                expected = table.reshape(-1, nslices)[rows, local]
-            else:
-                at = pb + CHECK_BYTES * local
-                store.get_ranges(keys, [[p, ck + i * CHECK_BYTES] for i, p in enumerate(ptrs)],
-                                 [[size, CHECK_BYTES]] * n, [[offset, at]] * n)
-                expected = alone
-            _verify(component, ptrs, size, expected, seeds)
+            """Slice ``layer`` of every object, verified where it landed
+            (``CorruptSlices``, a StoreIntegrityError); a timed-out read's
+            pages are taken over by the placement (``_hold``)."""
+            staged.fetch_layer(layer)
 
         nbytes = size * n
         wrapped = self.link.wrap(fetch, nbytes) if self.link is not None else fetch
@@ -347,6 +330,31 @@ class BatchLoad:
             fresh = self._whole_job() if self.whole else self._job(job.layer)
             job.fetch, job.nbytes, job.requests = fresh.fetch, fresh.nbytes, fresh.requests
             job.h2d = fresh.h2d
+
+
+class _Placement:
+    """Where a batch's per-layer reads land: the pool pages on the CPU (the
+    pool is registered with the store), the layer's rows of the pinned
+    per-batch staging on a device (the lane's H2D copy scatters them)."""
+
+    def __init__(self, load: BatchLoad) -> None:
+        self.load = load
+
+    def addresses(self, seg: LoadSegment, part: LoadPart) -> list[int]:
+        load = self.load
+        component, indices = part.target
+        _, _, offset, size = load.pool.spec.layer_slice(seg.layer)
+        if load.on_device:
+            assert load._staging is not None
+            start = load._staging_ptr + load._layer_offsets[seg.layer] + seg.lo * size
+            return list(range(start, start + seg.rows * size, size))
+        base = indices[seg.lo : seg.hi] * load.pool.page_bytes(component)
+        return (base + (load.pool.buffer.data_ptr() + offset)).tolist()
+
+    def timed_out(self, seg: LoadSegment, part: LoadPart, exc: StoreTimeout) -> None:
+        component, indices = part.target
+        pages = [] if self.load.on_device else [(component, indices[seg.lo : seg.hi].tolist())]
+        _hold(self.load, exc, pages)
 
 
 def _noop() -> None:

@@ -45,6 +45,7 @@ from typing import Any, Protocol
 
 import torch
 
+from layerlift.linker.store_base import StoreTimeout
 from layerlift.linker.transfer_plan import LoadPart, LoadSegment, OffloadPart, OffloadSegment
 from layerlift.overlap.device import Device, DeviceEvent
 
@@ -55,6 +56,7 @@ __all__ = [
     "Gather",
     "HostSink",
     "HostSnapshot",
+    "Placement",
     "Scatter",
     "Sink",
     "Snapshot",
@@ -94,6 +96,24 @@ class Sink(Protocol):
         destination. Called under the load's gate, on a worker thread. Return
         None once the copy is done, or an event recorded after copies that
         still read ``rows`` (the region is reused only once it completed)."""
+
+
+class Placement(Protocol):
+    """An in-place load's destination (the engine's registered pool pages or
+    its pinned per-batch staging): the store reads each slice straight into
+    it, and the transfer verifies it there. Nothing is copied, so there is no
+    sink; the checksums alone go through the ring."""
+
+    def addresses(self, seg: LoadSegment, part: LoadPart) -> list[int]:
+        """Where slice ``seg.local`` of rows ``seg.lo..seg.hi`` of ``part``
+        lands: one address per row, in memory registered with the store."""
+
+    def timed_out(self, seg: LoadSegment, part: LoadPart, exc: StoreTimeout) -> None:
+        """A read into ``addresses(seg, part)`` timed out and may still run:
+        take that memory over (keep it alive and unreused until the call
+        ended; mark ``exc.owned``), or wait for the call (``exc.wait_finished``)
+        before returning. The worker thread that read calls it, before the
+        failure is raised."""
 
 
 Scatter = Callable[[LoadSegment, LoadPart, torch.Tensor], None]

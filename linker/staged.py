@@ -1,8 +1,6 @@
 """The staged transfer: fetch → verify CRC → gated copy (loads); snapshot → put (offloads).
 
-One mechanism for the SGLang linker and the vLLM worker (the engine reads its
-pages straight into its registered pools and takes only its checksum footers
-from the same staging ring: ``engine/loads.py``). It moves
+One mechanism for the engine, the SGLang linker and the vLLM worker. It moves
 store objects in the format of ``linker/integrity.py`` (a page's layer slices,
 layer-major, then one CRC-32 per slice, seeded with the key and the slice's
 index) between the store and a host's memory, always through a
@@ -68,6 +66,24 @@ returned, and the staging's memory (the ring) only once ``wait_quiet`` is
 true. The transfer opens no read session: the adapter opens one over the
 load's keys around it (``Store.open_session``), as it does today.
 
+In place (the engine's loads)
+=============================
+
+With a :class:`Placement` instead of a sink, a layer is one chunk (one
+``get_ranges`` call, whatever its size: the engine's "one store call per
+layer, all requests together") whose slices land straight in the
+placement's registered memory (the engine's pool pages, or its pinned
+per-batch staging on a device); only the checks of step 2 go through the
+ring, in a region that never waits (``overflow``). Step 3 verifies the
+slices where they landed: a corrupt slice is in the destination then, and
+:class:`CorruptSlices` tells the adapter to treat the layer as not
+restored (the engine recomputes it; its pages were never visible). Step 4
+has no copy: the gate is looked at before the read and held while
+``on_layer`` runs. A ``StoreTimeout`` hands the checks' region over, as
+above, and ``placement.timed_out`` takes the destination over (the engine
+pins the pages the call may still write). ``verify=False`` reads the slices
+alone (the engine's ``verify_restores=False``, a negative control).
+
 Offloads (:class:`StagedOffload`)
 =================================
 
@@ -110,6 +126,7 @@ from layerlift.linker.sinks import (
     Gate,
     HostSink,
     HostSnapshot,
+    Placement,
     Sink,
     Snapshot,
 )
@@ -150,6 +167,7 @@ __all__ = [
     "OffloadOutcome",
     "OffloadPart",
     "OffloadSegment",
+    "Placement",
     "Sink",
     "Snapshot",
     "StagedLoad",
@@ -205,18 +223,31 @@ class _SegmentRead:
 
 class StagedLoad:
     """One load: per-layer fetches through ``ring`` into ``sink`` (see the
-    module docstring). ``ValueError`` when a slice does not fit the ring, a
-    ``layers`` entry names no part or slice, or ``depth`` < 1."""
+    module docstring), or, with ``placement``, in place (``sink`` None): each
+    slice read straight into the placement's registered memory and verified
+    there, only the checksums going through the ring ("In place" in the
+    module docstring). ``verify=False`` reads the slices alone and checks
+    nothing (the in-place negative control). ``ValueError`` when a slice does
+    not fit the ring, a ``layers`` entry names no part or slice, ``depth`` <
+    1, or neither or both of ``sink`` and ``placement`` are given."""
 
     def __init__(self, ring: StagingRing, store: Store, parts: Sequence[LoadPart],
-                 layers: Sequence[Sequence[tuple[int, int]]], sink: Sink, *,
+                 layers: Sequence[Sequence[tuple[int, int]]], sink: Sink | None, *,
                  depth: int = DEFAULT_DEPTH, gate: Gate | None = None,
                  timeout_s: float | None = None,
                  on_corrupt: Callable[[list[str]], None] | None = None,
-                 on_layer: Callable[[int, DeviceEvent | None], None] | None = None) -> None:
+                 on_layer: Callable[[int, DeviceEvent | None], None] | None = None,
+                 placement: Placement | None = None, verify: bool = True) -> None:
         if depth < 1:
             raise ValueError(f"a staged load needs depth >= 1, got {depth}")
+        if (sink is None) == (placement is None):
+            raise ValueError("a load goes either through staging into a sink or in place "
+                             "into a placement: give exactly one of them")
+        if not verify and placement is None:
+            raise ValueError("only an in-place load can skip verification: a staged one "
+                             "copies verified rows only")
         self.ring, self.store, self.sink = ring, store, sink
+        self.placement, self.verify = placement, verify
         self.parts = tuple(parts)
         self.depth = depth
         self.gate = gate if gate is not None else Gate()
@@ -235,6 +266,9 @@ class StagedLoad:
                 if not 0 <= local < len(part.layout.slices):
                     raise ValueError(f"layer {layer} reads slice {local} of part {p}, whose "
                                      f"objects have {len(part.layout.slices)} slice(s)")
+                if placement is not None:  # in place: one call per layer, checksums overflow
+                    runs.append((len(runs), len(part.keys), 0))
+                    continue
                 row = part.layout.slices[local][1] + _check_bytes(part.layout, local)
                 if not ring.fits(row):
                     raise ValueError(
@@ -242,6 +276,11 @@ class StagedLoad:
                         f"{ring.capacity}-byte staging ring; give the ring at least "
                         f"{ring.span(row)} bytes")
                 runs.append((len(runs), len(part.keys), row))
+            if placement is not None:
+                self.chunks.append([LoadChunk(layer, tuple(
+                    LoadSegment(layer, reads[i][0], reads[i][1], 0, n) for i, n, _ in runs
+                    if n))] if any(n for _, n, _ in runs) else [])
+                continue
             self.chunks.append([
                 LoadChunk(layer, tuple(LoadSegment(layer, reads[i][0], reads[i][1], lo, hi)
                                        for i, lo, hi in pieces))
@@ -282,7 +321,10 @@ class StagedLoad:
         chunks = self.chunks[layer]
         event: DeviceEvent | None = None
         for i, chunk in enumerate(chunks):
-            event = self._chunk(chunk, last=i == len(chunks) - 1)
+            if self.placement is not None:
+                self._chunk_in_place(chunk, self.placement)
+            else:
+                event = self._chunk(chunk, last=i == len(chunks) - 1)
         if not chunks:
             self._landed(layer, None)
         return event
@@ -296,13 +338,14 @@ class StagedLoad:
             if self.on_layer is not None:
                 self.on_layer(layer, event)
 
-    def _take(self, nbytes: int) -> Region:
+    def _take(self, nbytes: int, overflow: bool = False) -> Region:
         deadline = time.monotonic() + self.timeout_s
         if not self._slots.acquire(timeout=self.timeout_s):
             raise StagingTimeout(f"the load's {self.depth} chunks in flight did not end "
                                  f"within {self.timeout_s:g} s")
         try:
-            region = self.ring.acquire(nbytes, timeout_s=max(0.0, deadline - time.monotonic()))
+            region = self.ring.acquire(nbytes, timeout_s=max(0.0, deadline - time.monotonic()),
+                                       overflow=overflow)
         except BaseException:
             self._slots.release()
             raise
@@ -318,6 +361,7 @@ class StagedLoad:
             self._lock.notify_all()
 
     def _chunk(self, chunk: LoadChunk, last: bool) -> DeviceEvent | None:
+        assert self.sink is not None  # staged (a placement reads in place)
         # Region layout, per segment in order: its rows of ``size`` bytes, then
         # their checks (``_check_bytes`` a row: whole footers for a part's
         # first slice, one CRC otherwise; unused where the footers are in);
@@ -328,13 +372,8 @@ class StagedLoad:
             part = self.parts[seg.part]
             size = part.layout.slices[seg.local][1]
             check = _check_bytes(part.layout, seg.local)
-            known = None
-            if seg.local > 0:
-                with self._crcs_lock:
-                    if self._have[seg.part][seg.lo : seg.hi].all():
-                        known = self._crcs[seg.part][seg.lo : seg.hi, seg.local].copy()
             plan.append(_SegmentRead(seg, part, at, size, check,
-                                     list(part.keys[seg.lo : seg.hi]), known))
+                                     list(part.keys[seg.lo : seg.hi]), self._known(seg)))
             at += seg.rows * (size + check)
         region = self._take(at)
         event: DeviceEvent | None = None
@@ -394,10 +433,7 @@ class StagedLoad:
                 if self.on_corrupt is not None:
                     self.on_corrupt(corrupt)
                 raise CorruptSlices(chunk.layer, corrupt)
-            for r, table in footers:  # verified: later slices of these rows use them
-                with self._crcs_lock:
-                    self._crcs[r.seg.part][r.seg.lo : r.seg.hi] = table
-                    self._have[r.seg.part][r.seg.lo : r.seg.hi] = True
+            self._keep_footers(footers)
             with self.gate.held() as open_:
                 if not open_:
                     raise TransferRevoked(f"layer {chunk.layer}: the load was stopped before "
@@ -414,6 +450,138 @@ class StagedLoad:
         finally:
             region.release_after(event)
         return event
+
+    def adopt_footers(self, other: StagedLoad) -> None:
+        """Take the footers ``other`` verified so far for rows of this load
+        with the same keys and layout (a load rebuilt over fewer rows: the
+        engine's COMMIT trims duplicates). A row not in yet reads its own
+        entry, as ever."""
+        known: dict[tuple[str, ObjectLayout], np.ndarray] = {}
+        with other._crcs_lock:
+            for p, part in enumerate(other.parts):
+                for i in np.flatnonzero(other._have[p]).tolist():
+                    known[(part.keys[i], part.layout)] = other._crcs[p][i].copy()
+        with self._crcs_lock:
+            for p, part in enumerate(self.parts):
+                for i, key in enumerate(part.keys):
+                    row = known.get((key, part.layout))
+                    if row is not None:
+                        self._crcs[p][i] = row
+                        self._have[p][i] = True
+
+    def _known(self, seg: LoadSegment) -> np.ndarray | None:
+        """The CRCs of the segment's slice when its rows' footers are in (read
+        and verified with the part's first slice); None: read them beside it."""
+        if seg.local == 0:
+            return None
+        with self._crcs_lock:
+            if self._have[seg.part][seg.lo : seg.hi].all():
+                return self._crcs[seg.part][seg.lo : seg.hi, seg.local].copy()
+        return None
+
+    def _keep_footers(self, footers: list[tuple[_SegmentRead, np.ndarray]]) -> None:
+        """Verified first slices: later slices of these rows use their footers."""
+        for r, table in footers:
+            with self._crcs_lock:
+                self._crcs[r.seg.part][r.seg.lo : r.seg.hi] = table
+                self._have[r.seg.part][r.seg.lo : r.seg.hi] = True
+
+    def _chunk_in_place(self, chunk: LoadChunk, placement: Placement) -> None:
+        """In place: one ``get_ranges`` of every segment's slices straight into
+        the placement's addresses, their checks (as in ``_chunk``) into a region
+        of the ring (``overflow``: never waits for it); then every CRC verified
+        where the slices landed. The gate is looked at before the read (a read
+        in flight cannot be revoked: the placement's memory is the adapter's
+        until the load is quiet) and held while the layer is marked landed."""
+        if not self.gate.open:
+            raise TransferRevoked(f"layer {chunk.layer}: the load was stopped before its read")
+        plan: list[tuple[_SegmentRead, list[int]]] = []
+        at = 0
+        for seg in chunk.segments:
+            part = self.parts[seg.part]
+            size = part.layout.slices[seg.local][1]
+            known = self._known(seg) if self.verify else None
+            check = _check_bytes(part.layout, seg.local) if self.verify and known is None else 0
+            plan.append((_SegmentRead(seg, part, at, size, check,
+                                      list(part.keys[seg.lo : seg.hi]), known),
+                         placement.addresses(seg, part)))
+            at += seg.rows * check
+        region = self._take(at, overflow=True) if at else None
+        try:
+            keys: list[str] = []
+            dst: list[list[int]] = []
+            lens: list[list[int]] = []
+            offs: list[list[int]] = []
+            for r, addrs in plan:
+                layout, n = r.part.layout, r.seg.rows
+                slice_at = layout.slices[r.seg.local][0]
+                if r.check:
+                    assert region is not None
+                    checks = region.ptr + r.start
+                    check_at = (layout.page_bytes if r.seg.local == 0
+                                else layout.footer_at(r.seg.local))
+                    dst += [[a, checks + i * r.check] for i, a in enumerate(addrs)]
+                    lens += [[r.size, r.check]] * n
+                    offs += [[slice_at, check_at]] * n
+                else:
+                    dst += [[a] for a in addrs]
+                    lens += [[r.size]] * n
+                    offs += [[slice_at]] * n
+                keys += r.keys
+            try:
+                self.store.get_ranges(keys, dst, lens, offs)
+            except StoreTimeout as exc:
+                if region is not None:
+                    region.hand_over(exc)
+                for r, _ in plan:
+                    placement.timed_out(r.seg, r.part, exc)
+                self.timed_out.append(exc)
+                raise
+            except StoreObjectSize as exc:
+                asked = set(keys)
+                short = [k for k in dict.fromkeys(exc.keys) if k in asked]
+                if not short:
+                    raise
+                if self.on_corrupt is not None:
+                    self.on_corrupt(short)
+                raise CorruptSlices(chunk.layer, short) from exc
+            if self.verify:
+                self._verify_in_place(chunk.layer, plan, region)
+            with self.gate.held() as open_:
+                if not open_:
+                    raise TransferRevoked(f"layer {chunk.layer}: the load was stopped while "
+                                          "it read")
+                self.events[chunk.layer] = None
+                if self.on_layer is not None:
+                    self.on_layer(chunk.layer, None)
+        finally:
+            if region is not None:
+                region.release()
+
+    def _verify_in_place(self, layer: int, plan: list[tuple[_SegmentRead, list[int]]],
+                         region: Region | None) -> None:
+        """Every slice of ``plan`` against its CRC, where it landed; keeps the
+        verified first slices' footers; raises :class:`CorruptSlices`."""
+        corrupt: list[str] = []
+        footers: list[tuple[_SegmentRead, np.ndarray]] = []
+        for r, addrs in plan:
+            n = r.seg.rows
+            if r.known is not None:
+                expected = r.known
+            else:
+                assert region is not None
+                raw = region.tensor[r.start : r.start + n * r.check].numpy()
+                table = raw.view("<u4").reshape(n, r.check // CHECK_BYTES)
+                expected = table[:, 0]
+                if r.seg.local == 0:
+                    footers.append((r, table))
+            bad = mismatches(addrs, r.size, expected, [slice_seed(k, r.seg.local) for k in r.keys])
+            corrupt += [r.keys[b] for b in bad]
+        if corrupt:
+            if self.on_corrupt is not None:
+                self.on_corrupt(corrupt)
+            raise CorruptSlices(layer, corrupt)
+        self._keep_footers(footers)
 
     @property
     def quiet(self) -> bool:

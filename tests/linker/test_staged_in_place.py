@@ -1,0 +1,291 @@
+"""A staged load in place: the engine's per-layer reads (``StagedLoad`` with a placement).
+
+The slices land straight in registered destination memory (the engine's
+pool pages, or its pinned per-batch staging on a device) and are verified
+there; only the checksums go through the ring. Each case checks the bytes
+that landed and the store calls made (a spy): one call per layer, each
+object's footers read once with the part's first slice, a timed-out read's
+destination handed to the placement, a closed gate that reads nothing. On
+the in-memory store, and one round trip on a real Mooncake master.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator, Sequence
+
+import pytest
+import torch
+from test_staged import LAYOUT, SENTINEL, encode, offload, pages, put_raw
+from test_staged_footers import RangeSpy
+
+from layerlift.linker.master import EmbeddedMaster
+from layerlift.linker.memory_store import MemoryStore
+from layerlift.linker.mooncake_store import MooncakeStore
+from layerlift.linker.ring import StagingRing
+from layerlift.linker.staged import (
+    CorruptSlices,
+    Gate,
+    HostSink,
+    LoadPart,
+    LoadSegment,
+    StagedLoad,
+    TransferRevoked,
+)
+from layerlift.linker.store_base import Store, StoreTimeout
+
+N = 6
+KEYS = [f"inplace/p{i}" for i in range(N)]
+WHOLE = (LAYOUT.page_bytes, LAYOUT.footer_bytes)
+
+
+class Pages:
+    """Registered destination memory: ``rows[slot]`` is one page; row ``i`` of
+    the part goes to slot ``target[i]`` (reversed, so a row-for-row mix-up
+    shows). Records what ``timed_out`` was told."""
+
+    def __init__(self, store: Store, n: int) -> None:
+        self.store = store
+        self.rows = torch.full((n, LAYOUT.page_bytes), SENTINEL, dtype=torch.uint8)
+        self.ptr = store.register(self.rows)
+        self.timeouts: list[tuple[LoadSegment, StoreTimeout]] = []
+
+    def addresses(self, seg: LoadSegment, part: LoadPart) -> list[int]:
+        offset = part.layout.slices[seg.local][0]
+        base = int(self.rows.data_ptr())
+        return [base + slot * LAYOUT.page_bytes + offset for slot in part.target[seg.lo : seg.hi]]
+
+    def timed_out(self, seg: LoadSegment, part: LoadPart, exc: StoreTimeout) -> None:
+        self.timeouts.append((seg, exc))
+        exc.owned = True  # this destination is the test's: it waits for the call itself
+
+    def page(self, row: int) -> torch.Tensor:
+        return self.rows[N - 1 - row]
+
+    def close(self) -> None:
+        self.store.unregister(self.ptr)
+
+
+def _load(ring: StagingRing, store: Store, dest: Pages, keys: Sequence[str] = KEYS,
+          slots: Sequence[int] | None = None, **kw: object) -> StagedLoad:
+    target = list(slots) if slots is not None else [N - 1 - i for i in range(len(keys))]
+    part = LoadPart(LAYOUT, tuple(keys), target)
+    layers = [[(0, j)] for j in range(len(LAYOUT.slices))]
+    return StagedLoad(ring, store, [part], layers, None, placement=dest, **kw)  # type: ignore[arg-type]
+
+
+def _stored(objects: dict[str, bytes] | None = None) -> tuple[RangeSpy, torch.Tensor]:
+    mem = MemoryStore()
+    src = pages(N, 9)
+    put_raw(mem, objects or {k: encode(k, src[i]) for i, k in enumerate(KEYS)})
+    return RangeSpy(mem), src
+
+
+def _spoiled(src: torch.Tensor, row: int, at: int) -> dict[str, bytes]:
+    objects = {k: encode(k, src[i]) for i, k in enumerate(KEYS)}
+    raw = bytearray(objects[KEYS[row]])
+    raw[at] ^= 0x80
+    objects[KEYS[row]] = bytes(raw)
+    return objects
+
+
+def test_each_slice_lands_in_place_in_one_call_per_layer_with_the_footers_read_once() -> None:
+    spy, src = _stored()
+    ring = StagingRing(spy, 64 << 10)
+    dest = Pages(spy, N)
+    landed: list[int] = []
+    load = _load(ring, spy, dest, on_layer=lambda layer, event: landed.append(layer))
+    for layer in range(len(LAYOUT.slices)):
+        assert load.fetch_layer(layer) is None
+    for row in range(N):
+        assert torch.equal(dest.page(row), src[row])
+    assert len(spy.calls) == len(LAYOUT.slices)  # one store call per layer
+    assert spy.calls[0] == [[LAYOUT.slices[0], WHOLE]] * N
+    for layer, call in enumerate(spy.calls[1:], start=1):
+        assert call == [[LAYOUT.slices[layer]]] * N, f"layer {layer} read more than its slices"
+    assert landed == [0, 1, 2]
+    assert load.wait_quiet(5.0) and ring.wait_idle(5.0) and ring.close()
+    dest.close()
+
+
+def test_a_layer_read_before_the_footers_are_in_reads_its_own_entries() -> None:
+    spy, src = _stored()
+    ring = StagingRing(spy, 64 << 10)
+    dest = Pages(spy, N)
+    load = _load(ring, spy, dest)
+    load.fetch_layer(2)
+    assert spy.calls[0] == [[LAYOUT.slices[2], (LAYOUT.footer_at(2), 4)]] * N
+    offset, size = LAYOUT.slices[2]
+    for row in range(N):
+        assert torch.equal(dest.page(row)[offset : offset + size], src[row][offset : offset + size])
+    assert load.wait_quiet(5.0) and ring.close()
+    dest.close()
+
+
+def test_a_corrupt_slice_fails_its_layer_and_is_reported() -> None:
+    """Object 3's slice 1 is flipped: layer 1 raises CorruptSlices naming it
+    (``on_corrupt`` first), the layer is not marked landed; layers 0 and 2 land."""
+    src = pages(N, 9)
+    spy, _ = _stored(_spoiled(src, 3, LAYOUT.slices[1][0] + 5))
+    ring = StagingRing(spy, 64 << 10)
+    dest = Pages(spy, N)
+    reported: list[str] = []
+    landed: list[int] = []
+    load = _load(ring, spy, dest, on_corrupt=reported.extend,
+                 on_layer=lambda layer, event: landed.append(layer))
+    load.fetch_layer(0)
+    with pytest.raises(CorruptSlices) as info:
+        load.fetch_layer(1)
+    assert info.value.keys == (KEYS[3],) and info.value.layer == 1
+    assert reported == [KEYS[3]]
+    load.fetch_layer(2)
+    assert landed == [0, 2]
+    assert load.wait_quiet(5.0) and ring.close()
+    dest.close()
+
+
+def test_without_verification_the_slices_are_read_alone_and_corruption_lands() -> None:
+    """The negative control (the engine's ``verify_restores=False``): no
+    checksum is read or checked, so the flipped byte is served."""
+    src = pages(N, 9)
+    at = LAYOUT.slices[1][0] + 5
+    spy, _ = _stored(_spoiled(src, 3, at))
+    ring = StagingRing(spy, 64 << 10)
+    dest = Pages(spy, N)
+    load = _load(ring, spy, dest, verify=False)
+    for layer in range(len(LAYOUT.slices)):
+        load.fetch_layer(layer)
+    for layer, call in enumerate(spy.calls):
+        assert call == [[LAYOUT.slices[layer]]] * N
+    want = src[3].clone()
+    want[at] ^= 0x80
+    assert torch.equal(dest.page(3), want)
+    assert ring.live() == [] and ring.close()
+    dest.close()
+
+
+def test_a_closed_gate_reads_nothing() -> None:
+    spy, _ = _stored()
+    ring = StagingRing(spy, 64 << 10)
+    dest = Pages(spy, N)
+    gate = Gate()
+    load = _load(ring, spy, dest, gate=gate)
+    gate.close()
+    with pytest.raises(TransferRevoked):
+        load.fetch_layer(0)
+    assert spy.calls == [] and bool((dest.rows == SENTINEL).all())
+    assert ring.close()
+    dest.close()
+
+
+def test_a_timed_out_read_hands_its_destination_and_checks_over() -> None:
+    """The read stalls past the store's timeout: the placement hears of it
+    (it owns the destination until the call ends), the checks' region stays
+    out of the ring until then, and the late read lands where it was sent."""
+    store = MemoryStore(timeout_s=0.2)
+    src = pages(N, 9)
+    put_raw(store, {k: encode(k, src[i]) for i, k in enumerate(KEYS)})
+    ring = StagingRing(store, 64 << 10)
+    dest = Pages(store, N)
+    load = _load(ring, store, dest)
+    store.stall()
+    with pytest.raises(StoreTimeout) as info:
+        load.fetch_layer(0)
+    exc = info.value
+    assert [(seg.layer, seg.lo, seg.hi) for seg, _ in dest.timeouts] == [(0, 0, N)]
+    assert dest.timeouts[0][1] is exc and exc.owned and load.timed_out == [exc]
+    assert len(ring.live()) == 1 and not load.quiet  # the checks the call still writes
+    store.resume()
+    assert exc.wait_finished(30.0)
+    assert load.wait_quiet(30.0) and ring.wait_idle(30.0)
+    offset, size = LAYOUT.slices[0]
+    for row in range(N):
+        assert torch.equal(dest.page(row)[offset : offset + size], src[row][offset : offset + size])
+    assert ring.close()
+    dest.close()
+
+
+def test_a_load_rebuilt_over_fewer_rows_keeps_the_footers_verified_so_far() -> None:
+    """The engine's COMMIT trims duplicates and rebuilds its load: rows whose
+    footers the first load verified read their later slices alone; a row the
+    first load never read reads its own entry."""
+    spy, src = _stored()
+    ring = StagingRing(spy, 64 << 10)
+    dest = Pages(spy, N)
+    first = _load(ring, spy, dest, keys=KEYS[:4], slots=[5, 4, 3, 2])
+    first.fetch_layer(0)
+    trimmed = [KEYS[0], KEYS[2]]
+    again = _load(ring, spy, dest, keys=trimmed, slots=[5, 3])
+    again.adopt_footers(first)
+    again.fetch_layer(1)
+    assert spy.calls[-1] == [[LAYOUT.slices[1]]] * 2
+    late = _load(ring, spy, dest, keys=[KEYS[0], KEYS[5]], slots=[5, 0])
+    late.adopt_footers(first)
+    late.fetch_layer(1)  # KEYS[5] was never read: the segment reads its own entries
+    assert spy.calls[-1] == [[LAYOUT.slices[1], (LAYOUT.footer_at(1), 4)]] * 2
+    offset, size = LAYOUT.slices[1]
+    for row in (0, 2, 5):
+        assert torch.equal(dest.page(row)[offset : offset + size], src[row][offset : offset + size])
+    assert ring.close()
+    dest.close()
+
+
+def test_a_load_is_staged_or_in_place_never_both() -> None:
+    store = MemoryStore()
+    ring = StagingRing(store, 64 << 10)
+    dest = Pages(store, N)
+    part = LoadPart(LAYOUT, tuple(KEYS), list(range(N)))
+    sink = HostSink(lambda *a: None)
+    with pytest.raises(ValueError, match="exactly one"):
+        StagedLoad(ring, store, [part], [[(0, 0)]], sink, placement=dest)
+    with pytest.raises(ValueError, match="exactly one"):
+        StagedLoad(ring, store, [part], [[(0, 0)]], None)
+    with pytest.raises(ValueError, match="only an in-place load"):
+        StagedLoad(ring, store, [part], [[(0, 0)]], sink, verify=False)
+    dest.close()
+
+
+# ---- a real Mooncake master ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def long_lease_master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedMaster]:
+    """A master of this module's own, with 5 s read leases."""
+    log = tmp_path_factory.mktemp("in_place") / "mooncake_master.log"
+    with EmbeddedMaster(log_path=log, lease_ttl_ms=5000) as master:
+        yield master
+
+
+@pytest.mark.mooncake
+def test_mooncake_each_slice_lands_in_place_verified(long_lease_master: EmbeddedMaster) -> None:
+    """Offloaded through the staged path, read back in place into memory
+    registered with a real client, one layer at a time, then a flipped slice
+    caught where it landed."""
+    store = MooncakeStore(long_lease_master.config(
+        global_segment_size=32 << 20, local_buffer_size=16 << 20, timeout_s=10.0))
+    try:
+        ns = f"inplace-{uuid.uuid4().hex[:8]}"
+        keys = [f"{ns}/p{i}" for i in range(N)]
+        ring = StagingRing(store, 1 << 20)
+        src = pages(N, 13)
+        assert offload(ring, store, keys, src).run().ok
+        dest = Pages(store, N)
+        load = _load(ring, store, dest, keys=keys)
+        with store.open_session(keys):
+            for layer in range(len(LAYOUT.slices)):
+                load.fetch_layer(layer)
+        for row in range(N):
+            assert torch.equal(dest.page(row), src[row])
+        bad = f"{ns}/bad"
+        raw = bytearray(encode(bad, src[0]))
+        raw[LAYOUT.slices[2][0]] ^= 0x01
+        put_raw(store, {bad: bytes(raw)})
+        spoiled = _load(ring, store, dest, keys=[bad], slots=[0])
+        with store.open_session([bad]):
+            spoiled.fetch_layer(0)
+            with pytest.raises(CorruptSlices):
+                spoiled.fetch_layer(2)
+        assert ring.wait_idle(30.0) and ring.close()
+        dest.close()
+    finally:
+        store.close()
