@@ -349,7 +349,8 @@ class _Placement:
             start = load._staging_ptr + load._layer_offsets[seg.layer] + seg.lo * size
             return list(range(start, start + seg.rows * size, size))
         base = indices[seg.lo : seg.hi] * load.pool.page_bytes(component)
-        return (base + (load.pool.buffer.data_ptr() + offset)).tolist()
+        addresses: list[int] = (base + (load.pool.buffer.data_ptr() + offset)).tolist()
+        return addresses
 
     def timed_out(self, seg: LoadSegment, part: LoadPart, exc: StoreTimeout) -> None:
         component, indices = part.target
