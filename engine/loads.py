@@ -18,16 +18,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from layerlift.linker.integrity import (
-    CHECK_BYTES,
-    component_slices,
-    footer_bytes,
-    mismatches,
-    slice_seed,
-)
-from layerlift.linker.ring import Region, ring_for
+from layerlift.linker.ring import ring_for
 from layerlift.linker.staged import LoadPart, LoadSegment, ObjectLayout, StagedLoad
-from layerlift.linker.store_base import Store, StoreIntegrityError, StoreTimeout
+from layerlift.linker.store_base import Store, StoreTimeout
 from layerlift.overlap.base import LayerJob
 from layerlift.overlap.device import Device, device_of
 from layerlift.overlap.link import EmulatedLink
@@ -94,15 +87,11 @@ class BatchLoad:
         self._staging: torch.Tensor | None = None
         self._staging_ptr = 0
         self._layer_offsets: list[int] = []
-        # Integrity of a whole read: every footer lands in one region of the
-        # store's staging ring (``ring_for``); see ``linker/integrity.py``.
-        # Per-layer reads go through the staged transfer in place
-        # (``StagedLoad`` with a placement: the slices straight into the pool
-        # pages or the pinned staging, their checks through the same ring,
-        # each object's footers read once with its component's first layer).
-        self._checks: Region | None = None
-        self._checks_ptr = 0
-        self._check_offsets: dict[Component, int] = {}
+        # Reads go through the staged transfer in place (``StagedLoad`` with a
+        # placement: the slices, or a whole read's pages, straight into the
+        # pool pages or the pinned staging, verified there; their checksums
+        # through the store's staging ring, ``ring_for``; each object's
+        # footers read once, with its component's first layer).
         # The staged load over the items as they are (their versions): a job
         # built after COMMIT trimmed them gets a new one, keeping the footers
         # the old one verified; jobs issued before keep the old one.
@@ -159,28 +148,6 @@ class BatchLoad:
         if self._staging is not None:
             self.store.unregister(self._staging_ptr)
             self._staging = None
-        if self._checks is not None:
-            self._checks.release()
-            self._checks = None
-
-    def _open_checks(self) -> None:
-        """A whole read's footers land here, sized before COMMIT trims: per
-        component, its objects' whole footers."""
-        if self._checks is not None:
-            return
-        spec, total = self.pool.spec, 0
-        for c in Component:
-            self._check_offsets[c] = total
-            total += footer_bytes(spec, c) * len(self.items[c])
-        self._checks = ring_for(self.store).acquire(total, zero=True, overflow=True)
-        self._checks_ptr = self._checks.ptr
-
-    def _expected(self, region: Component, count: int) -> np.ndarray:
-        """A ``uint32`` view of ``count`` footer entries of one component."""
-        assert self._checks is not None
-        start = self._check_offsets[region]
-        raw = self._checks.tensor.numpy()[start : start + count * CHECK_BYTES]
-        return raw.view("<u4")
 
     @property
     def keys(self) -> list[str]:
@@ -194,63 +161,33 @@ class BatchLoad:
         return [self._job(layer) for layer in range(self.pool.spec.num_layers)]
 
     def _whole_job(self) -> LayerJob:
-        """The best whole-batch restore (the barrier's): one ranged read of
-        every page object, its page straight into the pool page (plus its
-        footer, when verifying). Layer 0 carries it, so a failure fails every
-        layer."""
-        comps = [c for c in Component if len(self.items[c])]
+        """The best whole-batch restore (the barrier's): the batch's one
+        in-place `StagedLoad` reads every page object whole in one ranged
+        call, its page straight into the pool page (on a device into the
+        pinned staging, scattered by the lane's H2D copy), its footer beside
+        it, and verifies every slice there. Layer 0 carries it, so a failure
+        fails every layer."""
+        spec = self.pool.spec
+        comps = [c for c in Component if len(self.items[c]) and spec.layers_of(c)]
         if not comps:
             return LayerJob(layer=0, fetch=_noop)
-        keys: list[str] = []
-        dsts: list[list[int]] = []
-        lens: list[list[int]] = []
-        offs: list[list[int]] = []
-        verify: list[tuple[Component, list[int], np.ndarray, list[str]]] = []
-        h2d: list[tuple[torch.Tensor, PageScatter]] = []
         if self.on_device and self._staging is None:
             self._open_whole_staging(comps)
-        self._open_checks()
-        spec, off = self.pool.spec, 0
-        for c in comps:
-            items, pb, fb = self.items[c], self.pool.page_bytes(c), footer_bytes(spec, c)
-            n = len(items)
-            keys += items.keys
-            if self.on_device:
-                assert self._staging is not None
-                ptrs = [self._staging_ptr + off + i * pb for i in range(n)]
-                h2d.append((self._staging[off : off + n * pb],
-                            PageScatter(self.pool.buffer, pb, 0, pb, items.indices,
+        staged = self._staged_load()
+        h2d: list[tuple[torch.Tensor, PageScatter]] = []
+        if self.on_device:
+            assert self._staging is not None
+            for part in staged.parts:
+                c, indices, at = part.target
+                pb, n = self.pool.page_bytes(c), len(part.keys)
+                h2d.append((self._staging[at : at + n * pb],
+                            PageScatter(self.pool.buffer, pb, 0, pb, indices.tolist(),
                                         self.device)))
-                off += n * pb
-            else:
-                base = np.asarray(items.indices, dtype=np.int64) * pb
-                ptrs = (base + self.pool.buffer.data_ptr()).tolist()
-            ck = self._checks_ptr + self._check_offsets[c]
-            fb = fb if self.verify else 0  # not verifying: the page alone
-            for i, p in enumerate(ptrs):
-                dsts.append([p, ck + i * fb] if fb else [p])
-                lens.append([pb, fb] if fb else [pb])
-                offs.append([0, pb] if fb else [0])
-            slices = len(component_slices(spec, c))
-            verify.append((c, ptrs, self._expected(c, n * slices).reshape(n, slices),
-                           list(items.keys)))
-        store = self.store
-        written = [] if self.on_device else [(c, list(self.items[c].indices)) for c in comps]
 
         def fetch() -> None:
-            """One ranged read of every object whole (page and footer), then
-            every layer slice verified against its footer entry."""
-            try:
-                store.get_ranges(keys, dsts, lens, offs)
-            except StoreTimeout as exc:
-                _hold(self, exc, written)
-                raise
-            for c, ptrs, expected, ckeys in (verify if self.verify else []):
-                for j, (offset, size) in enumerate(component_slices(spec, c)):
-                    seeds = [slice_seed(k, j) for k in ckeys]
-                    _verify(c, [p + offset for p in ptrs], size, expected[:, j], seeds)
+            staged.fetch_whole()
 
-        nbytes = sum(ls[0] for ls in lens)
+        nbytes = sum(len(p.keys) * p.layout.page_bytes for p in staged.parts)
         wrapped = self.link.wrap(fetch, nbytes) if self.link is not None else fetch
         owners = frozenset(o for c in comps for o in self.items[c].owners)
         return LayerJob(layer=0, fetch=wrapped, nbytes=nbytes, requests=owners,
@@ -275,12 +212,14 @@ class BatchLoad:
         spec = self.pool.spec
         parts: list[LoadPart] = []
         part_of: dict[Component, int] = {}
+        whole_at = 0  # a whole read on a device: where the part's pages start in the staging
         for c in Component:
             items = self.items[c]
             if len(items) and spec.layers_of(c):  # a component without layers reads nothing
                 part_of[c] = len(parts)
                 parts.append(LoadPart(ObjectLayout.of(spec, c), tuple(items.keys),
-                                      (c, np.asarray(items.indices, dtype=np.int64))))
+                                      (c, np.asarray(items.indices, dtype=np.int64), whole_at)))
+                whole_at += len(items) * self.pool.page_bytes(c)
         layers = []
         for layer in range(spec.num_layers):
             component, local, _, _ = spec.layer_slice(layer)
@@ -342,7 +281,7 @@ class _Placement:
 
     def addresses(self, seg: LoadSegment, part: LoadPart) -> list[int]:
         load = self.load
-        component, indices = part.target
+        component, indices, _ = part.target
         _, _, offset, size = load.pool.spec.layer_slice(seg.layer)
         if load.on_device:
             assert load._staging is not None
@@ -352,9 +291,20 @@ class _Placement:
         addresses: list[int] = (base + (load.pool.buffer.data_ptr() + offset)).tolist()
         return addresses
 
-    def timed_out(self, seg: LoadSegment, part: LoadPart, exc: StoreTimeout) -> None:
-        component, indices = part.target
-        pages = [] if self.load.on_device else [(component, indices[seg.lo : seg.hi].tolist())]
+    def pages(self, part: LoadPart) -> list[int]:
+        load = self.load
+        component, indices, whole_at = part.target
+        pb = load.pool.page_bytes(component)
+        if load.on_device:
+            assert load._staging is not None
+            start = load._staging_ptr + whole_at
+            return list(range(start, start + len(part.keys) * pb, pb))
+        addresses: list[int] = (indices * pb + load.pool.buffer.data_ptr()).tolist()
+        return addresses
+
+    def timed_out(self, part: LoadPart, lo: int, hi: int, exc: StoreTimeout) -> None:
+        component, indices, _ = part.target
+        pages = [] if self.load.on_device else [(component, indices[lo:hi].tolist())]
         _hold(self.load, exc, pages)
 
 
@@ -414,16 +364,6 @@ def _release_held(load: BatchLoad, pages: list[tuple[Component, list[int]]]) -> 
         close = load._held == 0 and load._close_pending
     if close:
         load._close_now()
-
-
-def _verify(component: Component, ptrs: list[int], size: int, expected: np.ndarray,
-            seeds: list[int]) -> None:
-    """Raise StoreIntegrityError unless every slice matches its footer CRC."""
-    bad = mismatches(ptrs, size, expected, seeds)
-    if bad:
-        raise StoreIntegrityError(
-            f"{len(bad)} of {len(ptrs)} {component.value} slice(s) read from the store do not "
-            "match their checksum (a corrupted, truncated or foreign object); recomputing")
 
 
 class PageScatter:

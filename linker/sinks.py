@@ -108,9 +108,14 @@ class Placement(Protocol):
         """Where slice ``seg.local`` of rows ``seg.lo..seg.hi`` of ``part``
         lands: one address per row, in memory registered with the store."""
 
-    def timed_out(self, seg: LoadSegment, part: LoadPart, exc: StoreTimeout) -> None:
-        """A read into ``addresses(seg, part)`` timed out and may still run:
-        take that memory over (keep it alive and unreused until the call
+    def pages(self, part: LoadPart) -> list[int]:
+        """For a whole read (:meth:`StagedLoad.fetch_whole`): where each
+        object's page lands, one address per row of ``part``, in memory
+        registered with the store."""
+
+    def timed_out(self, part: LoadPart, lo: int, hi: int, exc: StoreTimeout) -> None:
+        """A read into rows ``lo..hi`` of ``part`` timed out and may still
+        run: take that memory over (keep it alive and unreused until the call
         ended; mark ``exc.owned``), or wait for the call (``exc.wait_finished``)
         before returning. The worker thread that read calls it, before the
         failure is raised."""

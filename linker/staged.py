@@ -83,6 +83,8 @@ has no copy: the gate is looked at before the read and held while
 above, and ``placement.timed_out`` takes the destination over (the engine
 pins the pages the call may still write). ``verify=False`` reads the slices
 alone (the engine's ``verify_restores=False``, a negative control).
+:meth:`StagedLoad.fetch_whole` is the barrier's read in place: every object
+whole (page and footer) in one call, then every slice verified.
 
 Offloads (:class:`StagedOffload`)
 =================================
@@ -534,7 +536,7 @@ class StagedLoad:
                 if region is not None:
                     region.hand_over(exc)
                 for r, _ in plan:
-                    placement.timed_out(r.seg, r.part, exc)
+                    placement.timed_out(r.part, r.seg.lo, r.seg.hi, exc)
                 self.timed_out.append(exc)
                 raise
             except StoreObjectSize as exc:
@@ -554,6 +556,86 @@ class StagedLoad:
                 self.events[chunk.layer] = None
                 if self.on_layer is not None:
                     self.on_layer(chunk.layer, None)
+        finally:
+            if region is not None:
+                region.release()
+
+    def fetch_whole(self) -> None:
+        """In place only (the engine's barrier): every object of every part
+        read whole, page then footer, in one ``get_ranges`` call, each page
+        into ``placement.pages(part)`` and the footers into a region of the
+        ring (``overflow``); then every slice of every object verified where
+        it landed (:class:`CorruptSlices` with ``layer`` 0: the one call
+        carries every layer). Then, under the gate, ``on_layer`` for every
+        layer in order. ``verify=False`` reads the pages alone. A
+        ``StoreTimeout`` is handled as in a per-layer read."""
+        placement = self.placement
+        if placement is None:
+            raise ValueError("only an in-place load reads whole objects")
+        if not self.gate.open:
+            raise TransferRevoked("the load was stopped before its read")
+        plan: list[tuple[LoadPart, list[int], int]] = []
+        at = 0
+        for part in self.parts:
+            if part.keys:
+                plan.append((part, placement.pages(part), at))
+                at += len(part.keys) * part.layout.footer_bytes if self.verify else 0
+        region = self._take(at, overflow=True) if at else None
+        try:
+            keys: list[str] = []
+            dst: list[list[int]] = []
+            lens: list[list[int]] = []
+            offs: list[list[int]] = []
+            for part, addrs, start in plan:
+                pb, fb, n = part.layout.page_bytes, part.layout.footer_bytes, len(part.keys)
+                keys += part.keys
+                if region is not None:
+                    footers = region.ptr + start
+                    dst += [[a, footers + i * fb] for i, a in enumerate(addrs)]
+                    lens += [[pb, fb]] * n
+                    offs += [[0, pb]] * n
+                else:
+                    dst += [[a] for a in addrs]
+                    lens += [[pb]] * n
+                    offs += [[0]] * n
+            try:
+                self.store.get_ranges(keys, dst, lens, offs)
+            except StoreTimeout as exc:
+                if region is not None:
+                    region.hand_over(exc)
+                for part, _, _ in plan:
+                    placement.timed_out(part, 0, len(part.keys), exc)
+                self.timed_out.append(exc)
+                raise
+            except StoreObjectSize as exc:
+                asked = set(keys)
+                short = [k for k in dict.fromkeys(exc.keys) if k in asked]
+                if not short:
+                    raise
+                if self.on_corrupt is not None:
+                    self.on_corrupt(short)
+                raise CorruptSlices(0, short) from exc
+            if region is not None:
+                corrupt: dict[str, None] = {}
+                for part, addrs, start in plan:
+                    n, slices = len(part.keys), part.layout.slices
+                    raw = region.tensor[start : start + n * part.layout.footer_bytes].numpy()
+                    table = raw.view("<u4").reshape(n, len(slices))
+                    for j, (offset, size) in enumerate(slices):
+                        bad = mismatches([a + offset for a in addrs], size, table[:, j],
+                                         [slice_seed(k, j) for k in part.keys])
+                        corrupt.update((part.keys[b], None) for b in bad)
+                if corrupt:
+                    if self.on_corrupt is not None:
+                        self.on_corrupt(list(corrupt))
+                    raise CorruptSlices(0, list(corrupt))
+            with self.gate.held() as open_:
+                if not open_:
+                    raise TransferRevoked("the load was stopped while it read")
+                for layer in range(len(self.chunks)):
+                    self.events[layer] = None
+                    if self.on_layer is not None:
+                        self.on_layer(layer, None)
         finally:
             if region is not None:
                 region.release()

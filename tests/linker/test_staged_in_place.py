@@ -48,15 +48,19 @@ class Pages:
         self.store = store
         self.rows = torch.full((n, LAYOUT.page_bytes), SENTINEL, dtype=torch.uint8)
         self.ptr = store.register(self.rows)
-        self.timeouts: list[tuple[LoadSegment, StoreTimeout]] = []
+        self.timeouts: list[tuple[tuple[int, int], StoreTimeout]] = []
 
     def addresses(self, seg: LoadSegment, part: LoadPart) -> list[int]:
         offset = part.layout.slices[seg.local][0]
         base = int(self.rows.data_ptr())
         return [base + slot * LAYOUT.page_bytes + offset for slot in part.target[seg.lo : seg.hi]]
 
-    def timed_out(self, seg: LoadSegment, part: LoadPart, exc: StoreTimeout) -> None:
-        self.timeouts.append((seg, exc))
+    def pages(self, part: LoadPart) -> list[int]:
+        base = int(self.rows.data_ptr())
+        return [base + slot * LAYOUT.page_bytes for slot in part.target]
+
+    def timed_out(self, part: LoadPart, lo: int, hi: int, exc: StoreTimeout) -> None:
+        self.timeouts.append(((lo, hi), exc))
         exc.owned = True  # this destination is the test's: it waits for the call itself
 
     def page(self, row: int) -> torch.Tensor:
@@ -192,7 +196,7 @@ def test_a_timed_out_read_hands_its_destination_and_checks_over() -> None:
     with pytest.raises(StoreTimeout) as info:
         load.fetch_layer(0)
     exc = info.value
-    assert [(seg.layer, seg.lo, seg.hi) for seg, _ in dest.timeouts] == [(0, 0, N)]
+    assert [rows for rows, _ in dest.timeouts] == [(0, N)]
     assert dest.timeouts[0][1] is exc and exc.owned and load.timed_out == [exc]
     assert len(ring.live()) == 1 and not load.quiet  # the checks the call still writes
     store.resume()
@@ -230,6 +234,61 @@ def test_a_load_rebuilt_over_fewer_rows_keeps_the_footers_verified_so_far() -> N
     dest.close()
 
 
+def test_a_whole_read_is_one_call_of_pages_and_footers_verified_in_place() -> None:
+    """The engine's barrier: every object whole in one call, each page into
+    its slot, every slice checked; a flipped byte in any slice fails the read
+    (layer 0 carries it) and names its key; without verification the pages
+    alone are read."""
+    spy, src = _stored()
+    ring = StagingRing(spy, 64 << 10)
+    dest = Pages(spy, N)
+    landed: list[int] = []
+    load = _load(ring, spy, dest, on_layer=lambda layer, event: landed.append(layer))
+    load.fetch_whole()
+    assert spy.calls == [[[(0, LAYOUT.page_bytes), (LAYOUT.page_bytes, LAYOUT.footer_bytes)]] * N]
+    for row in range(N):
+        assert torch.equal(dest.page(row), src[row])
+    assert landed == [0, 1, 2]
+    at = LAYOUT.slices[2][0] + 3
+    bad, _ = _stored(_spoiled(src, 4, at))
+    bad_ring = StagingRing(bad, 64 << 10)
+    dest_bad = Pages(bad, N)
+    reported: list[str] = []
+    with pytest.raises(CorruptSlices) as info:
+        _load(bad_ring, bad, dest_bad, on_corrupt=reported.extend).fetch_whole()
+    assert info.value.keys == (KEYS[4],) and info.value.layer == 0 and reported == [KEYS[4]]
+    plain = _load(bad_ring, bad, dest_bad, verify=False)
+    plain.fetch_whole()
+    assert bad.calls[-1] == [[(0, LAYOUT.page_bytes)]] * N
+    want = src[4].clone()
+    want[at] ^= 0x80
+    assert torch.equal(dest_bad.page(4), want)
+    assert ring.wait_idle(5.0) and ring.close() and bad_ring.wait_idle(5.0) and bad_ring.close()
+    dest.close()
+    dest_bad.close()
+
+
+def test_a_timed_out_whole_read_hands_every_part_over() -> None:
+    store = MemoryStore(timeout_s=0.2)
+    src = pages(N, 9)
+    put_raw(store, {k: encode(k, src[i]) for i, k in enumerate(KEYS)})
+    ring = StagingRing(store, 64 << 10)
+    dest = Pages(store, N)
+    load = _load(ring, store, dest)
+    store.stall()
+    with pytest.raises(StoreTimeout) as info:
+        load.fetch_whole()
+    exc = info.value
+    assert [rows for rows, _ in dest.timeouts] == [(0, N)] and exc.owned
+    assert len(ring.live()) == 1  # the footers the call still writes
+    store.resume()
+    assert exc.wait_finished(30.0) and load.wait_quiet(30.0) and ring.wait_idle(30.0)
+    for row in range(N):
+        assert torch.equal(dest.page(row), src[row])
+    assert ring.close()
+    dest.close()
+
+
 def test_a_load_is_staged_or_in_place_never_both() -> None:
     store = MemoryStore()
     ring = StagingRing(store, 64 << 10)
@@ -242,6 +301,8 @@ def test_a_load_is_staged_or_in_place_never_both() -> None:
         StagedLoad(ring, store, [part], [[(0, 0)]], None)
     with pytest.raises(ValueError, match="only an in-place load"):
         StagedLoad(ring, store, [part], [[(0, 0)]], sink, verify=False)
+    with pytest.raises(ValueError, match="only an in-place load reads whole"):
+        StagedLoad(ring, store, [part], [[(0, 0)]], sink).fetch_whole()
     dest.close()
 
 
