@@ -34,13 +34,13 @@ from dataclasses import dataclass, field
 from layerlift.engine.threads import run_owned
 from layerlift.linker.components import ComponentLinker
 from layerlift.linker.contract import LinkerTransferPhase, PoolTransfer
-from layerlift.linker.integrity import footer_bytes, object_bytes, page_footers
+from layerlift.linker.integrity import object_bytes
 from layerlift.linker.ring import ring_for
+from layerlift.linker.staged import ObjectLayout, OffloadPart, OffloadSegment, StagedOffload
 from layerlift.linker.store_base import (
     Store,
     StoreError,
     StoreFull,
-    StoreTimeout,
     StoreUnavailable,
 )
 from layerlift.overlap.device import device_of
@@ -260,39 +260,31 @@ class Offloader:
 
     def _put_objects(self, keys: list[str], pages: list[tuple[Component, int]],
                      ptrs: list[int], sizes: list[int]) -> None:
-        """Worker thread: put each page (zero-copy at ``ptrs``) plus its
-        checksum footer (one region of the store's staging ring, ``ring_for``), in one
-        batch put. A put that times out is waited for until it really ended
-        (the pages and the footers are its memory until then); one that then
-        succeeded counts as landed (``report.late``), one that failed raises
-        its StoreTimeout."""
+        """Worker thread: one in-place `StagedOffload` of every page (put from
+        ``ptrs``, zero-copy) plus its checksum footer (computed over those
+        bytes into a region of the store's staging ring, ``ring_for``), in one
+        batch put; parts are the runs of one component in the given order (the
+        prefix order). A put that times out is waited for until it really
+        ended (the pages and the footers are its memory until then); one that
+        then succeeded counts as landed (``report.late``); a failure raises
+        its StoreError."""
         spec = self.pool.spec
-        fsizes = [footer_bytes(spec, c) for c, _ in pages]
-        starts = [0]
-        for f in fsizes:
-            starts.append(starts[-1] + f)
-        scratch = ring_for(self.store).acquire(starts[-1], zero=True, overflow=True)
-        flat = scratch.tensor.numpy()
-        for comp in {c for c, _ in pages}:
-            rows = [i for i, (c, _) in enumerate(pages) if c is comp and fsizes[i]]
-            if rows:
-                sums = page_footers(spec, comp, [ptrs[i] for i in rows],
-                                    [keys[i] for i in rows]).view("u1")
-                for r, i in enumerate(rows):
-                    flat[starts[i] : starts[i + 1]] = sums[r]
-        fbase = scratch.ptr
-        try:
-            parts = [[p, fbase + starts[i]] if fsizes[i] else [p] for i, p in enumerate(ptrs)]
-            lens = [[n, fsizes[i]] if fsizes[i] else [n] for i, n in enumerate(sizes)]
-            try:
-                self.store.put_parts(keys, parts, lens)
-            except StoreTimeout as exc:
-                if not exc.wait_finished():
-                    raise
-                with self._lock:
-                    self.report.late += 1
-        finally:
-            scratch.release()
+        parts: list[OffloadPart] = []
+        begin = 0
+        for i in range(1, len(pages) + 1):
+            if i == len(pages) or pages[i][0] is not pages[begin][0]:
+                component = pages[begin][0]
+                parts.append(OffloadPart(ObjectLayout.of(spec, component),
+                                         tuple(keys[begin:i]), ptrs[begin:i]))
+                begin = i
+        offload = StagedOffload(ring_for(self.store), self.store, parts, None,
+                                source=_InPlace(), wait_timed_out=True)
+        outcome = offload.run()
+        if outcome.late:
+            with self._lock:
+                self.report.late += outcome.late
+        if outcome.error is not None:
+            raise outcome.error
 
     def _backing_off(self, node: TreeNode) -> bool:
         """Whether this offload of ``node`` is skipped (a full store)."""
@@ -342,3 +334,12 @@ class Offloader:
         while self._tasks:
             await asyncio.wait(list(self._tasks))
         return self.report
+
+
+class _InPlace:
+    """The offload's pages where they are: ``part.source`` holds each row's
+    address (pinned pool pages, or the registered host copy on a device)."""
+
+    def pages(self, seg: OffloadSegment, part: OffloadPart) -> list[int]:
+        rows: list[int] = part.source[seg.lo : seg.hi]
+        return rows

@@ -60,6 +60,7 @@ __all__ = [
     "Scatter",
     "Sink",
     "Snapshot",
+    "Source",
 ]
 
 
@@ -183,6 +184,17 @@ class Snapshot(Protocol):
         (layer-major, ``layout.page_bytes`` each) into ``pages``
         (``uint8[seg.rows, page_bytes]``, a strided view of staging).
         Returns once the bytes are in ``pages``."""
+
+
+class Source(Protocol):
+    """An in-place offload's source (the engine's pinned pool pages, or its
+    registered host copy of device pages): each object's page is put from
+    where it is, its footer computed over those very bytes into the ring.
+    The adapter keeps the pages unchanged (pinned) until ``run`` returned."""
+
+    def pages(self, seg: OffloadSegment, part: OffloadPart) -> list[int]:
+        """Where the page of each of rows ``seg.lo..seg.hi`` of ``part`` is:
+        one address per row, in memory registered with the store."""
 
 
 Gather = Callable[[OffloadSegment, OffloadPart], torch.Tensor]

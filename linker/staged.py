@@ -102,6 +102,15 @@ then. The outcome is an :class:`OffloadOutcome` (objects and bytes put, late
 landings, the first error); a failure stops the offload (later chunks are not
 sent).
 
+In place (the engine's offloads): with a :class:`Source` instead of a
+snapshot, every object goes in one ``put_parts`` call, each page from where
+it is (the engine's pinned pool pages, or its registered host copy of
+device pages), its footer computed over those very bytes into a region of
+the ring that never waits (``overflow``); the adapter keeps the pages
+unchanged until ``run`` returned, and a put that timed out is always waited
+for (``wait_timed_out``). A page no layer reads (an :class:`ObjectLayout`
+without slices) is put without a footer.
+
 ``StoreTimeout`` of a put: with ``wait_timed_out`` (the engine's rule) the
 worker waits until the put really ended; if it succeeded it counts as
 ``late`` and the offload goes on, else the offload fails. Without it (the
@@ -131,6 +140,7 @@ from layerlift.linker.sinks import (
     Placement,
     Sink,
     Snapshot,
+    Source,
 )
 from layerlift.linker.store_base import (
     Store,
@@ -172,6 +182,7 @@ __all__ = [
     "Placement",
     "Sink",
     "Snapshot",
+    "Source",
     "StagedLoad",
     "StagedOffload",
     "TransferRevoked",
@@ -699,20 +710,37 @@ class OffloadOutcome:
 
 class StagedOffload:
     """One offload: snapshot → footers → put, chunk by chunk through ``ring``
-    (see the module docstring). ``ValueError`` when one object does not fit
-    the ring."""
+    (see the module docstring); or, with ``source`` (``snapshot`` None), in
+    place: one ``put_parts`` of every object, each page from the source's
+    registered memory, its footer computed over those bytes into a region
+    of the ring (``overflow``: never waits); it waits for a put that timed
+    out (``wait_timed_out``: the source is the put's memory until it ended).
+    ``ValueError`` when one object does not fit the ring, or neither or both
+    of ``snapshot`` and ``source`` are given."""
 
     def __init__(self, ring: StagingRing, store: Store, parts: Sequence[OffloadPart],
-                 snapshot: Snapshot, *, depth: int = DEFAULT_DEPTH,
+                 snapshot: Snapshot | None, *, depth: int = DEFAULT_DEPTH,
                  timeout_s: float | None = None, wait_timed_out: bool = False,
-                 on_late_end: Callable[[], None] | None = None) -> None:
+                 on_late_end: Callable[[], None] | None = None,
+                 source: Source | None = None) -> None:
         if depth < 1:
             raise ValueError(f"a staged offload needs depth >= 1, got {depth}")
-        self.ring, self.store, self.snapshot = ring, store, snapshot
+        if (snapshot is None) == (source is None):
+            raise ValueError("an offload goes either through staging from a snapshot or in "
+                             "place from a source: give exactly one of them")
+        if source is not None and not wait_timed_out:
+            raise ValueError("an in-place offload waits for a timed-out put "
+                             "(wait_timed_out=True): its pages are the put's memory until it ended")
+        self.ring, self.store, self.snapshot, self.source = ring, store, snapshot, source
         self.parts = tuple(parts)
         self.timeout_s = ring.timeout_s if timeout_s is None else timeout_s
         self.wait_timed_out = wait_timed_out
         self.on_late_end = on_late_end
+        if source is not None:  # in place: one put of every object
+            segments = tuple(OffloadSegment(p, 0, len(part.keys))
+                             for p, part in enumerate(self.parts) if part.keys)
+            self.chunks: list[OffloadChunk] = [OffloadChunk(segments)] if segments else []
+            return
         budget = max(1, ring.capacity // depth)
         runs: list[tuple[int, int, int]] = []
         for p, part in enumerate(self.parts):
@@ -722,7 +750,7 @@ class StagedOffload:
                     f"one object of {size} bytes does not fit the {ring.capacity}-byte "
                     f"staging ring; give the ring at least {ring.span(size)} bytes")
             runs.append((p, len(part.keys), size))
-        self.chunks: list[OffloadChunk] = [
+        self.chunks = [
             OffloadChunk(tuple(OffloadSegment(p, lo, hi) for p, lo, hi in pieces))
             for pieces in pack_runs(runs, budget, ring)]
 
@@ -733,6 +761,9 @@ class StagedOffload:
         try:
             for index, chunk in enumerate(self.chunks):
                 last = index == len(self.chunks) - 1
+                if self.source is not None:
+                    self._chunk_in_place(chunk, outcome, self.source)
+                    break
                 if not self._chunk(chunk, outcome, on_source_free if last else None):
                     break
                 if last:
@@ -742,8 +773,66 @@ class StagedOffload:
                 on_source_free()
         return outcome
 
+    def _chunk_in_place(self, chunk: OffloadChunk, outcome: OffloadOutcome,
+                        source: Source) -> None:
+        """In place: the footers of every object computed over its page where
+        it is, into one region; one ``put_parts`` of page and footer per
+        object; a put that timed out is waited for (counted ``late`` if it
+        then succeeded)."""
+        plan: list[tuple[OffloadSegment, OffloadPart, int, list[int]]] = []
+        total = 0
+        for seg in chunk.segments:
+            part = self.parts[seg.part]
+            plan.append((seg, part, total, source.pages(seg, part)))
+            total += seg.rows * part.layout.footer_bytes
+        try:
+            region = (self.ring.acquire(total, timeout_s=self.timeout_s, overflow=True)
+                      if total else None)
+        except StoreError as exc:
+            outcome.error = exc
+            return
+        try:
+            keys: list[str] = []
+            ptrs: list[list[int]] = []
+            sizes: list[list[int]] = []
+            for seg, part, start, addrs in plan:
+                layout, n = part.layout, seg.rows
+                seg_keys = list(part.keys[seg.lo : seg.hi])
+                fb = layout.footer_bytes
+                if fb:
+                    assert region is not None
+                    footers = region.tensor[start : start + n * fb].view(n, fb)
+                    for j, (offset, size) in enumerate(layout.slices):
+                        sums = checksums([a + offset for a in addrs], size,
+                                         [slice_seed(k, j) for k in seg_keys])
+                        footers[:, j * CHECK_BYTES : (j + 1) * CHECK_BYTES] = torch.from_numpy(
+                            np.ascontiguousarray(sums).view(np.uint8).reshape(n, CHECK_BYTES))
+                    at = region.ptr + start
+                    ptrs += [[a, at + i * fb] for i, a in enumerate(addrs)]
+                    sizes += [[layout.page_bytes, fb]] * n
+                else:  # a page no layer reads: no footer
+                    ptrs += [[a] for a in addrs]
+                    sizes += [[layout.page_bytes]] * n
+                keys += seg_keys
+            try:
+                self.store.put_parts(keys, ptrs, sizes)
+            except StoreTimeout as exc:
+                if not exc.wait_finished():
+                    outcome.error = exc
+                    return
+                outcome.late += 1
+            except StoreError as exc:
+                outcome.error = exc
+                return
+            outcome.objects += len(keys)
+            outcome.bytes += sum(sum(row) for row in sizes)
+        finally:
+            if region is not None:
+                region.release()
+
     def _chunk(self, chunk: OffloadChunk, outcome: OffloadOutcome,
                snapshotted: Callable[[], None] | None) -> bool:
+        assert self.snapshot is not None  # staged (a source is put in place)
         # Region layout: every segment's whole objects, in order, back to back.
         plan: list[tuple[OffloadSegment, OffloadPart, int]] = []
         total = 0

@@ -84,8 +84,8 @@ class ObjectLayout:
     page_bytes: int
 
     def __post_init__(self) -> None:
-        if not self.slices:
-            raise ValueError("an object layout needs at least one slice")
+        # No slices: a page no layer reads (a model without one of the
+        # engine's components keeps a placeholder page), stored without footer.
         for offset, size in self.slices:
             if offset < 0 or size <= 0 or offset + size > self.page_bytes:
                 raise ValueError(f"slice ({offset}, {size}) lies outside the "

@@ -11,6 +11,7 @@ the in-memory store, and one round trip on a real Mooncake master.
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections.abc import Iterator, Sequence
 
@@ -22,17 +23,22 @@ from test_staged_footers import RangeSpy
 from layerlift.linker.master import EmbeddedMaster
 from layerlift.linker.memory_store import MemoryStore
 from layerlift.linker.mooncake_store import MooncakeStore
-from layerlift.linker.ring import StagingRing
+from layerlift.linker.ring import StagingRing, ring_for
 from layerlift.linker.staged import (
     CorruptSlices,
     Gate,
     HostSink,
+    HostSnapshot,
     LoadPart,
     LoadSegment,
+    ObjectLayout,
+    OffloadPart,
+    OffloadSegment,
     StagedLoad,
+    StagedOffload,
     TransferRevoked,
 )
-from layerlift.linker.store_base import Store, StoreTimeout
+from layerlift.linker.store_base import ForwardingStore, Store, StoreTimeout
 
 N = 6
 KEYS = [f"inplace/p{i}" for i in range(N)]
@@ -304,6 +310,112 @@ def test_a_load_is_staged_or_in_place_never_both() -> None:
     with pytest.raises(ValueError, match="only an in-place load reads whole"):
         StagedLoad(ring, store, [part], [[(0, 0)]], sink).fetch_whole()
     dest.close()
+
+
+# ---- offloads in place (the engine's) -------------------------------------------------
+
+
+class Source:
+    """Pages put from where they are: ``part.source`` is each row's address."""
+
+    def pages(self, seg: OffloadSegment, part: OffloadPart) -> list[int]:
+        return list(part.source[seg.lo : seg.hi])
+
+
+def _in_place_offload(store: Store, keys: Sequence[str], src: torch.Tensor,
+                      layout: ObjectLayout = LAYOUT) -> StagedOffload:
+    """``src`` (registered by the caller) offloaded in place: one part."""
+    addrs = [int(src[i].data_ptr()) for i in range(len(keys))]
+    part = OffloadPart(layout, tuple(keys), addrs)
+    return StagedOffload(ring_for(store), store, [part], None, source=Source(),
+                         wait_timed_out=True)
+
+
+def test_an_in_place_offload_is_one_put_of_pages_with_footers_over_their_bytes() -> None:
+    """Objects equal the independent encoding of the pages; one call; the
+    in-place load reads them back exactly."""
+    spy = PutSpy(MemoryStore())
+    src = pages(N, 21)
+    ptr = spy.register(src)
+    outcome = _in_place_offload(spy, KEYS, src).run()
+    assert outcome.ok and outcome.objects == N and outcome.late == 0
+    assert outcome.bytes == N * LAYOUT.object_bytes
+    assert spy.puts == [N]
+    for i, key in enumerate(KEYS):
+        assert spy.inner.object_bytes(key) == encode(key, src[i])  # type: ignore[attr-defined]
+    dest = Pages(spy, N)
+    load = _load(StagingRing(spy, 64 << 10), spy, dest)
+    load.fetch_whole()
+    for row in range(N):
+        assert torch.equal(dest.page(row), src[row])
+    spy.unregister(ptr)
+    dest.close()
+
+
+def test_a_page_no_layer_reads_is_put_without_a_footer() -> None:
+    store = MemoryStore()
+    layout = ObjectLayout((), 64)
+    src = pages(2, 3, layout)
+    ptr = store.register(src)
+    outcome = _in_place_offload(store, ["bare/0", "bare/1"], src, layout).run()
+    assert outcome.ok and outcome.objects == 2
+    assert store.object_bytes("bare/1") == bytes(src[1].numpy())
+    store.unregister(ptr)
+
+
+def test_an_in_place_offload_waits_for_a_timed_out_put_and_counts_it_late() -> None:
+    store = MemoryStore(timeout_s=0.2)
+    src = pages(2, 22)
+    ptr = store.register(src)
+    keys = ["late/0", "late/1"]
+    off = _in_place_offload(store, keys, src)
+    store.stall()
+    resumer = threading.Thread(target=lambda: (store.timed_out.wait(30.0), store.resume()))
+    resumer.start()
+    outcome = off.run()
+    resumer.join(30.0)
+    assert outcome.ok and outcome.late == 1 and outcome.objects == 2
+    assert store.object_bytes(keys[1]) == encode(keys[1], src[1])
+    assert ring_for(store).idle()
+    store.unregister(ptr)
+
+
+def test_a_failed_in_place_put_is_the_outcome_and_frees_the_source() -> None:
+    store = MemoryStore()
+    src = pages(2, 23)
+    ptr = store.register(src)
+    store.fail_call(1)
+    freed: list[int] = []
+    outcome = _in_place_offload(store, ["f/0", "f/1"], src).run(lambda: freed.append(1))
+    assert not outcome.ok and outcome.objects == 0 and freed == [1]
+    assert ring_for(store).idle()
+    store.unregister(ptr)
+
+
+def test_an_offload_is_staged_or_in_place_never_both() -> None:
+    store = MemoryStore()
+    ring = StagingRing(store, 64 << 10)
+    part = OffloadPart(LAYOUT, ("x",), [0])
+    snap = HostSnapshot(lambda seg, p: torch.zeros(1, LAYOUT.page_bytes, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="exactly one"):
+        StagedOffload(ring, store, [part], snap, source=Source(), wait_timed_out=True)
+    with pytest.raises(ValueError, match="exactly one"):
+        StagedOffload(ring, store, [part], None)
+    with pytest.raises(ValueError, match="waits for a timed-out put"):
+        StagedOffload(ring, store, [part], None, source=Source())
+
+
+class PutSpy(ForwardingStore):
+    """Forwards to ``inner``; records the number of keys of each put call."""
+
+    def __init__(self, inner: MemoryStore) -> None:
+        super().__init__(inner)
+        self.puts: list[int] = []
+
+    def put_parts(self, keys: Sequence[str], ptrs: Sequence[Sequence[int]],
+                  sizes: Sequence[Sequence[int]]) -> None:
+        self.puts.append(len(keys))
+        self.inner.put_parts(keys, ptrs, sizes)
 
 
 # ---- a real Mooncake master ---------------------------------------------------------
