@@ -252,22 +252,7 @@ class StagedLoad:
                     lens += [[r.size, r.check] for _ in range(seg.rows)]
                     offs += [[slice_at, check_at] for _ in range(seg.rows)]
                 keys += r.keys
-            try:
-                self.store.get_ranges(keys, dst, lens, offs)
-            except StoreTimeout as exc:
-                region.hand_over(exc)
-                self.timed_out.append(exc)
-                raise
-            except StoreObjectSize as exc:
-                # Objects shorter than their layout (truncated, foreign): as
-                # corrupt as a checksum mismatch, and nothing was copied.
-                asked = set(keys)
-                short = [k for k in dict.fromkeys(exc.keys) if k in asked]
-                if not short:
-                    raise
-                if self.on_corrupt is not None:
-                    self.on_corrupt(short)
-                raise CorruptSlices(chunk.layer, short) from exc
+            self._read(chunk.layer, keys, dst, lens, offs, region.hand_over)
             corrupt: list[str] = []
             footers: list[tuple[_SegmentRead, np.ndarray]] = []
             for r in plan:
@@ -322,6 +307,28 @@ class StagedLoad:
                     if row is not None:
                         self._crcs[p][i] = row
                         self._have[p][i] = True
+
+    def _read(self, layer: int, keys: list[str], dst: list[list[int]], lens: list[list[int]],
+              offs: list[list[int]], hand_over: Callable[[StoreTimeout], None]) -> None:
+        """One ranged read of ``layer``'s chunk. ``StoreTimeout``: the call
+        may still write, so ``hand_over(exc)`` gives its memory to it first
+        (the exception is kept in ``timed_out``). Objects shorter than their
+        layout (truncated, foreign) are as corrupt as a checksum mismatch:
+        ``on_corrupt`` hears them, then :class:`CorruptSlices`."""
+        try:
+            self.store.get_ranges(keys, dst, lens, offs)
+        except StoreTimeout as exc:
+            hand_over(exc)
+            self.timed_out.append(exc)
+            raise
+        except StoreObjectSize as exc:
+            asked = set(keys)
+            short = [k for k in dict.fromkeys(exc.keys) if k in asked]
+            if not short:
+                raise
+            if self.on_corrupt is not None:
+                self.on_corrupt(short)
+            raise CorruptSlices(layer, short) from exc
 
     def _known(self, seg: LoadSegment) -> np.ndarray | None:
         """The CRCs of the segment's slice when its rows' footers are in (read
@@ -382,23 +389,13 @@ class StagedLoad:
                     lens += [[r.size]] * n
                     offs += [[slice_at]] * n
                 keys += r.keys
-            try:
-                self.store.get_ranges(keys, dst, lens, offs)
-            except StoreTimeout as exc:
+            def hand_over(exc: StoreTimeout) -> None:
                 if region is not None:
                     region.hand_over(exc)
                 for r, _ in plan:
                     placement.timed_out(r.part, r.seg.lo, r.seg.hi, exc)
-                self.timed_out.append(exc)
-                raise
-            except StoreObjectSize as exc:
-                asked = set(keys)
-                short = [k for k in dict.fromkeys(exc.keys) if k in asked]
-                if not short:
-                    raise
-                if self.on_corrupt is not None:
-                    self.on_corrupt(short)
-                raise CorruptSlices(chunk.layer, short) from exc
+
+            self._read(chunk.layer, keys, dst, lens, offs, hand_over)
             if self.verify:
                 self._verify_in_place(chunk.layer, plan, region)
             with self.gate.held() as open_:
@@ -450,23 +447,13 @@ class StagedLoad:
                     dst += [[a] for a in addrs]
                     lens += [[pb]] * n
                     offs += [[0]] * n
-            try:
-                self.store.get_ranges(keys, dst, lens, offs)
-            except StoreTimeout as exc:
+            def hand_over(exc: StoreTimeout) -> None:
                 if region is not None:
                     region.hand_over(exc)
                 for part, _, _ in plan:
                     placement.timed_out(part, 0, len(part.keys), exc)
-                self.timed_out.append(exc)
-                raise
-            except StoreObjectSize as exc:
-                asked = set(keys)
-                short = [k for k in dict.fromkeys(exc.keys) if k in asked]
-                if not short:
-                    raise
-                if self.on_corrupt is not None:
-                    self.on_corrupt(short)
-                raise CorruptSlices(0, short) from exc
+
+            self._read(0, keys, dst, lens, offs, hand_over)
             if region is not None:
                 corrupt: dict[str, None] = {}
                 for part, addrs, start in plan:

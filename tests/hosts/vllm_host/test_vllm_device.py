@@ -360,6 +360,19 @@ def _spoil_layer1(store: MemoryStore, key: str) -> None:
     store.unregister(ptr)
 
 
+def _layer1_spoiled(sim: SimDevice, monkeypatch: pytest.MonkeyPatch,
+                    ) -> tuple[CopyCount, BlockWorker, threading.Event]:
+    """The pages offloaded with page 1's layer-1 slice spoiled; a device
+    worker over empty blocks whose load stream is held (released by the
+    returned event); the copies counted."""
+    store = MemoryStore()
+    _offload(store)
+    _spoil_layer1(store, _layout().schema("dev").key("full0", HASHES[1]))
+    count = CopyCount(monkeypatch)
+    worker = _worker(store, _kv(fill=False), sim)
+    return count, worker, block(sim, worker.load_stream)
+
+
 @pytest.mark.parametrize("control", [False, True], ids=["drained", "control-undrained"])
 @pytest.mark.parametrize("sync", [True, False], ids=["sync", "async"])
 def test_a_load_is_reported_only_once_its_copies_ran(
@@ -370,14 +383,7 @@ def test_a_load_is_reported_only_once_its_copies_ran(
     issued into its blocks ran: vLLM may recompute into them or free them
     then. The spy releases the load stream when the worker starts to wait
     for it; the control skips that wait and reports with copies pending."""
-    store = MemoryStore()
-    _offload(store)
-    layout = _layout()
-    _spoil_layer1(store, layout.schema("dev").key("full0", HASHES[1]))
-    kv = _kv(fill=False)
-    count = CopyCount(monkeypatch)
-    worker = _worker(store, kv, sim)
-    go = block(sim, worker.load_stream)
+    count, worker, go = _layer1_spoiled(sim, monkeypatch)
     real_drain = BlockSink.drain
 
     def drain(sink: BlockSink) -> None:
@@ -417,14 +423,7 @@ def test_a_failed_wait_during_the_loops_settle_waits_for_its_drain(
     `step_errors` reports. That report must come only once the loop's drain
     has ended; a second settler that returned at once (``settled`` meaning
     "started") reported with layer 0's copies still pending."""
-    store = MemoryStore()
-    _offload(store)
-    layout = _layout()
-    _spoil_layer1(store, layout.schema("dev").key("full0", HASHES[1]))
-    kv = _kv(fill=False)
-    count = CopyCount(monkeypatch)
-    worker = _worker(store, kv, sim)
-    go = block(sim, worker.load_stream)
+    count, worker, go = _layer1_spoiled(sim, monkeypatch)
     real_drain = BlockSink.drain
     in_drain, reported, drained = threading.Event(), threading.Event(), threading.Event()
 
