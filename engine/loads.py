@@ -225,8 +225,7 @@ class BatchLoad:
             component, local, _, _ = spec.layer_slice(layer)
             layers.append([(part_of[component], local)] if component in part_of else [])
         staged = StagedLoad(ring_for(self.store), self.store, parts, layers, None,
-                            depth=spec.num_layers + 1, placement=_Placement(self),
-                            verify=self.verify)
+                            placement=_Placement(self), verify=self.verify)
         if previous is not None:
             staged.adopt_footers(previous)
         self._staged, self._staged_versions = staged, versions

@@ -80,7 +80,8 @@ class StagedLoad:
     module docstring), or, with ``placement``, in place (``sink`` None): each
     slice read straight into the placement's registered memory and verified
     there, only the checksums going through the ring ("In place" in the
-    module docstring). ``verify=False`` reads the slices alone and checks
+    module docstring; ``depth`` bounds staged chunks only, as an in-place
+    load holds no staging). ``verify=False`` reads the slices alone and checks
     nothing (the in-place negative control). ``ValueError`` when a slice does
     not fit the ring, a ``layers`` entry names no part or slice, ``depth`` <
     1, or neither or both of ``sink`` and ``placement`` are given."""
@@ -120,8 +121,7 @@ class StagedLoad:
                 if not 0 <= local < len(part.layout.slices):
                     raise ValueError(f"layer {layer} reads slice {local} of part {p}, whose "
                                      f"objects have {len(part.layout.slices)} slice(s)")
-                if placement is not None:  # in place: one call per layer, checksums overflow
-                    runs.append((len(runs), len(part.keys), 0))
+                if placement is not None:  # in place: one call per layer (below)
                     continue
                 row = part.layout.slices[local][1] + _check_bytes(part.layout, local)
                 if not ring.fits(row):
@@ -131,9 +131,9 @@ class StagedLoad:
                         f"{ring.span(row)} bytes")
                 runs.append((len(runs), len(part.keys), row))
             if placement is not None:
-                self.chunks.append([LoadChunk(layer, tuple(
-                    LoadSegment(layer, reads[i][0], reads[i][1], 0, n) for i, n, _ in runs
-                    if n))] if any(n for _, n, _ in runs) else [])
+                segments = tuple(LoadSegment(layer, p, local, 0, len(self.parts[p].keys))
+                                 for p, local in reads if self.parts[p].keys)
+                self.chunks.append([LoadChunk(layer, segments)] if segments else [])
                 continue
             self.chunks.append([
                 LoadChunk(layer, tuple(LoadSegment(layer, reads[i][0], reads[i][1], lo, hi)
@@ -192,14 +192,15 @@ class StagedLoad:
             if self.on_layer is not None:
                 self.on_layer(layer, event)
 
-    def _take(self, nbytes: int, overflow: bool = False) -> Region:
+    def _take(self, nbytes: int) -> Region:
+        """A staged chunk's region: one of ``depth`` slots, then a region
+        (both waits bounded by ``timeout_s``)."""
         deadline = time.monotonic() + self.timeout_s
         if not self._slots.acquire(timeout=self.timeout_s):
             raise StagingTimeout(f"the load's {self.depth} chunks in flight did not end "
                                  f"within {self.timeout_s:g} s")
         try:
-            region = self.ring.acquire(nbytes, timeout_s=max(0.0, deadline - time.monotonic()),
-                                       overflow=overflow)
+            region = self.ring.acquire(nbytes, timeout_s=max(0.0, deadline - time.monotonic()))
         except BaseException:
             self._slots.release()
             raise
@@ -208,8 +209,21 @@ class StagedLoad:
         region.on_free(self._returned)
         return region
 
+    def _take_checks(self, nbytes: int) -> Region:
+        """An in-place chunk's region (its checksums only): never waits
+        (``overflow``) and takes no slot (``depth`` bounds staging, which an
+        in-place load does not use)."""
+        region = self.ring.acquire(nbytes, timeout_s=0.0, overflow=True)
+        with self._lock:
+            self._out += 1
+        region.on_free(self._checks_returned)
+        return region
+
     def _returned(self) -> None:
         self._slots.release()
+        self._checks_returned()
+
+    def _checks_returned(self) -> None:
         with self._lock:
             self._out -= 1
             self._lock.notify_all()
@@ -367,7 +381,7 @@ class StagedLoad:
                                       list(part.keys[seg.lo : seg.hi]), known),
                          placement.addresses(seg, part)))
             at += seg.rows * check
-        region = self._take(at, overflow=True) if at else None
+        region = self._take_checks(at) if at else None
         try:
             keys: list[str] = []
             dst: list[list[int]] = []
@@ -428,8 +442,9 @@ class StagedLoad:
         for part in self.parts:
             if part.keys:
                 plan.append((part, placement.pages(part), at))
-                at += len(part.keys) * part.layout.footer_bytes if self.verify else 0
-        region = self._take(at, overflow=True) if at else None
+                if self.verify:
+                    at += len(part.keys) * part.layout.footer_bytes
+        region = self._take_checks(at) if at else None
         try:
             keys: list[str] = []
             dst: list[list[int]] = []

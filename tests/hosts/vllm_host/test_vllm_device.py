@@ -127,6 +127,15 @@ def forward(sim: SimDevice, worker: BlockWorker, kv: dict[str, torch.Tensor],
     return reads
 
 
+def _restorer(sim: SimDevice) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor],
+                                       BlockWorker]:
+    """The pages offloaded (their source), empty blocks and a device worker over them."""
+    store = MemoryStore()
+    src = _offload(store)
+    kv = _kv(fill=False)
+    return src, kv, _worker(store, kv, sim)
+
+
 def exact(reads: dict[str, torch.Tensor], src: dict[str, torch.Tensor]) -> bool:
     assert set(reads) == set(LAYERS)
     return all(torch.equal(reads[n], _expected(src, n)) for n in LAYERS)
@@ -137,10 +146,7 @@ def exact(reads: dict[str, torch.Tensor], src: dict[str, torch.Tensor]) -> bool:
 
 def test_a_restore_lands_on_the_load_stream_and_the_forward_waits_on_its_events(
         sim: SimDevice) -> None:
-    store = MemoryStore()
-    src = _offload(store)
-    kv = _kv(fill=False)
-    worker = _worker(store, kv, sim)
+    src, kv, worker = _restorer(sim)
     fwd = sim.new_stream()
     try:
         go = block(sim, worker.load_stream)  # every copy runs after the forward's waits
@@ -158,10 +164,7 @@ def test_a_restore_lands_on_the_load_stream_and_the_forward_waits_on_its_events(
 
 def test_control_a_skipped_event_wait_reads_wrong_bytes(
         sim: SimDevice, monkeypatch: pytest.MonkeyPatch) -> None:
-    store = MemoryStore()
-    src = _offload(store)
-    kv = _kv(fill=False)
-    worker = _worker(store, kv, sim)
+    src, kv, worker = _restorer(sim)
     monkeypatch.setattr(BlockWorker, "_stream_wait", lambda self, load, index: None)
     fwd = sim.new_stream()
     try:
@@ -179,10 +182,7 @@ def test_control_a_skipped_event_wait_reads_wrong_bytes(
 
 def test_control_an_event_on_the_wrong_stream_reads_wrong_bytes(
         sim: SimDevice, monkeypatch: pytest.MonkeyPatch) -> None:
-    store = MemoryStore()
-    src = _offload(store)
-    kv = _kv(fill=False)
-    worker = _worker(store, kv, sim)
+    src, kv, worker = _restorer(sim)
     other = sim.new_stream()
 
     def issue(self: BlockSink, work: Callable[[], None]) -> DeviceEvent:
@@ -206,10 +206,7 @@ def test_control_an_event_on_the_wrong_stream_reads_wrong_bytes(
 
 def test_control_staging_reused_before_its_event_gives_wrong_bytes(
         sim: SimDevice, monkeypatch: pytest.MonkeyPatch) -> None:
-    store = MemoryStore()
-    src = _offload(store)
-    kv = _kv(fill=False)
-    worker = _worker(store, kv, sim)
+    src, kv, worker = _restorer(sim)
     monkeypatch.setattr(Region, "release_after", lambda self, event: self.release())
     fwd = sim.new_stream()
     try:
