@@ -55,6 +55,18 @@ __all__ = ["NEXT", "Batch", "BatchState", "RerunRequired", "too_big"]
 
 MAX_FORWARD_ATTEMPTS = 3
 
+# What a host forward's batch waits for when only its host can move it on
+# (``engine/awaiting.py``): other requests wait behind it at most
+# ``layer_wait_timeout_s``, then get an EngineError that says this.
+NOT_STARTED = ("handed to a host forward (begin_external) that has not started: run it, "
+               "or abort that handle")
+RETURNED = ("its host forward returned without done(), failed() or abort(): call one of "
+            "them on that handle")
+RERUN_AFTER_DONE = ("told to rerun (done() raised RerunRequired) and neither rerun nor "
+                    "aborted: run the requests RerunRequired carries, or abort that handle")
+RERUN_AFTER_FAILED = ("told to rerun (failed() returned the requests to run again) and "
+                      "neither rerun nor aborted: run them, or abort that handle")
+
 
 class RerunRequired(EngineError):
     """A host's forward read a restore that did not land in full (it skipped
@@ -90,6 +102,7 @@ class Batch(BatchLifecycle):
                 await self.aclose()
                 raise
         self._to(BatchState.RUNNING)
+        self.caller.progresses()
         return await self._guard(self._run())
 
     async def _run(self) -> list[PrefillResult]:
@@ -191,6 +204,7 @@ class Batch(BatchLifecycle):
         if self.state is BatchState.LOADING:
             self.commit()
         self._to(BatchState.RUNNING)
+        self.caller.waits(NOT_STARTED)
         return self._external_requests()
 
     def _external_requests(self) -> list[ForwardRequest]:
@@ -208,8 +222,16 @@ class Batch(BatchLifecycle):
         stop: its pages are being released)."""
         check_layer(layer, self.ctx.pool.spec.num_layers)
         self.host_started()
-        for dep in self._ext_deps:
-            dep.wait(layer, timeout, stream=stream)
+        try:
+            for dep in self._ext_deps:
+                dep.wait(layer, timeout, stream=stream)
+        except BaseException as err:
+            # The forward must stop here: from now on only the host moves the
+            # batch on (failed() or abort()).
+            self.caller.waits(f"its host forward's wait for layer {layer} raised {err!r} and "
+                              "the host called neither failed() nor abort(): pass the error "
+                              "to failed(), or abort that handle")
+            raise
 
     def host_started(self) -> None:
         """The host's forward runs (any thread; idempotent): the exit waits
@@ -220,12 +242,15 @@ class Batch(BatchLifecycle):
                 raise self._aborted_error()
             raise EngineError("this batch has ended (its results were taken, or it failed): "
                               "a host forward must not run on its pages any more")
+        self.caller.progresses()
 
     def host_returned(self) -> None:
         """The host's forward returned and touches none of the batch's pages
         any more (any thread; idempotent). A batch whose exit gave up waiting
-        for it releases what it left behind now."""
-        self._host.returned()
+        for it releases what it left behind now; otherwise the batch waits
+        for the host's done(), failed() or abort()."""
+        if self._host.returned():
+            self.caller.waits(RETURNED)
 
     def _claim_host_call(self, what: str) -> None:
         """``RuntimeError`` unless the batch runs a host forward and no
@@ -238,6 +263,7 @@ class Batch(BatchLifecycle):
                 f"{what} was called while {self._host_call} of the same forward is still "
                 "running: call done() or failed() once per forward, and await it first")
         self._host_call = what
+        self.caller.begin_call()
 
     async def external_failed(self, error: BaseException) -> list[ForwardRequest]:
         """The host's forward raised ``error``. A failed or late layer load:
@@ -246,14 +272,18 @@ class Batch(BatchLifecycle):
         batch and is raised again. Says that the host's forward returned."""
         self.host_returned()
         self._claim_host_call("failed()")
+        then: str | None = None
         try:
             if not isinstance(error, LayerLoadError | LayerWaitTimeout):
                 await self.close(error)
                 raise error
             await self._guard(self._after_failed_pass(error))
-            return self._external_requests()
+            requests = self._external_requests()
+            then = RERUN_AFTER_FAILED
+            return requests
         finally:
             self._host_call = None
+            self.caller.end_call(then)
 
     async def external_done(self, next_token_logprobs: torch.Tensor,
                             timings: Timings | None = None) -> list[PrefillResult]:
@@ -273,13 +303,17 @@ class Batch(BatchLifecycle):
             raise RuntimeError("this batch is not running a host forward")
         self._check_logprobs(next_token_logprobs)
         self._claim_host_call("done()")
+        then: str | None = None
         try:
             if not await self._guard(self._after_good_pass()):
-                raise RerunRequired(self._external_requests())
+                rerun = RerunRequired(self._external_requests())
+                then = RERUN_AFTER_DONE
+                raise rerun
             mine = dataclasses.replace(timings) if timings is not None else Timings()
             return await self._guard(self._finish(self._ext_runs, next_token_logprobs, mine))
         finally:
             self._host_call = None
+            self.caller.end_call(then)
 
     def _check_logprobs(self, logprobs: torch.Tensor) -> None:
         n, vocab = len(self.plans), self.ctx.vocab_size

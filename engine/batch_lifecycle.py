@@ -67,6 +67,7 @@ import time
 from collections.abc import Callable, Coroutine, Hashable, Sequence
 from typing import Any, Self, TypeVar
 
+from layerlift.engine.awaiting import CallerWait
 from layerlift.engine.batch_restore import BatchRestore
 from layerlift.engine.compute import alloc_compute, compute_bytes, free_compute
 from layerlift.engine.context import EngineContext, EngineError, release_plan
@@ -78,7 +79,7 @@ from layerlift.linker.transaction import TransactionState
 from layerlift.overlap.readiness import LayerReadiness
 from layerlift.pools.base import KVPool
 
-__all__ = ["NEXT", "BatchLifecycle", "BatchState", "too_big"]
+__all__ = ["LOADED", "NEXT", "BatchLifecycle", "BatchState", "too_big"]
 
 T = TypeVar("T")
 log = logging.getLogger("layerlift.engine")
@@ -90,6 +91,11 @@ def too_big(pool: KVPool, plan: LookupPlan) -> EngineError:
         f"prompt {plan.request_id} ({len(plan.tokens)} tokens) cannot fit in the device pool "
         f"({pool.buffer.numel()} bytes) even alone: computing it needs {need} bytes "
         "of pages and state slots beyond its device hit")
+
+LOADED = ("loaded step by step (Engine.load) and neither forwarded nor aborted: forward "
+          "or abort that handle")
+"""What a handle issued by ``Engine.load`` waits for until its caller moves it on."""
+
 
 class BatchState(enum.Enum):
     PREPARED = "prepared"
@@ -130,10 +136,11 @@ class BatchLifecycle:
         self.records: list[RequestRecord] = []
         self.restore = BatchRestore(ctx)
         self.load_issued = 0.0
-        self.issued_at: float | None = None  # monotonic; once issue() got the device
         self._exit_task: asyncio.Task[None] | None = None
         self._holds_device = False
-        self._host = HostForward(asyncio.get_running_loop())  # a host's own forward
+        loop = asyncio.get_running_loop()
+        self._host = HostForward(loop)  # a host's own forward
+        self.caller = CallerWait(loop, ctx.holder_waits)  # what only the caller moves on
         self._left_behind = False  # the exit gave up on a host forward: its pages stay
         self._forward_idle = asyncio.Event()  # no forward thread of this batch runs
         self._forward_idle.set()
@@ -236,7 +243,9 @@ class BatchLifecycle:
         await self.ctx.acquire(self.ctx.device, device_timeout,
                                f"{self.describe()} waited for the device")
         self._holds_device = True
-        self.issued_at = time.monotonic()
+        # Until forward(), begin_external() or abort(): prefill calls run() with
+        # no await between, so its own batch is never seen waiting.
+        self.caller.waits(LOADED)
         if self._exit_task is not None and self._exit_task.done():  # its release has passed
             self._holds_device = False
             self.ctx.device.release()
@@ -506,17 +515,18 @@ class BatchLifecycle:
 
     @property
     def awaiting_caller(self) -> bool:
-        """Issued and holding the device, but neither forwarded nor aborted:
-        only its caller (a step-by-step handle's) can end what it holds.
+        """Not exited, and only its caller can move it on (see
+        ``engine/awaiting.py``): a step-by-step handle issued but neither
+        forwarded nor aborted, or a host forward told to rerun, whose wait
+        failed, or that returned without ``done()``/``failed()``/``abort()``.
         ``prefill`` runs its batch right after ``issue`` (no await between),
         so a batch of its own is never seen here."""
-        return (self.issued_at is not None and self._exit_task is None
-                and self.state in (BatchState.LOADING, BatchState.COMMITTED))
+        return self._exit_task is None and self.caller.since is not None
 
     def describe(self) -> str:
-        """Which batch this is, for an error message."""
-        how = ("loaded step by step (Engine.load) and neither forwarded nor aborted"
-               if self.awaiting_caller else self.state.value)
+        """Which batch this is, for an error message (what it waits for,
+        when it waits for its caller)."""
+        how = self.caller.what if self.awaiting_caller else self.state.value
         return f"the batch of requests {[r.rid for r in self.records]} ({how})"
 
     @property

@@ -79,6 +79,10 @@ class EngineContext:
     """Set when ``closing`` turns True: wakes every waiter."""
     room_waiters: set[Any] = field(default_factory=set)
     """Batches inside :meth:`wait_for_room` (they free nothing while they wait)."""
+    holder_waiting: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set (and replaced) each time a batch starts waiting for its caller
+    (``engine/awaiting.py``): wakes :meth:`acquire` so that its bound counts
+    from then."""
     _queued: dict[asyncio.Lock, int] = field(default_factory=dict, repr=False)
     """Callers of :meth:`acquire` waiting for each lock."""
 
@@ -86,6 +90,11 @@ class EngineContext:
         """A batch exited (its pages went to the tree or the free lists)."""
         self.room.set()
         self.room = asyncio.Event()
+
+    def holder_waits(self) -> None:
+        """A batch began waiting for its caller (on the event loop)."""
+        self.holder_waiting.set()
+        self.holder_waiting = asyncio.Event()
 
     def begin_close(self) -> None:
         """``Engine.close`` starts: refuse everything new, wake every waiter."""
@@ -105,8 +114,10 @@ class EngineContext:
         looking up, loading or computing (its own waits are bounded) ends by
         itself. The one holder that does not is a batch that waits for its
         caller (:attr:`Batch.awaiting_caller`: loaded step by step, neither
-        forwarded nor aborted): once such a holder has kept it ``bound``
-        seconds while this call waited, ``EngineError`` names it. Raises
+        forwarded nor aborted; a host forward told to rerun, whose wait
+        failed, or that returned without ``done()``/``failed()``): once such
+        a holder has waited ``bound`` seconds for its caller while this call
+        waited, ``EngineError`` names it and what it waits for. Raises
         ``EngineError`` at once when the engine closes (the lock is not
         taken then). On any exception or cancellation the lock is not held.
 
@@ -137,17 +148,22 @@ class EngineContext:
                 self.check_open()
                 step = bound
                 held = self._idle_holder(lock)
-                if held is not None and bound is not None:
-                    idle = time.monotonic() - max(started, held.issued_at)
+                since = None if held is None else held.caller.since
+                if since is not None and bound is not None:
+                    idle = time.monotonic() - max(started, since)
                     if idle >= bound:
                         raise EngineError(
                             f"{what}: {held.describe()} kept the "
-                            f"{_LOCK_NAMES[lock is self.lock]} for {idle:.1f} s and waits for "
-                            "its caller: forward or abort that handle (layer_wait_timeout_s="
-                            f"{bound})")
+                            f"{_LOCK_NAMES[lock is self.lock]} for {idle:.1f} s waiting for "
+                            f"its caller (layer_wait_timeout_s={bound})")
                     step = bound - idle
-                await asyncio.wait((got, closed), timeout=step,
-                                   return_when=asyncio.FIRST_COMPLETED)
+                # A holder that starts waiting for its caller wakes this wait.
+                moved = asyncio.ensure_future(self.holder_waiting.wait())
+                try:
+                    await asyncio.wait((got, closed, moved), timeout=step,
+                                       return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    moved.cancel()
                 if got.done():
                     self.check_open()
                     return
@@ -207,9 +223,10 @@ class EngineContext:
             if any(b.holds_device and not b.awaiting_caller and b not in self.room_waiters
                    for b in self.live if b is not me):
                 continue  # another batch computes: its exit frees the room
+            held = "; ".join(b.describe() for b in others) or "no other batch"
             raise EngineError(
                 f"{need}, and the room stayed held for {bound} s by "
-                f"{len(others)} other batch(es) none of which computes, and "
+                f"{len(others)} other batch(es) none of which computes ({held}), and "
                 f"{'pending' if self.offloader.pending else 'no'} offloads")
 
     async def wait_offloads(self, bound: float) -> None:

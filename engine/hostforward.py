@@ -49,13 +49,14 @@ class HostForward:
             self._running = True
             return True
 
-    def returned(self) -> None:
+    def returned(self) -> bool:
         """The host forward returned: it touches none of the batch's pages
         any more. Wakes an exit waiting for it; if the exit already gave up,
-        hands the pages it left behind back (on the event loop). Idempotent."""
+        hands the pages it left behind back (on the event loop). Idempotent:
+        True only for the call that found it running."""
         with self._lock:
             if not self._running:
-                return
+                return False
             self._running = False
             waiter, late, self._waiter, self._late = self._waiter, self._late, None, None
         try:
@@ -66,6 +67,7 @@ class HostForward:
         except RuntimeError:  # the event loop is closed: nothing is left to release
             log.error("a host forward returned after its engine's event loop closed; "
                       "the pages its batch left behind are not released")
+        return True
 
     def close(self) -> None:
         """The exit began: from now on :meth:`start` refuses."""
