@@ -17,6 +17,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "replay": ("layerlift.bench.replay",
                "the Mooncake conversation trace through the serving loop, per policy"),
     "store": ("layerlift.bench.store", "Mooncake per-layer ranged reads vs whole-object reads"),
+    "transfer": ("layerlift.bench.transfer",
+                 "LayerLift's staged transfer vs raw Mooncake reads and puts at a real size"),
     "sched": ("layerlift.bench.sched", "the load scheduler alone, loads and computes that use no CPU"),
     "overhead": ("layerlift.bench.overhead", "per-layer scheduling overhead of the overlap machinery"),
     "pools": ("layerlift.bench.pools", "tri-pool admission against static splits (equal bytes)"),

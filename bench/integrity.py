@@ -7,7 +7,9 @@
    path: ``integrity.mismatches`` over N slices, seeded with their keys) and
    the footers of an offload (``integrity.page_footers``), in GB of slice
    bytes per second of one CPU thread, for slice sizes from 8 KiB to 1 MiB
-   (about 64 MiB of slices per point). A vectorised integer hash in torch
+   (about 64 MiB of slices per point), with the CRC-32 LayerLift uses
+   (``integrity.CRC_IMPLEMENTATION``: ISA-L's where installed) and with
+   zlib's (the same checksum) side by side. A vectorised integer hash in torch
    (int16 words times weights, summed in float64: exact) is measured beside
    it, since that is what a "per layer, all pages at once" torch op costs.
 2. ``--mooncake``: one layer of 64 page objects (256 KiB slices, 8 layers)
@@ -21,12 +23,13 @@
 
 Every figure is the median of ``--repeats`` runs; the JSON records the
 machine's CPU count and torch's thread count (the CRC is one call per slice
-on one thread; zlib releases the GIL, so fetch threads verify in parallel).
+on one thread; both CRCs release the GIL, so fetch threads verify in parallel).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import statistics
 import tempfile
@@ -43,7 +46,13 @@ import torch
 from layerlift.bench.args import BenchParser, int_at_least
 from layerlift.bench.output import add_output_options, write_outputs
 from layerlift.bench.results import plot, render
-from layerlift.linker.integrity import CHECK_BYTES, checksums, mismatches, slice_seed
+from layerlift.linker.integrity import (
+    CHECK_BYTES,
+    CRC_IMPLEMENTATION,
+    checksums,
+    mismatches,
+    slice_seed,
+)
 
 SIZES = (8 << 10, 32 << 10, 128 << 10, 256 << 10, 1 << 20)
 TOTAL = 64 << 20
@@ -65,6 +74,15 @@ def _torch_hash(buf: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return buf.view(torch.int16).to(torch.float64) @ weights
 
 
+def _zlib_verify(ptrs: list[int], size: int, expected: Any, seeds: list[int]) -> bool:
+    """``mismatches`` with zlib's CRC-32: the same loop, the other implementation."""
+    ok = True
+    for ptr, seed, want in zip(ptrs, seeds, expected.tolist(), strict=True):
+        view = memoryview((ctypes.c_char * size).from_address(ptr)).cast("B")
+        ok &= zlib.crc32(view, seed) == want
+    return ok
+
+
 def crc_points(repeats: int) -> list[dict[str, Any]]:
     rows = []
     for size in SIZES:
@@ -74,12 +92,15 @@ def crc_points(repeats: int) -> list[dict[str, Any]]:
         seeds = [slice_seed(f"ns/fp.l2/full/0/{i:08x}", 3) for i in range(n)]
         expected = checksums(ptrs, size, seeds)
         verify_s = _median_s(partial(mismatches, ptrs, size, expected, seeds), repeats)
+        assert _zlib_verify(ptrs, size, expected, seeds), "zlib's CRC-32 differs from ours"
+        zlib_s = _median_s(partial(_zlib_verify, ptrs, size, expected, seeds), repeats)
         weights = torch.randint(1, 1 << 20, (size // 2,), dtype=torch.int64).to(torch.float64)
         torch_s = _median_s(partial(_torch_hash, buf, weights), repeats)
         gb = n * size / 1e9
         rows.append({
             "slice_bytes": size, "slices": n, "gb": gb,
             "crc_verify_gbps": gb / verify_s, "crc_ms_per_gb": verify_s / gb * 1e3,
+            "zlib_verify_gbps": gb / zlib_s,
             "torch_hash_gbps": gb / torch_s, "torch_hash_ms_per_gb": torch_s / gb * 1e3,
         })
     return rows
@@ -144,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     out: dict[str, Any] = {
         "what": "CRC-32 per layer slice: verify throughput per CPU thread; footer read cost",
         "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-        "zlib": zlib.ZLIB_RUNTIME_VERSION, "repeats": args.repeats,
+        "zlib": zlib.ZLIB_RUNTIME_VERSION, "crc_implementation": CRC_IMPLEMENTATION,
+        "repeats": args.repeats,
         "crc": crc_points(args.repeats),
     }
     if args.mooncake:

@@ -144,12 +144,14 @@ def _pools(r: Record) -> list[str]:
 
 
 def _integrity(r: Record) -> list[str]:
-    head = ["slice KiB", "CRC-32 verify GB/s", "torch hash GB/s"]
+    impl = r.get("crc_implementation", "zlib")
+    head = ["slice KiB", f"CRC-32 verify GB/s ({impl})", "zlib CRC-32 GB/s", "torch hash GB/s"]
     rows = [[f"{c['slice_bytes'] / 1024:.0f}", _f(c["crc_verify_gbps"]),
+             _f(c["zlib_verify_gbps"]) if "zlib_verify_gbps" in c else "-",
              _f(c["torch_hash_gbps"])] for c in r["crc"]]
     out = [*_table(head, rows), "",
            f"- per CPU thread ({r.get('cpus', '?')} cores here, zlib {r.get('zlib', '?')}), "
-           f"{r.get('repeats', '?')} repeats"]
+           f"{r.get('repeats', '?')} repeats; both CRCs compute the same CRC-32"]
     m = r.get("mooncake_footer_read")
     if m:
         out.append(f"- Mooncake loopback, {m['objects']} objects of {m['layers']} layers: a "
@@ -291,6 +293,9 @@ KINDS: dict[str, tuple[str, Callable[[Record], list[str]], Callable[[Record, str
     "sglang": ("LayerLift inside SGLang, beside SGLang's own Mooncake linker",
                lambda r: _host_bench("sglang_bench").render(r).splitlines(),
                lambda r, p: _host_bench("sglang_bench").plot(r, p)),
+    "transfer": ("The staged transfer against raw Mooncake reads and puts at a real size",
+                 lambda r: _host_bench("transfer").render_table(r).splitlines(),
+                 lambda r, p: _host_bench("transfer").plot_record(r, p)),
     "vllm": ("TTFT inside vLLM: no connector, vLLM's MooncakeStoreConnector, LayerLiftConnector",
              lambda r: _host_bench("vllm_bench").render(r).splitlines(),
              lambda r, p: _host_bench("vllm_bench").plot(r, p)),

@@ -19,12 +19,22 @@ zero-copy from the pool (a multi-buffer put: the page, then its footer) and
 read straight into its pool page. A truncated object fails the footer read;
 another object's bytes, a flipped byte or a stale object fail the CRC.
 
-Why CRC-32 (``zlib.crc32``, one call per page slice) and not a vectorised
-torch hash: measured on this project's CPU machine, zlib's CRC runs at about
-3 GB/s and releases the GIL, while an exact integer dot-product hash in torch
-(int16 words times weights, float64 or int64) ran at about 0.3 GB/s; the
-Python loop over pages costs ~1 µs per page. See ``layerlift bench
-integrity`` (``bench/results/integrity.json``).
+Why CRC-32 (one call per page slice) and not a vectorised torch hash:
+measured on this project's CPU machine, zlib's CRC runs at about 3 GB/s and
+releases the GIL, while an exact integer dot-product hash in torch (int16
+words times weights, float64 or int64) ran at about 0.3 GB/s; the Python loop
+over pages costs ~1 µs per page. See ``layerlift bench integrity``
+(``bench/results/integrity.json``).
+
+Which CRC-32: ISA-L's (the ``isal`` package, :data:`CRC_IMPLEMENTATION`
+``"isal"``) where it is installed, else zlib's. Both compute the same
+CRC-32 (the gzip/zlib polynomial, reflected; the test suite checks them
+against each other), so the object format does not depend on which one a
+process uses and objects written by either verify under the other; ISA-L's
+folds with carry-less multiplies and ran 8-15x zlib's speed on this
+project's CPU machine (``layerlift bench integrity``), and it too releases
+the GIL for buffers over 5 KiB (every page slice of a real model).
+A hardware CRC32C would be another checksum, hence another object format.
 
 This module is plain and synchronous; the engine calls it in worker threads.
 """
@@ -32,8 +42,7 @@ This module is plain and synchronous; the engine calls it in worker threads.
 from __future__ import annotations
 
 import ctypes
-import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -41,6 +50,7 @@ from layerlift.pools.spec import Component, ModelSpec
 
 __all__ = [
     "CHECK_BYTES",
+    "CRC_IMPLEMENTATION",
     "OBJECT_FORMAT",
     "checksums",
     "component_slices",
@@ -57,6 +67,16 @@ __all__ = [
 # these as valid. "l2": layer-major page + per-layer CRC-32 footer.
 OBJECT_FORMAT = "l2"
 CHECK_BYTES = 4  # one little-endian uint32 CRC-32 per layer slice
+
+crc32: Callable[..., int]
+try:  # the same function as zlib.crc32, several times faster (module docstring)
+    from isal.isal_zlib import crc32
+
+    CRC_IMPLEMENTATION = "isal"
+except ImportError:  # pragma: no cover - isal is a dependency; a platform without its wheel
+    from zlib import crc32
+
+    CRC_IMPLEMENTATION = "zlib"
 
 
 def component_slices(spec: ModelSpec, component: Component) -> list[tuple[int, int]]:
@@ -81,17 +101,17 @@ def object_bytes(spec: ModelSpec, component: Component) -> int:
 
 def slice_seed(key: str, local_layer: int) -> int:
     """The CRC seed of slice ``local_layer`` of object ``key``."""
-    return zlib.crc32(f"{key}#{local_layer}".encode())
+    return crc32(f"{key}#{local_layer}".encode())
 
 
 def checksums(ptrs: Sequence[int], size: int, seeds: Sequence[int]) -> np.ndarray:
     """CRC-32 of ``size`` bytes at each address, each from its seed (one call
-    per address; zlib releases the GIL for large buffers). Returns
+    per address; both implementations release the GIL for large buffers). Returns
     ``uint32[len(ptrs)]``."""
     out = np.empty(len(ptrs), dtype="<u4")
     for i, (ptr, seed) in enumerate(zip(ptrs, seeds, strict=True)):
         view = (ctypes.c_char * size).from_address(ptr)
-        out[i] = zlib.crc32(memoryview(view).cast("B"), seed)
+        out[i] = crc32(memoryview(view).cast("B"), seed)
     return out
 
 
@@ -122,6 +142,6 @@ def encode_object(spec: ModelSpec, component: Component, page: bytes, key: str) 
     if len(page) != spec.page_bytes(component):
         raise ValueError(f"a {component.value} page is {spec.page_bytes(component)} bytes, "
                          f"got {len(page)}")
-    sums = [zlib.crc32(page[o : o + n], slice_seed(key, j))
+    sums = [crc32(page[o : o + n], slice_seed(key, j))
             for j, (o, n) in enumerate(component_slices(spec, component))]
     return bytes(page) + np.asarray(sums, dtype="<u4").tobytes()

@@ -1,0 +1,596 @@
+"""The transfer benchmark: LayerLift's staged transfer against raw Mooncake, at a real size.
+
+    layerlift bench transfer [--tokens 8192] [--page-sizes 16,64,128] [--repeats 5]
+                             [--netns RATE ...] [--json PATH] [--markdown PATH]
+
+A real model's KV layout (default 32 layers x 8 KV heads x 128 head dim,
+bf16, K+V: 4 KiB per token per layer, 128 KiB per token) for a prompt of
+``--tokens`` tokens, one page object per page (layer-major, then the
+per-layer CRC-32 footer: LayerLift's object format), moved between a client
+with no segment of its own and the store's segment. Loads, every mode over
+the same objects into the same registered destination:
+
+* ``raw whole``: one batch ``get`` of every whole object (the ceiling);
+* ``raw ranged dD``: one ``get_ranges`` per layer (each object's slice, no
+  checksum), D layers in flight, inside one read session: the store's own
+  speed for a per-layer load;
+* ``in-place dD``: the engine's load: one :class:`StagedLoad` with a
+  placement (each layer's slices straight into the destination, footers once,
+  every slice's CRC verified where it landed), its layer jobs issued by
+  LayerLift's ``LoadScheduler`` on a ``CpuLane`` of D workers;
+* ``ring dD``: the hosts' load (SGLang's linker, vLLM's worker): the same
+  ``StagedLoad`` through a 64 MiB staging ring into a ``HostSink`` (fetch into
+  staging, verify, copy into the destination), ``depth`` D.
+
+Offloads, from one registered source of the same pages, each repeat under
+new keys: ``raw put`` (whole objects, footers precomputed), ``in-place`` (the
+engine's: one ``put_parts`` of every page from where it is, footers computed
+over those bytes) and ``ring`` (the hosts': snapshot into staging, footers,
+put, chunk by chunk).
+
+Every figure is GB/s of payload (page bytes, no footers) as min / median /
+max over the repeats, modes rotated per repeat; ``/ ranged`` is the median
+of the per-repeat ratios to the raw ranged read at the same depth (loads)
+or to the raw put (offloads), and ``/ whole`` to the first row. The
+``profile`` rows split one more sequential (d1) run of each LayerLift mode:
+time inside store calls, CRC checks, copies, ring waits, session calls and
+the rest (Python bookkeeping), per layer and per slice. ``--netns RATE``
+runs the same on a third namespace host behind a ``tbf`` link of RATE (the
+master and a storage node on hosts of their own).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from layerlift.bench.args import BenchParser, int_at_least
+from layerlift.bench.netns_link import rate_gbps
+from layerlift.bench.output import add_output_options, write_outputs
+from layerlift.bench.results import plot, render
+from layerlift.bench.transfer_profile import PARTS as PROFILE_PARTS
+from layerlift.bench.transfer_profile import profiled
+from layerlift.linker import staged_load
+from layerlift.linker.integrity import CHECK_BYTES, checksums, slice_seed
+from layerlift.linker.master import EmbeddedMaster
+from layerlift.linker.mooncake_config import MooncakeConfig
+from layerlift.linker.mooncake_store import MooncakeStore
+from layerlift.linker.ring import DEFAULT_RING_BYTES, StagingRing
+from layerlift.linker.staged import (
+    HostSink,
+    HostSnapshot,
+    LoadPart,
+    LoadSegment,
+    ObjectLayout,
+    OffloadPart,
+    OffloadSegment,
+    StagedLoad,
+    StagedOffload,
+)
+from layerlift.linker.store_base import Store, StoreTimeout
+from layerlift.overlap.base import LoadPolicy
+from layerlift.overlap.lanes import CpuLane
+from layerlift.overlap.readiness import LayerReadiness
+from layerlift.overlap.scheduler import LoadScheduler
+
+__all__ = ["Layout", "build_parser", "main", "measure", "plot_record", "render_table"]
+
+DEPTHS = (1, 4)
+
+
+class Layout:
+    """A real model's KV page object: ``layers`` slices of K+V for ``page``
+    tokens, then the footer."""
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype_bytes: int,
+                 page: int) -> None:
+        self.layers, self.page = layers, page
+        self.slice = 2 * page * kv_heads * head_dim * dtype_bytes
+        self.objects = ObjectLayout(tuple((j * self.slice, self.slice) for j in range(layers)),
+                                    layers * self.slice)
+
+    @property
+    def page_bytes(self) -> int:
+        return self.objects.page_bytes
+
+    @property
+    def object_bytes(self) -> int:
+        return self.objects.object_bytes
+
+
+def _require(ok: object, what: str) -> None:
+    """A measured run that did not do its job ends the benchmark (also under ``-O``)."""
+    if not ok:
+        raise RuntimeError(f"bench transfer: {what}")
+
+
+def _spread(xs: Sequence[float]) -> dict[str, float]:
+    return {"min": round(min(xs), 3), "median": round(statistics.median(xs), 3),
+            "max": round(max(xs), 3)}  # fmt: skip
+
+
+class _Rows:
+    """Row ``i`` (one object) of a registered ``uint8[n, object_bytes]`` tensor."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.base, self.stride = int(tensor.data_ptr()), int(tensor.stride(0))
+
+    def ptr(self, i: int) -> int:
+        return self.base + i * self.stride
+
+
+class _Placement:
+    """The engine's in-place destination: slice ``local`` of row ``i`` lands at
+    its offset in row ``i`` of the destination."""
+
+    def __init__(self, rows: _Rows, layout: Layout) -> None:
+        self.rows, self.layout = rows, layout
+
+    def addresses(self, seg: LoadSegment, part: LoadPart) -> list[int]:
+        at = self.layout.objects.slices[seg.local][0]
+        return [self.rows.ptr(i) + at for i in range(seg.lo, seg.hi)]
+
+    def pages(self, part: LoadPart) -> list[int]:
+        return [self.rows.ptr(i) for i in range(len(part.keys))]
+
+    def timed_out(self, part: LoadPart, lo: int, hi: int, exc: StoreTimeout) -> None:
+        exc.wait_finished()  # the benchmark's memory outlives the call
+
+
+class _Source:
+    def __init__(self, rows: _Rows) -> None:
+        self.rows = rows
+
+    def pages(self, seg: OffloadSegment, part: OffloadPart) -> list[int]:
+        return [self.rows.ptr(i) for i in range(seg.lo, seg.hi)]
+
+
+class Bench:
+    """Every mode of one page size over ``n`` objects (see the module docstring)."""
+
+    def __init__(self, store: Store, layout: Layout, tokens: int, timeout_s: float) -> None:
+        self.store, self.layout = store, layout
+        self.n = max(1, tokens // layout.page)
+        self.timeout_s = timeout_s
+        run = uuid.uuid4().hex[:8]
+        self.keys = tuple(f"bench-transfer-{run}/ps{layout.page}/{i}" for i in range(self.n))
+        ob = layout.object_bytes
+        gen = torch.Generator().manual_seed(layout.page)
+        self.src = torch.randint(0, 256, (self.n, ob), dtype=torch.uint8, generator=gen)
+        self.dst = torch.zeros(self.n, ob, dtype=torch.uint8)
+        store.register(self.src)
+        store.register(self.dst)
+        self.src_rows, self.dst_rows = _Rows(self.src), _Rows(self.dst)
+        self._footers(self.src, self.keys)
+        self.ring = StagingRing(store, DEFAULT_RING_BYTES, timeout_s=timeout_s)
+        store.put(list(self.keys), [self.src_rows.ptr(i) for i in range(self.n)], [ob] * self.n)
+        self.pool = ThreadPoolExecutor(max(DEPTHS))
+        self._keys_made: list[str] = []
+
+    def close(self) -> None:
+        self.pool.shutdown()
+        self.ring.close()
+        for t in (self.src, self.dst):
+            self.store.unregister(int(t.data_ptr()))
+        with contextlib.suppress(Exception):
+            self.store.remove(list(self.keys) + self._keys_made)
+
+    def _footers(self, rows: torch.Tensor, keys: Sequence[str]) -> None:
+        """Write each row's footer for ``keys`` (LayerLift's object format)."""
+        lay = self.layout
+        base, stride = int(rows.data_ptr()), int(rows.stride(0))
+        for j, (offset, size) in enumerate(lay.objects.slices):
+            crc = checksums([base + i * stride + offset for i in range(len(keys))], size,
+                            [slice_seed(k, j) for k in keys])
+            at = lay.page_bytes + CHECK_BYTES * j
+            rows[:, at : at + CHECK_BYTES] = torch.from_numpy(crc.view(np.uint8).reshape(-1, 4))
+
+    @property
+    def payload(self) -> int:
+        return self.n * self.layout.page_bytes
+
+    # ---- loads ---------------------------------------------------------------------
+    def raw_whole(self) -> None:
+        ob = self.layout.object_bytes
+        ok = self.store.get(list(self.keys), [self.dst_rows.ptr(i) for i in range(self.n)],
+                            [ob] * self.n)
+        _require(all(ok), "a whole read failed")
+
+    def raw_ranged(self, depth: int) -> None:
+        keys, lay = list(self.keys), self.layout
+        sizes = [[lay.slice]] * self.n
+
+        def layer(j: int) -> None:
+            at = j * lay.slice
+            self.store.get_ranges(keys, [[self.dst_rows.ptr(i) + at] for i in range(self.n)],
+                                  sizes, [[at]] * self.n)
+
+        with self.store.open_session(keys):
+            if depth == 1:
+                for j in range(lay.layers):
+                    layer(j)
+            else:
+                list(self.pool.map(layer, range(lay.layers)))
+
+    def _staged(self, *, in_place: bool, depth: int) -> StagedLoad:
+        part = LoadPart(self.layout.objects, self.keys)
+        reads = [[(0, j)] for j in range(self.layout.layers)]
+        if in_place:
+            return StagedLoad(self.ring, self.store, [part], reads, None, depth=depth,
+                              timeout_s=self.timeout_s,
+                              placement=_Placement(self.dst_rows, self.layout))
+        dst, lay = self.dst, self.layout
+
+        def scatter(seg: LoadSegment, part: LoadPart, rows: torch.Tensor) -> None:
+            at = seg.local * lay.slice
+            dst[seg.lo : seg.hi, at : at + lay.slice].copy_(rows)
+
+        return StagedLoad(self.ring, self.store, [part], reads, HostSink(scatter), depth=depth,
+                          timeout_s=self.timeout_s)
+
+    def staged(self, *, in_place: bool, depth: int) -> None:
+        """One load as a host issues it: the layer jobs on LayerLift's
+        scheduler and a CpuLane of ``depth`` workers, inside one session."""
+        load = self._staged(in_place=in_place, depth=depth)
+        jobs = [load.job(j) for j in range(self.layout.layers)]
+
+        async def run() -> LayerReadiness:
+            lane = CpuLane(max_workers=depth, name="bench")
+            try:
+                readiness = LayerReadiness(self.layout.layers, default_timeout=self.timeout_s)
+                task = LoadScheduler(lane, LoadPolicy.OVERLAP, max_in_flight=depth).start(
+                    jobs, readiness)
+                await task.wait_quiescent()
+                return readiness
+            finally:
+                lane.close()
+
+        with self.store.open_session(list(self.keys)):
+            readiness = asyncio.run(run())
+        _require(readiness.all_done(), "a staged load failed")
+        _require(load.wait_quiet(self.timeout_s), "a staged load did not go quiet")
+
+    def profile_load(self, *, in_place: bool) -> dict[str, Any]:
+        """One sequential run (depth 1, this thread), split by where the time went."""
+        load = self._staged(in_place=in_place, depth=1)
+        with profiled(self.store, self.ring, staged_load) as prof, \
+                self.store.open_session(list(self.keys)):
+            for j in range(self.layout.layers):
+                load.fetch_layer(j)
+        return prof.split(self.layout.layers, self.n * self.layout.layers)
+
+    def check(self) -> None:
+        """The destination holds the source's pages (every load mode writes them)."""
+        pb = self.layout.page_bytes
+        _require(torch.equal(self.dst[:, :pb], self.src[:, :pb]), "a load wrote wrong bytes")
+
+    # ---- offloads ------------------------------------------------------------------
+    def _new_keys(self) -> tuple[str, ...]:
+        run = uuid.uuid4().hex[:8]
+        keys = tuple(f"bench-transfer-put-{run}/ps{self.layout.page}/{i}" for i in range(self.n))
+        self._keys_made += keys
+        return keys
+
+    def raw_put(self) -> None:
+        keys, ob = self._new_keys(), self.layout.object_bytes
+        self.store.put(list(keys), [self.src_rows.ptr(i) for i in range(self.n)], [ob] * self.n)
+        self._forget(keys)
+
+    def offload(self, *, in_place: bool) -> None:
+        keys = self._new_keys()
+        part = OffloadPart(self.layout.objects, keys)
+        pb = self.layout.page_bytes
+        if in_place:
+            off = StagedOffload(self.ring, self.store, [part], None, timeout_s=self.timeout_s,
+                                wait_timed_out=True, source=_Source(self.src_rows))
+        else:
+            src = self.src
+
+            def gather(seg: OffloadSegment, part: OffloadPart) -> torch.Tensor:
+                return src[seg.lo : seg.hi, :pb]
+
+            off = StagedOffload(self.ring, self.store, [part], HostSnapshot(gather),
+                                timeout_s=self.timeout_s)
+        outcome = off.run()
+        _require(outcome.ok, f"an offload failed: {outcome}")
+        self._forget(keys)
+
+    def profile_offload(self, *, in_place: bool) -> dict[str, Any]:
+        with profiled(self.store, self.ring, staged_load) as prof:
+            self.offload(in_place=in_place)
+        return prof.split(self.layout.layers, self.n * self.layout.layers)
+
+    def _forget(self, keys: Sequence[str]) -> None:
+        with contextlib.suppress(Exception):
+            self.store.remove(list(keys))
+        self._keys_made = self._keys_made[: -len(keys)]
+
+
+def _modes(b: Bench) -> tuple[dict[str, Callable[[], None]], dict[str, Callable[[], None]]]:
+    loads: dict[str, Callable[[], None]] = {"raw whole": b.raw_whole}
+    for d in DEPTHS:
+        loads[f"raw ranged d{d}"] = partial(b.raw_ranged, d)
+        loads[f"in-place d{d}"] = partial(b.staged, in_place=True, depth=d)
+        loads[f"ring d{d}"] = partial(b.staged, in_place=False, depth=d)
+    offloads: dict[str, Callable[[], None]] = {
+        "raw put": b.raw_put,
+        "in-place": partial(b.offload, in_place=True),
+        "ring": partial(b.offload, in_place=False),
+    }
+    return loads, offloads
+
+
+def _timed(modes: dict[str, Callable[[], None]], repeats: int, after: Callable[[], None],
+           nbytes: int) -> dict[str, list[float]]:
+    names = list(modes)
+    gbps: dict[str, list[float]] = {m: [] for m in names}
+    for rep in range(repeats):
+        for mode in names[rep % len(names):] + names[: rep % len(names)]:
+            start = time.perf_counter()
+            modes[mode]()
+            gbps[mode].append(nbytes / (time.perf_counter() - start) / 1e9)
+            after()
+    return gbps
+
+
+def _ratios(gbps: dict[str, list[float]], base: Callable[[str], str]) -> dict[str, Any]:
+    return {m: _spread([x / y for x, y in zip(v, gbps[base(m)], strict=True)])
+            for m, v in gbps.items()}
+
+
+def _ranged_of(mode: str) -> str:
+    return f"raw ranged d{mode.rsplit('d', 1)[1]}" if mode[-2:-1] == "d" else "raw whole"
+
+
+def measure(store: Store, layout: Layout, tokens: int, repeats: int,
+            timeout_s: float) -> dict[str, Any]:
+    """Every mode of one page size: GB/s, ratios, profiles."""
+    b = Bench(store, layout, tokens, timeout_s)
+    try:
+        loads, offloads = _modes(b)
+        for run in (*loads.values(), *offloads.values()):  # warm-up: connections, first touch
+            run()
+        b.check()
+
+        def cleared() -> None:
+            b.check()
+            b.dst[:, : layout.page_bytes].zero_()
+
+        load_gbps = _timed(loads, repeats, cleared, b.payload)
+        off_gbps = _timed(offloads, repeats, lambda: None, b.payload)
+        profile = {"in-place load": b.profile_load(in_place=True),
+                   "ring load": b.profile_load(in_place=False),
+                   "in-place offload": b.profile_offload(in_place=True),
+                   "ring offload": b.profile_offload(in_place=False)}
+        b.check()
+    finally:
+        b.close()
+    return {
+        "objects": b.n, "object_bytes": layout.object_bytes, "slice_bytes": layout.slice,
+        "payload_bytes": b.payload, "repeats": repeats,
+        "loads": {m: _spread(v) for m, v in load_gbps.items()},
+        "loads / ranged": _ratios(load_gbps, _ranged_of),
+        "loads / whole": _ratios(load_gbps, lambda m: "raw whole"),
+        "offloads": {m: _spread(v) for m, v in off_gbps.items()},
+        "offloads / raw put": _ratios(off_gbps, lambda m: "raw put"),
+        "profile": profile,
+    }  # fmt: skip
+
+
+def run_all(store: Store, args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for tokens in args.tokens:
+        for ps in args.page_sizes:
+            layout = Layout(args.layers, args.kv_heads, args.head_dim, 2, ps)
+            label = f"{tokens} tokens, page {ps}"
+            print(f"  {label}: {max(1, tokens // ps)} objects of "
+                  f"{layout.object_bytes / 2**20:.1f} MiB", flush=True)
+            out[label] = {"tokens": tokens, "page": ps,
+                          **measure(store, layout, tokens, args.repeats, args.timeout)}
+    return out
+
+
+def _segment(args: argparse.Namespace) -> int:
+    biggest = max(args.tokens) * args.layers * 2 * args.kv_heads * args.head_dim * 2
+    return int(2.5 * biggest) + (256 << 20)  # the loads' objects, a put in flight, slack
+
+
+def run_loopback(args: argparse.Namespace) -> dict[str, Any]:
+    with EmbeddedMaster(lease_ttl_ms=5000, http_metadata=False) as master:
+        writer = MooncakeStore(master.config(global_segment_size=_segment(args),
+                                             timeout_s=args.timeout))
+        reader = MooncakeStore(master.config(global_segment_size=0, local_buffer_size=16 << 20,
+                                             timeout_s=args.timeout))
+        with writer, reader:
+            return run_all(reader, args)
+
+
+def run_cluster(master: str, args: argparse.Namespace) -> dict[str, Any]:
+    from layerlift.engine.stores import route_source
+
+    client = MooncakeStore(MooncakeConfig(
+        master_address=master, local_hostname=route_source(master), global_segment_size=0,
+        local_buffer_size=16 << 20, timeout_s=args.timeout))
+    with client:
+        return run_all(client, args)
+
+
+def run_netns(rate: str, args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
+    from layerlift.bench.netns_link import netns_cluster, run_in_engine_host
+
+    with tempfile.TemporaryDirectory(prefix="layerlift-transfer-") as tmp, netns_cluster(
+            rate, _segment(args), tmp) as (hosts, master):
+        out = Path(tmp) / "transfer.json"
+        child = [sys.executable, "-m", "layerlift.bench.transfer", *_child_args(argv),
+                 "--cluster", master, "--json", str(out)]
+        status = run_in_engine_host(hosts, child, tmp)
+        if not out.exists():
+            raise RuntimeError(f"the transfer benchmark on the engine host exited with {status}")
+        cases: dict[str, Any] = json.loads(out.read_text())["cases"]
+        return cases
+
+
+def _child_args(argv: Sequence[str]) -> list[str]:
+    """The grid options of ``argv`` without the link and output options."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a in ("--netns", "--json", "--markdown", "--plot", "--cluster"):
+            skip = True
+            continue
+        if a.split("=", 1)[0] in ("--netns", "--json", "--markdown", "--plot", "--cluster"):
+            continue
+        out.append(a)
+    return out
+
+
+def _q(x: dict[str, float]) -> str:
+    return f"{x['min']:.2f}/{x['median']:.2f}/{x['max']:.2f}"
+
+
+def render_table(record: dict[str, Any]) -> str:
+    """The results page's tables: GB/s and ratios per link and case, then the profile."""
+    lines = ["Loads (GB/s of page bytes, min/median/max; `/ ranged`: to the raw ranged "
+             "read at the same depth, per-repeat ratios)", ""]
+    lines += ["| link | case | mode | GB/s | / ranged | / whole |", "|---|---|---|---|---|---|"]
+    for link, cases in record["links"].items():
+        for case, c in cases.items():
+            for mode, g in c["loads"].items():
+                lines.append(f"| {link} | {case} | {mode} | {_q(g)} | "
+                             f"{_q(c['loads / ranged'][mode])} | {_q(c['loads / whole'][mode])} |")
+    lines += ["", "Offloads (`/ raw put`: per-repeat ratios)", "",
+              "| link | case | mode | GB/s | / raw put |", "|---|---|---|---|---|"]
+    for link, cases in record["links"].items():
+        for case, c in cases.items():
+            for mode, g in c["offloads"].items():
+                lines.append(f"| {link} | {case} | {mode} | {_q(g)} | "
+                             f"{_q(c['offloads / raw put'][mode])} |")
+    lines += ["", "Where the time goes (one sequential run, ms; `python`: the rest of the wall "
+              "time)", "", "| link | case | run | wall | " + " | ".join(PROFILE_PARTS)
+              + " | python µs/slice |", "|---|---|---|---|" + "---|" * (len(PROFILE_PARTS) + 1)]
+    for link, cases in record["links"].items():
+        for case, c in cases.items():
+            for run, p in c["profile"].items():
+                cells = " | ".join(f"{p['ms'][k]:.1f}" for k in PROFILE_PARTS)
+                lines.append(f"| {link} | {case} | {run} | {p['wall_ms']:.1f} | {cells} | "
+                             f"{p['python_us_per_slice']:.2f} |")
+    lines += ["", f"{record.get('layout', '')}; {record.get('timing', '')}."]
+    return "\n".join(lines)
+
+
+def plot_record(record: dict[str, Any], path: str) -> None:
+    """Median GB/s of every load mode, one group per link and case."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = [(link, case, c) for link, cases in record["links"].items()
+              for case, c in cases.items()]
+    modes = list(groups[0][2]["loads"])
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(groups)), 4))
+    width = 0.8 / len(modes)
+    for k, mode in enumerate(modes):
+        ax.bar([i + k * width for i in range(len(groups))],
+               [c["loads"][mode]["median"] for _, _, c in groups], width, label=mode)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))],
+                  [f"{link.replace('mooncake-tcp-', '')}\n{case}" for link, case, _ in groups],
+                  fontsize=7)
+    ax.set_ylabel("GB/s (median)")
+    ax.set_title("Loads: LayerLift's staged transfer against raw Mooncake reads")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers separated by commas, got {text!r}") \
+            from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
+    return values
+
+
+def _rate(text: str) -> str:
+    try:
+        rate_gbps(f"netns:{text}")
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a rate like 1gbit or 10gbit, got {text!r}") from None
+    return text
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = BenchParser("layerlift bench transfer", __doc__.splitlines()[0])
+    add_output_options(parser)
+    parser.add_argument("--tokens", type=_ints, default=[8192],
+                        help="prompt lengths in tokens, comma-separated (e.g. 8192,32768)")
+    parser.add_argument("--page-sizes", type=_ints, default=[16, 64, 128],
+                        help="tokens per page, comma-separated")
+    parser.add_argument("--layers", type=int_at_least(1), default=32)
+    parser.add_argument("--kv-heads", type=int_at_least(1), default=8)
+    parser.add_argument("--head-dim", type=int_at_least(1), default=128)
+    parser.add_argument("--repeats", type=int_at_least(1), default=5, help="repeats per mode")
+    parser.add_argument("--timeout", type=float, default=120.0,
+                        help="the store's timeout per call (s)")
+    parser.add_argument("--netns", type=_rate, action="append", default=[], metavar="RATE",
+                        help="also over a namespace link throttled to RATE (e.g. 10gbit, "
+                             "1gbit; repeatable; needs root)")
+    parser.add_argument("--no-loopback", action="store_true",
+                        help="only the --netns links")
+    parser.add_argument("--cluster", default=None, help=argparse.SUPPRESS)  # on the engine host
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    raw = list(sys.argv[1:] if argv is None else argv)
+    if args.cluster:
+        cases = run_cluster(args.cluster, args)
+        if args.json is not None:
+            Path(args.json).write_text(json.dumps({"cases": cases}))
+        return 0
+    links: dict[str, Any] = {}
+    if not args.no_loopback:
+        print("mooncake-tcp-loopback", flush=True)
+        links["mooncake-tcp-loopback"] = run_loopback(args)
+    for rate in args.netns:
+        label = f"mooncake-tcp-netns {rate}"
+        print(label, flush=True)
+        links[label] = run_netns(rate, args, raw)
+    report: dict[str, Any] = {
+        "links": links,
+        "layout": f"{args.layers} layers x {args.kv_heads} KV heads x {args.head_dim}, bf16, "
+                  "K+V, one object per page (layer-major, CRC-32 footer)",
+        "timing": "GB/s of page bytes, min/median/max over the repeats, modes rotated per "
+                  "repeat; ratios are per-repeat (paired); loads inside one read session",
+    }
+    record = write_outputs("transfer", report, args, argv, render, plot)
+    print(render(record))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

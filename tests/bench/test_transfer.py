@@ -1,0 +1,80 @@
+"""The transfer benchmark (`layerlift bench transfer`) on a real Mooncake
+master on loopback, at a small layout: every row is measured, every load's
+bytes checked, the ratios are paired to the right base row, and the profile
+splits the wall time without inventing any."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from layerlift.bench import transfer
+from layerlift.bench.transfer_profile import PARTS
+
+pytestmark = pytest.mark.mooncake
+
+SMALL = ["--tokens", "256", "--page-sizes", "16,32", "--layers", "4", "--kv-heads", "2",
+         "--head-dim", "64", "--repeats", "2", "--timeout", "30"]
+
+
+@pytest.fixture(scope="module")
+def record(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    out = tmp_path_factory.mktemp("transfer") / "transfer.json"
+    assert transfer.main([*SMALL, "--json", str(out)]) == 0
+    data: dict[str, object] = json.loads(Path(out).read_text())
+    return data
+
+
+def test_every_row_is_measured_for_every_case(record: dict[str, object]) -> None:
+    cases = record["links"]["mooncake-tcp-loopback"]  # type: ignore[index]
+    assert list(cases) == ["256 tokens, page 16", "256 tokens, page 32"]
+    for c in cases.values():
+        assert list(c["loads"]) == ["raw whole", "raw ranged d1", "in-place d1", "ring d1",
+                                    "raw ranged d4", "in-place d4", "ring d4"]
+        assert list(c["offloads"]) == ["raw put", "in-place", "ring"]
+        for table in ("loads", "offloads"):
+            for mode, g in c[table].items():
+                assert 0 < g["min"] <= g["median"] <= g["max"], (mode, g)
+        # each ratio is to its own base row: the base rows are exactly 1
+        for base in ("raw ranged d1", "raw ranged d4"):
+            assert c["loads / ranged"][base] == {"min": 1.0, "median": 1.0, "max": 1.0}
+        assert c["loads / whole"]["raw whole"]["median"] == 1.0
+        assert c["offloads / raw put"]["raw put"]["median"] == 1.0
+        assert c["payload_bytes"] == c["objects"] * 4 * c["slice_bytes"]
+
+
+def test_the_profile_splits_the_wall_time(record: dict[str, object]) -> None:
+    cases = record["links"]["mooncake-tcp-loopback"]  # type: ignore[index]
+    for c in cases.values():
+        assert set(c["profile"]) == {"in-place load", "ring load", "in-place offload",
+                                     "ring offload"}
+        for run, p in c["profile"].items():
+            assert set(p["ms"]) == set(PARTS)
+            assert p["ms"]["store"] > 0, run  # every run calls the store
+            assert sum(p["ms"].values()) == pytest.approx(p["wall_ms"], abs=0.1), run
+        assert c["profile"]["ring load"]["ms"]["copy"] > 0  # the ring path copies
+        assert c["profile"]["in-place load"]["ms"]["copy"] == 0  # the in-place one does not
+        assert c["profile"]["in-place load"]["ms"]["crc"] > 0  # every byte is verified
+
+
+def test_the_table_has_every_row(record: dict[str, object]) -> None:
+    text = transfer.render_table(record)
+    for mode in ("raw whole", "raw ranged d4", "in-place d1", "ring d4", "raw put"):
+        assert f"| {mode} |" in text
+    assert text.count("| mooncake-tcp-loopback | 256 tokens, page 16 | ring d1 |") == 1
+
+
+def test_a_wrong_byte_in_a_load_fails_the_run() -> None:
+    layout = transfer.Layout(2, 1, 32, 2, 4)
+
+    bench = transfer.Bench.__new__(transfer.Bench)
+    bench.layout = layout
+    bench.src = torch.randint(0, 256, (3, layout.object_bytes), dtype=torch.uint8)
+    bench.dst = bench.src.clone()
+    bench.check()
+    bench.dst[1, 5] ^= 1
+    with pytest.raises(RuntimeError, match="wrong bytes"):
+        bench.check()
