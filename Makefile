@@ -1,5 +1,5 @@
 # The README's two commands: `make bench` (the main job) and `make test`.
-.PHONY: setup test test-hosts test-sglang test-vllm bench results lint typecheck
+.PHONY: setup test test-hosts test-sglang test-vllm test-vllm033 bench results lint typecheck
 # Where `make bench` writes its measurements: untracked (.gitignore), so the
 # main job leaves the checkout clean. `make results` makes them the committed
 # figures (bench/results/, docs/results.md, the README's headline).
@@ -16,7 +16,7 @@ test: setup
 	bash scripts/test_kernels.sh others
 	$(MAKE) test-hosts
 
-test-hosts: test-sglang test-vllm
+test-hosts: test-sglang test-vllm test-vllm033
 
 test-sglang:
 	bash scripts/setup_sglang.sh
@@ -25,6 +25,11 @@ test-sglang:
 test-vllm:
 	bash scripts/setup_vllm.sh
 	LAYERLIFT_HOST_TESTS=vllm .venv-vllm/bin/python -m pytest -q -m vllm tests/hosts/vllm_host
+
+# vLLM 0.33 (its GPU build) on CPU: its own classes, no model runs.
+test-vllm033:
+	bash scripts/setup_vllm033.sh
+	LAYERLIFT_HOST_TESTS=vllm033 .venv-vllm033/bin/python -m pytest -q -m vllm033 tests/hosts/vllm033_host
 
 bench: setup
 	mkdir -p $(BENCH_OUT)

@@ -9,7 +9,8 @@
 # engine's device scenarios, the CUDA lane, the SGLang adapter's device path
 # (tests/linker/test_sglang_device*.py and bench/device_adapters.py need no SGLang:
 # pools shaped like SGLang's, the in-memory store), and whatever gpu-marked host tests
-# are collected (tests/hosts/<host>_host is collected only where the host imports).
+# are collected (tests/hosts/<host>_host is collected only where the host imports);
+# vLLM 0.33's end-to-end step runs only where vLLM 0.33 and Mooncake are installed.
 # SKIP_TTFT=1 leaves out the engine's TTFT benchmark (the longest step).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -70,6 +71,22 @@ echo "== adapters' device paths (simulated device + CUDA)"
   tests/hosts/vllm_host/test_vllm_device.py \
   2>&1 | tee "$RES/pytest_adapters.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+
+# vLLM 0.33 (the GPU release) end to end: a new instance restores a tiny llama
+# (one KV cache group) and a tiny gemma3 (sliding + full, LayerLiftScheduler) on CUDA
+# and answers as a cold one (tests/hosts/vllm033_host/test_vllm033_gpu.py), then
+# the 0.33 unit tests. Only where vLLM 0.33 and Mooncake import: this script installs
+# neither (no network), so elsewhere the step says why and is left out.
+echo "== vLLM 0.33 end to end (tests/hosts/vllm033_host)"
+if "$PY" -c 'import vllm, mooncake.store; assert vllm.__version__.startswith("0.33."), vllm.__version__' \
+    > "$RES/vllm033_probe.txt" 2>&1; then
+  LAYERLIFT_HOST_TESTS=vllm033 timeout 1800 "$PY" -m pytest -q -rs -p no:cacheprovider \
+    --junitxml="$RES/pytest_vllm033.xml" -m vllm033 tests/hosts/vllm033_host \
+    2>&1 | tee "$RES/pytest_vllm033.txt"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+else
+  echo "left out: vLLM 0.33 and Mooncake do not both import here ($(tail -1 "$RES/vllm033_probe.txt"))"
+fi
 
 # Per-layer H2D from pinned staging, the forward's wait per layer, per-layer overlap
 # against a whole-batch wait (bench/device_adapters.py's docstring), 32 layers x 16 MiB.

