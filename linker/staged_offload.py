@@ -8,13 +8,13 @@ first.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
-from layerlift.linker.integrity import CHECK_BYTES, checksums, slice_seed
-from layerlift.linker.ring import StagingRing
+from layerlift.linker.integrity import checksums, slice_seed
+from layerlift.linker.ring import Region, StagingRing
 from layerlift.linker.sinks import Snapshot, Source
 from layerlift.linker.staged_load import DEFAULT_DEPTH
 from layerlift.linker.store_base import Store, StoreError, StoreTimeout
@@ -67,6 +67,7 @@ class StagedOffload:
         self.timeout_s = ring.timeout_s if timeout_s is None else timeout_s
         self.wait_timed_out = wait_timed_out
         self.on_late_end = on_late_end
+        self.depth = depth
         if source is not None:  # in place: one put of every object
             segments = tuple(OffloadSegment(p, 0, len(part.keys))
                              for p, part in enumerate(self.parts) if part.keys)
@@ -87,22 +88,57 @@ class StagedOffload:
 
     def run(self, on_source_free: Callable[[], None] | None = None) -> OffloadOutcome:
         """Worker thread: put every chunk in order; stop at the first failure.
-        ``on_source_free`` runs once, when the source is not read any more."""
+        ``on_source_free`` runs once, when the source is not read any more.
+
+        Staged, with ``depth`` >= 2 and more than one chunk, the put of chunk
+        ``k`` runs on a put thread of this call while this thread stages chunk
+        ``k + 1`` (region, snapshot, footers): the puts stay one at a time and
+        in order, chunk ``k + 1``'s put is issued only once chunk ``k``'s
+        succeeded (a failure sends nothing after it), each put's region is
+        released by the put thread after its call returned (or handed over
+        to a call that timed out), and ``run`` returns (or raises what the
+        snapshot raised) only after the put thread has returned."""
         outcome = OffloadOutcome()
         try:
-            for index, chunk in enumerate(self.chunks):
-                last = index == len(self.chunks) - 1
-                if self.source is not None:
-                    self._chunk_in_place(chunk, outcome, self.source)
-                    break
-                if not self._chunk(chunk, outcome, on_source_free if last else None):
-                    break
-                if last:
-                    on_source_free = None
+            if self.source is not None:
+                if self.chunks:
+                    self._chunk_in_place(self.chunks[0], outcome, self.source)
+                return outcome
+            if self.depth < 2 or len(self.chunks) < 2:
+                for index, chunk in enumerate(self.chunks):
+                    free, on_source_free = self._last_read(index, on_source_free)
+                    staged = self._stage(chunk, outcome, free)
+                    if staged is None or not self._account(self._put(staged), outcome):
+                        break
+                return outcome
+            with ThreadPoolExecutor(1, thread_name_prefix="layerlift-put") as putter:
+                pending: Future[_PutResult] | None = None
+                try:
+                    for index, chunk in enumerate(self.chunks):
+                        free, on_source_free = self._last_read(index, on_source_free)
+                        staged = self._stage(chunk, outcome, free)
+                        try:
+                            go_on = True
+                            if pending is not None:
+                                done, pending = pending, None
+                                go_on = self._account(done.result(), outcome)
+                            if go_on and staged is not None:
+                                pending, staged = putter.submit(self._put, staged), None
+                        finally:
+                            if staged is not None:  # staged, never sent
+                                staged.region.release()
+                        if pending is None:
+                            break
+                    if pending is not None:
+                        done, pending = pending, None
+                        self._account(done.result(), outcome)
+                finally:
+                    if pending is not None:  # something raised: the put still ends first
+                        wait([pending])
+            return outcome
         finally:
             if on_source_free is not None:
                 on_source_free()
-        return outcome
 
     def _chunk_in_place(self, chunk: OffloadChunk, outcome: OffloadOutcome,
                         source: Source) -> None:
@@ -133,11 +169,7 @@ class StagedOffload:
                 if fb:
                     assert region is not None
                     footers = region.tensor[start : start + n * fb].view(n, fb)
-                    for j, (offset, size) in enumerate(layout.slices):
-                        sums = checksums([a + offset for a in addrs], size,
-                                         [slice_seed(k, j) for k in seg_keys])
-                        footers[:, j * CHECK_BYTES : (j + 1) * CHECK_BYTES] = torch.from_numpy(
-                            np.ascontiguousarray(sums).view(np.uint8).reshape(n, CHECK_BYTES))
+                    footers.numpy()[:] = footer_table(addrs, layout.slices, seg_keys).view(np.uint8)
                     at = region.ptr + start
                     ptrs += [[a, at + i * fb] for i, a in enumerate(addrs)]
                     sizes += [[layout.page_bytes, fb]] * n
@@ -161,8 +193,13 @@ class StagedOffload:
             if region is not None:
                 region.release()
 
-    def _chunk(self, chunk: OffloadChunk, outcome: OffloadOutcome,
-               snapshotted: Callable[[], None] | None) -> bool:
+    def _stage(self, chunk: OffloadChunk, outcome: OffloadOutcome,
+               snapshotted: Callable[[], None] | None) -> _Staged | None:
+        """This thread: a region for the chunk's whole objects, the snapshot's
+        page bytes into it, the footers over those bytes. None (the error in
+        ``outcome``) when no region came free; a snapshot that raises releases
+        the region and raises. ``snapshotted`` runs once, when this returns or
+        raises (the source is not read any more)."""
         assert self.snapshot is not None  # staged (a source is put in place)
         # Region layout: every segment's whole objects, in order, back to back.
         plan: list[tuple[OffloadSegment, OffloadPart, int]] = []
@@ -172,50 +209,102 @@ class StagedOffload:
             plan.append((seg, part, total))
             total += seg.rows * part.layout.object_bytes
         try:
-            region = self.ring.acquire(total, timeout_s=self.timeout_s)
-        except StoreError as exc:
-            outcome.error = exc
-            return False
-        try:
-            base = region.ptr
-            keys: list[str] = []
-            ptrs: list[int] = []
-            sizes: list[int] = []
             try:
+                region = self.ring.acquire(total, timeout_s=self.timeout_s)
+            except StoreError as exc:
+                outcome.error = exc
+                return None
+            try:
+                base = region.ptr
+                keys: list[str] = []
+                ptrs: list[int] = []
+                sizes: list[int] = []
                 for seg, part, start in plan:
                     layout, n = part.layout, seg.rows
                     ob, pb = layout.object_bytes, layout.page_bytes
                     objects = region.tensor[start : start + n * ob].view(n, ob)
                     self.snapshot.read(seg, part, objects[:, :pb])
                     seg_keys = list(part.keys[seg.lo : seg.hi])
-                    for j, (offset, size) in enumerate(layout.slices):
-                        sums = checksums([base + start + i * ob + offset for i in range(n)],
-                                         size, [slice_seed(k, j) for k in seg_keys])
-                        at = layout.footer_at(j)
-                        objects[:, at : at + CHECK_BYTES] = torch.from_numpy(
-                            np.ascontiguousarray(sums).view(np.uint8).reshape(n, CHECK_BYTES))
+                    rows = [base + start + i * ob for i in range(n)]
+                    if layout.slices:
+                        table = footer_table(rows, layout.slices, seg_keys)
+                        objects.numpy()[:, pb : pb + layout.footer_bytes] = table.view(np.uint8)
                     keys += seg_keys
-                    ptrs += [base + start + i * ob for i in range(n)]
+                    ptrs += rows
                     sizes += [ob] * n
-            finally:
-                if snapshotted is not None:
-                    snapshotted()
+            except BaseException:
+                region.release()
+                raise
+            return _Staged(region, keys, ptrs, sizes)
+        finally:
+            if snapshotted is not None:
+                snapshotted()
+
+    def _last_read(self, index: int, on_source_free: Callable[[], None] | None
+                   ) -> tuple[Callable[[], None] | None, Callable[[], None] | None]:
+        """``(for this chunk's staging, still to run)``: the last chunk's
+        staging takes ``on_source_free`` (it runs it, also when it raises)."""
+        if index == len(self.chunks) - 1:
+            return on_source_free, None
+        return None, on_source_free
+
+    def _put(self, staged: _Staged) -> _PutResult:
+        """The put thread (or this one): one ``put`` of a staged chunk; its
+        region released after the call returned (handed over to a call that
+        timed out, without ``wait_timed_out``)."""
+        region = staged.region
+        try:
             try:
-                self.store.put(keys, ptrs, sizes)
+                self.store.put(staged.keys, staged.ptrs, staged.sizes)
             except StoreTimeout as exc:
                 if not self.wait_timed_out:
                     region.hand_over(exc, self.on_late_end)
-                    outcome.error = exc
-                    return False
+                    return _PutResult(staged, exc)
                 if not exc.wait_finished():
-                    outcome.error = exc
-                    return False
-                outcome.late += 1
+                    return _PutResult(staged, exc)
+                return _PutResult(staged, None, late=True)
             except StoreError as exc:
-                outcome.error = exc
-                return False
-            outcome.objects += len(keys)
-            outcome.bytes += sum(sizes)
-            return True
+                return _PutResult(staged, exc)
+            return _PutResult(staged, None)
         finally:
             region.release()
+
+    @staticmethod
+    def _account(result: _PutResult, outcome: OffloadOutcome) -> bool:
+        """``result`` into ``outcome``; whether the offload goes on."""
+        if result.error is not None:
+            outcome.error = result.error
+            return False
+        outcome.late += result.late
+        outcome.objects += len(result.staged.keys)
+        outcome.bytes += sum(result.staged.sizes)
+        return True
+
+
+def footer_table(pages: Sequence[int], slices: Sequence[tuple[int, int]],
+                 keys: Sequence[str]) -> np.ndarray:
+    """The footers of the pages at ``pages`` stored under ``keys`` (each
+    page's slices at their offsets): ``uint32[n, layers]``, C order, so row
+    ``i`` viewed as bytes is page ``i``'s footer."""
+    table = np.empty((len(keys), len(slices)), dtype="<u4")
+    for j, (offset, size) in enumerate(slices):
+        table[:, j] = checksums([a + offset for a in pages], size,
+                                [slice_seed(k, j) for k in keys])
+    return table
+
+
+@dataclass(slots=True)
+class _Staged:
+    """A chunk ready to put: its region (whole objects) and the put's lists."""
+
+    region: Region
+    keys: list[str]
+    ptrs: list[int]
+    sizes: list[int]
+
+
+@dataclass(slots=True)
+class _PutResult:
+    staged: _Staged
+    error: StoreError | None
+    late: bool = False

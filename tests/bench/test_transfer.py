@@ -54,7 +54,11 @@ def test_the_profile_splits_the_wall_time(record: dict[str, object]) -> None:
         for run, p in c["profile"].items():
             assert set(p["ms"]) == set(PARTS)
             assert p["ms"]["store"] > 0, run  # every run calls the store
-            assert sum(p["ms"].values()) == pytest.approx(p["wall_ms"], abs=0.1), run
+            if p["overlapped"]:  # the staged offload's put thread runs beside its staging
+                assert run == "ring offload" and p["ms"]["python"] == 0, run
+                assert sum(p["ms"].values()) > p["wall_ms"], run
+            else:
+                assert sum(p["ms"].values()) == pytest.approx(p["wall_ms"], abs=0.1), run
         assert c["profile"]["ring load"]["ms"]["copy"] > 0  # the ring path copies
         assert c["profile"]["in-place load"]["ms"]["copy"] == 0  # the in-place one does not
         assert c["profile"]["in-place load"]["ms"]["crc"] > 0  # every byte is verified
