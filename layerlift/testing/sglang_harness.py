@@ -16,20 +16,30 @@ Its "model" writes bytes that depend on the whole prefix (a page's KV from the
 tokens up to its end, a Mamba state from the tokens up to its boundary), so
 two caches that computed the same prefix hold the same bytes. Not used by the
 linker itself.
+
+Its byte work (the model's writes, the forward's reads, ``expected``) runs in
+numpy on raw 64-bit words, one vectorised call per layer: torch's intra-op
+threads collapse on a busy 2-core machine (its float ``rand`` took 20 ms per
+128 KiB page under load, a 1 GiB prompt minutes), numpy's single-threaded
+copies do not.
 """
 
 from __future__ import annotations
 
+import hashlib
+import math
+import sys
 import time
-import zlib
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
-__all__ = ["Admission", "HybridShape", "Restore", "SGLangHost", "model_bytes"]
+__all__ = ["Admission", "HybridShape", "Restore", "SGLangHost", "is_zero", "model_bytes",
+           "model_states", "prefix_digests", "put_rows", "same_bytes", "take_rows"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,13 +59,106 @@ class HybridShape:
         return [i for i, k in enumerate(self.kinds) if k == kind]
 
 
+def prefix_digests(tokens: list[int], ends: Sequence[int]) -> list[int]:
+    """A 64-bit digest of ``tokens[:end]`` for each of ``ends`` (ascending), in
+    one pass over the tokens (BLAKE2b streams: a digest after ``update`` of the
+    pieces is the digest of the whole prefix)."""
+    h = hashlib.blake2b(digest_size=8)
+    out, at = [], 0
+    for end in ends:
+        if end < at:
+            raise ValueError(f"prefix ends must ascend; {end} follows {at}")
+        h.update(array("q", tokens[at:end]).tobytes())
+        at = end
+        out.append(int.from_bytes(h.copy().digest(), "little"))
+    return out
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _stream_key(digest: int, stream: int) -> int:
+    """SplitMix64's finaliser over (prefix digest, stream): one key per state."""
+    z = (digest ^ ((stream + 1) * 0x9E3779B97F4A7C15)) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def _finite_mask(dtype: torch.dtype) -> int:
+    """A 64-bit word mask that clears the top exponent bit of each element of a
+    floating ``dtype`` (so no element is an infinity or a NaN: ``torch.equal``
+    of equal bytes is then True); all ones for other dtypes."""
+    size = dtype.itemsize
+    if not dtype.is_floating_point or 8 % size:
+        return _MASK64
+    element = ((1 << (8 * size)) - 1) & ~(1 << (8 * size - 2))
+    return int.from_bytes(element.to_bytes(size, sys.byteorder) * (8 // size), sys.byteorder)
+
+
+def model_states(digests: Sequence[int], stream: int, shape: tuple[int, ...],
+                 dtype: torch.dtype) -> torch.Tensor:
+    """The harness model's states of ``shape`` after each prefix of ``digests``
+    (:func:`prefix_digests`) in ``stream`` (a layer's K, V or state tensor):
+    ``[len(digests), *shape]``. Word ``w`` of a state is ``base[w] ^ (key *
+    mult[w])`` with ``base`` and odd ``mult`` random per stream and ``key`` per
+    (prefix, stream): words differ within a state, and every word differs
+    between two prefixes (an odd multiplier is a bijection mod 2**64)."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    words = -(-nbytes // 8)
+    rng = np.random.Generator(np.random.PCG64([stream, nbytes]))
+    base = np.frombuffer(rng.bytes(8 * words), dtype=np.uint64)
+    mult = np.frombuffer(rng.bytes(8 * words), dtype=np.uint64) | np.uint64(1)
+    keys = np.array([_stream_key(d, stream) for d in digests], dtype=np.uint64)
+    out = np.multiply(keys[:, None], mult[None, :])
+    out ^= base
+    out &= np.uint64(_finite_mask(dtype))
+    raw = np.ascontiguousarray(out.view(np.uint8)[:, :nbytes])
+    return torch.from_numpy(raw).view(dtype).reshape(len(digests), *shape)
+
+
 def model_bytes(tokens: list[int], layer: int, shape: tuple[int, ...],
                 dtype: torch.dtype) -> torch.Tensor:
-    """The harness model's state after ``tokens`` at ``layer``: seeded by the
-    whole prefix, so equal prefixes give equal bytes and others differ."""
-    seed = zlib.crc32(array("q", tokens).tobytes(), layer * 7919 + 1)
-    gen = torch.Generator().manual_seed(seed)
-    return (torch.rand(shape, generator=gen) * 4 - 2).to(dtype)
+    """The harness model's state after ``tokens`` at ``layer`` (a stream of
+    :func:`model_states`): equal prefixes give equal bytes and others differ."""
+    return model_states(prefix_digests(tokens, [len(tokens)]), layer, shape, dtype)[0]
+
+
+def _words(t: torch.Tensor) -> np.ndarray:
+    """``t``'s rows as a 2-D numpy view of its raw bytes, as 64-bit words where
+    a row holds whole words (a CPU tensor, contiguous)."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError("the harness reads and writes contiguous CPU tensors only")
+    rows = int(t.shape[0]) if t.dim() and t.shape[0] else 1
+    flat = t.reshape(-1).view(torch.uint8).numpy().reshape(rows, -1)
+    return flat.view(np.uint64) if flat.shape[1] % 8 == 0 else flat
+
+
+def take_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t[rows]`` (the same bytes, dtype and shape), gathered by numpy."""
+    got = _words(t)[rows.numpy()].view(np.uint8)
+    return torch.from_numpy(got).view(t.dtype).reshape(len(rows), *t.shape[1:])
+
+
+def put_rows(t: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
+    """``t[rows] = values`` (``values`` of ``t``'s dtype and row shape), by numpy."""
+    if values.dtype != t.dtype or tuple(values.shape) != (len(rows), *t.shape[1:]):
+        raise ValueError(f"{values.dtype} {tuple(values.shape)} does not fit rows of {t.dtype} "
+                         f"{tuple(t.shape)}")
+    _words(t)[rows.numpy()] = _words(values)
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a`` and ``b`` have the same dtype, shape and bytes: byte identity, not
+    ``torch.equal``'s comparison of values (there ``-0.0`` equals ``0.0``)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return a.numel() == 0 or bool(np.array_equal(_words(a.contiguous()), _words(b.contiguous())))
+
+
+def is_zero(t: torch.Tensor) -> bool:
+    """Every byte of ``t`` is zero."""
+    return t.numel() == 0 or not bool(_words(t.contiguous()).any())
 
 
 @dataclass
@@ -169,18 +272,18 @@ class SGLangHost:
     def _write_kv(self, tokens: list[int], slots: torch.Tensor, start: int) -> None:
         """The model's KV for pages ``[start, len)`` into every attention layer."""
         p = self.shape.page_size
+        first, last = start // p, len(tokens) // p
+        if first >= last:
+            return
+        digests = prefix_digests(tokens, [(q + 1) * p for q in range(first, last)])
         swa_slots = self.alloc.translate_loc_from_full_to_swa(slots)
         for layer in [*self.shape.layers("F"), *self.shape.layers("S")]:
             idx, is_swa = self.kv.layers_mapping[layer]
             pool = self.kv.swa_kv_pool if is_swa else self.kv.full_kv_pool
-            rows = swa_slots if is_swa else slots
-            for page in range(start // p, len(tokens) // p):
-                at = rows[page * p:(page + 1) * p]
-                prefix = tokens[:(page + 1) * p]
-                k = pool.k_buffer[idx]
-                pool.k_buffer[idx][at] = model_bytes(prefix, 2 * layer, (p, *k.shape[1:]), k.dtype)
-                pool.v_buffer[idx][at] = model_bytes(prefix, 2 * layer + 1, (p, *k.shape[1:]),
-                                                     k.dtype)
+            at = (swa_slots if is_swa else slots)[first * p:last * p]
+            for h, buf in enumerate((pool.k_buffer[idx], pool.v_buffer[idx])):
+                pages = model_states(digests, 2 * layer + h, (p, *buf.shape[1:]), buf.dtype)
+                put_rows(buf, at, pages.reshape(-1, *buf.shape[1:]))
 
     def _write_mamba(self, tokens: list[int], slot: int) -> None:
         cache = self.req_pool.mamba_pool.mamba_cache
@@ -259,7 +362,7 @@ class SGLangHost:
                 k = self.kv.get_key_buffer(layer)
                 v = self.kv.get_value_buffer(layer)
                 rows = swa_tail[-w_pages:] if kind == "S" else tail
-                got = [k[rows].clone(), v[rows].clone()]
+                got = [take_rows(k, rows), take_rows(v, rows)]
             restore.wait_s.append(time.perf_counter() - started)
             restore.layers[layer] = got
             if compute_s > 0:
@@ -426,23 +529,25 @@ class SGLangHost:
         """What the forward must read after restoring ``tokens`` from token
         ``start`` on (the bytes the harness model gives that prefix), in
         ``Restore.layers``' form."""
+        return {layer: self.expected_layer(tokens, layer, start)
+                for layer in range(len(self.shape.kinds))}
+
+    def expected_layer(self, tokens: list[int], layer: int, start: int = 0) -> list[torch.Tensor]:
+        """One layer of :meth:`expected` (a check that compares layer by layer
+        holds one layer's expected bytes at a time)."""
         p = self.shape.page_size
-        out: dict[int, list[torch.Tensor]] = {}
-        cache = self.req_pool.mamba_pool.mamba_cache
-        w = -(-self.shape.window // p)
-        for layer, kind in enumerate(self.shape.kinds):
-            if kind == "M":
-                out[layer] = [model_bytes(tokens, 100 * layer + n, tuple(s.shape[2:]), s.dtype)
-                              for n, s in enumerate((cache.temporal, *cache.conv))]
-                continue
-            pages = range(start // p, len(tokens) // p)
-            if kind == "S":
-                pages = pages[-w:]
-            k = self.kv.full_kv_pool.k_buffer[0]
-            shape = (p, *k.shape[1:])
-            out[layer] = [torch.cat([model_bytes(tokens[:(q + 1) * p], 2 * layer + h, shape, k.dtype)
-                                     for q in pages]) for h in (0, 1)]
-        return out
+        if self.shape.kinds[layer] == "M":
+            cache = self.req_pool.mamba_pool.mamba_cache
+            return [model_bytes(tokens, 100 * layer + n, tuple(s.shape[2:]), s.dtype)
+                    for n, s in enumerate((cache.temporal, *cache.conv))]
+        pages = range(start // p, len(tokens) // p)
+        if self.shape.kinds[layer] == "S":
+            window_pages = -(-self.shape.window // p)
+            pages = pages[-window_pages:]
+        k = self.kv.full_kv_pool.k_buffer[0]
+        digests = prefix_digests(tokens, [(q + 1) * p for q in pages])
+        return [model_states(digests, 2 * layer + h, (p, *k.shape[1:]), k.dtype)
+                .reshape(-1, *k.shape[1:]) for h in (0, 1)]
 
     def close(self) -> None:
         self.cache.linker.close()

@@ -16,7 +16,7 @@ from layerlift.linker.integrity import checksums, slice_seed
 from layerlift.linker.master import EmbeddedMaster
 from layerlift.linker.mooncake_store import MooncakeStore
 from layerlift.linker.store_base import ForwardingStore, Store
-from layerlift.testing.sglang_harness import HybridShape, SGLangHost
+from layerlift.testing.sglang_harness import HybridShape, SGLangHost, is_zero, same_bytes
 
 SHAPE = HybridShape()
 PAGE = SHAPE.page_size
@@ -38,19 +38,11 @@ def page_hashes(toks: list[int]) -> list[str]:
 
 def assert_restored(host: SGLangHost, restore: Any, toks: list[int], start: int = 0) -> None:
     """Every layer the forward read equals the bytes of ``toks[:start + loaded]``."""
-    expected = host.expected(toks[: start + restore.loaded_tokens], start)
     for layer, got in restore.layers.items():
-        for g, e in zip(got, expected[layer], strict=True):
+        expected = host.expected_layer(toks[: start + restore.loaded_tokens], layer, start)
+        for g, e in zip(got, expected, strict=True):
             assert g.shape == e.shape, (layer, g.shape, e.shape)
-            assert torch.equal(_raw(g), _raw(e)), f"layer {layer} restored other bytes"
-
-
-def _raw(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8)
-
-
-def is_zero(t: torch.Tensor) -> bool:
-    return not bool(_raw(t).any())
+            assert same_bytes(g, e), f"layer {layer} restored other bytes"
 
 
 class RawStore:
@@ -96,11 +88,12 @@ def on_device(host: SGLangHost, toks: list[int]) -> int:
 
 
 def exact_or_zero(host: SGLangHost, restore: Any, toks: list[int]) -> dict[int, bool]:
-    """Per layer: True when exact, False when zero; fails on any other bytes."""
-    expected = host.expected(toks[: restore.loaded_tokens])
+    """Per layer: True when exact (byte for byte), False when zero; fails on
+    any other bytes. Builds one layer's expected bytes at a time."""
     out = {}
     for layer, got in restore.layers.items():
-        same = all(torch.equal(g, e) for g, e in zip(got, expected[layer], strict=True))
+        expected = host.expected_layer(toks[: restore.loaded_tokens], layer)
+        same = all(same_bytes(g, e) for g, e in zip(got, expected, strict=True))
         assert same or all(is_zero(g) for g in got), f"layer {layer} holds wrong bytes"
         out[layer] = same
     return out
