@@ -10,7 +10,9 @@ per-layer CRC-32 footer: LayerLift's object format), moved between a client
 with no segment of its own and the store's segment. Loads, every mode over
 the same objects into the same registered destination:
 
-* ``raw whole``: one batch ``get`` of every whole object (the ceiling);
+* ``raw whole``: batch ``get`` calls of whole objects, 256 MiB a call (the
+  ceiling; one call of every object would outlive the master's 5 s read
+  lease over a 1 Gbit link);
 * ``raw ranged dD``: one ``get_ranges`` per layer (each object's slice, no
   checksum), D layers in flight, inside one read session: the store's own
   speed for a per-layer load;
@@ -43,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import ctypes
 import json
 import statistics
@@ -82,7 +83,7 @@ from layerlift.linker.staged import (
     StagedLoad,
     StagedOffload,
 )
-from layerlift.linker.store_base import Store, StoreTimeout
+from layerlift.linker.store_base import Store, StoreObjectLeased, StoreTimeout
 from layerlift.overlap.base import LoadPolicy
 from layerlift.overlap.lanes import CpuLane
 from layerlift.overlap.readiness import LayerReadiness
@@ -91,6 +92,8 @@ from layerlift.overlap.scheduler import LoadScheduler
 __all__ = ["Layout", "build_parser", "main", "measure", "plot_record", "render_table"]
 
 DEPTHS = (1, 4)
+WHOLE_CALL_BYTES = 256 << 20  # a raw whole read's batch: 2 s at 1 Gbit, under the 5 s lease
+LEASE_WAIT_S = 20.0  # how long a case's objects may stay leased after its last read
 
 
 class Layout:
@@ -201,8 +204,21 @@ class Bench:
         self.ring.close()
         for t in (self.src, self.dst):
             self.store.unregister(int(t.data_ptr()))
-        with contextlib.suppress(Exception):
-            self.store.remove(list(self.keys) + self._keys_made)
+        self._remove(list(self.keys) + self._keys_made)
+
+    def _remove(self, keys: list[str]) -> None:
+        """Remove ``keys`` (the next case needs the segment), waiting out the
+        read lease of those just read (``layerlift master``'s is 5 s)."""
+        deadline = time.monotonic() + LEASE_WAIT_S
+        while keys:
+            try:
+                self.store.remove(keys)
+                return
+            except StoreObjectLeased as exc:
+                keys = list(exc.keys)
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.25)  # the master's lease expires on its own clock
 
     def _footers(self, rows: torch.Tensor, keys: Sequence[str]) -> None:
         """Write each row's footer for ``keys`` (LayerLift's object format)."""
@@ -220,10 +236,15 @@ class Bench:
 
     # ---- loads ---------------------------------------------------------------------
     def raw_whole(self) -> None:
+        """Whole objects, ``WHOLE_CALL_BYTES`` a batch ``get`` (one call of
+        every object outlives Mooncake's read lease over a 1 Gbit link)."""
         ob = self.layout.object_bytes
-        ok = self.store.get(list(self.keys), [self.dst_rows.ptr(i) for i in range(self.n)],
-                            [ob] * self.n)
-        _require(all(ok), "a whole read failed")
+        per = max(1, WHOLE_CALL_BYTES // ob)
+        for lo in range(0, self.n, per):
+            hi = min(self.n, lo + per)
+            ok = self.store.get(list(self.keys[lo:hi]),
+                                [self.dst_rows.ptr(i) for i in range(lo, hi)], [ob] * (hi - lo))
+            _require(all(ok), "a whole read failed")
 
     def raw_ranged(self, depth: int) -> None:
         keys, lay = list(self.keys), self.layout
@@ -329,8 +350,7 @@ class Bench:
         return prof.split(self.layout.layers, self.n * self.layout.layers)
 
     def _forget(self, keys: Sequence[str]) -> None:
-        with contextlib.suppress(Exception):
-            self.store.remove(list(keys))
+        self._remove(list(keys))  # never read: no lease
         self._keys_made = self._keys_made[: -len(keys)]
 
 

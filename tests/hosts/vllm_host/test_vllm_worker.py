@@ -308,22 +308,25 @@ def test_a_cluster_without_memory_is_said_at_start_up(
 
 def test_a_real_size_prefix_streams_through_the_default_staging(
         lease_master: EmbeddedMaster, mooncake_namespace: str) -> None:
-    """A prompt of 8k tokens at a real model's per-token size (8 KV heads x 64,
-    float32, 8 layers, vLLM's CPU block of 128 tokens: 4 MiB per page, 256 MiB
-    in all) through the default 64 MiB staging: every page is offloaded (it
-    was skipped: it did not fit the staging) and restored layer by layer,
-    byte for byte; the staging stays the ring's 64 MiB and all of it returns."""
+    """A prompt of 8k tokens at a real model's per-token size (32 layers, 8 KV
+    heads x 128, bf16: 128 KiB a token, Llama-3-8B's; vLLM's CPU block of 128
+    tokens: 16 MiB a page, 1 GiB in all) through the default 64 MiB staging:
+    every page is offloaded and restored layer by layer, byte for byte (the
+    random bits compared as integers: some are NaN as bf16); the staging
+    stays the ring's 64 MiB and all of it returns."""
     from layerlift.engine.config import EngineConfig
 
     staging = EngineConfig(store="memory").client_buffer_bytes
     assert staging == 64 << 20
-    block = 2 * 128 * 8 * 64 * 4  # K and V of 128 tokens, 8 heads of 64, float32
-    names = tuple(f"l{i}" for i in range(8))
+    block = 2 * 128 * 8 * 128 * 2  # K and V of 128 tokens, 8 heads of 128, bf16
+    names = tuple(f"l{i}" for i in range(32))
     pages = 8192 // 128
     layout = Layout((GroupLayout(0, GroupKind.FULL, names),), 128, dict.fromkeys(names, block),
-                    "real", "float32")
+                    "real", "bfloat16")
     hashes = [i.to_bytes(16, "little") for i in range(1, pages + 1)]
-    store = MooncakeStore(lease_master.config(global_segment_size=320 << 20,
+    total = pages * len(names) * block
+    assert total == 1 << 30
+    store = MooncakeStore(lease_master.config(global_segment_size=total + (160 << 20),
                                               local_buffer_size=16 << 20, timeout_s=30.0))
 
     def worker(kv: dict[str, torch.Tensor]) -> BlockWorker:
@@ -332,7 +335,8 @@ def test_a_real_size_prefix_streams_through_the_default_staging(
 
     try:
         gen = torch.Generator().manual_seed(7)
-        src = {n: torch.randn(pages, block // 4, generator=gen) for n in names}
+        src = {n: torch.randint(-(1 << 15), 1 << 15, (pages, block // 2), dtype=torch.int16,
+                                generator=gen).view(torch.bfloat16) for n in names}
         source = worker(src)
         try:
             source.begin_step()
@@ -341,7 +345,7 @@ def test_a_real_size_prefix_streams_through_the_default_staging(
             source.close(timeout_s=120)
         keys = [layout.schema(mooncake_namespace).key("full0", h) for h in hashes]
         assert all(store.exists(keys)), "not every page was offloaded"
-        dst = {n: torch.zeros(pages, block // 4) for n in names}
+        dst = {n: torch.zeros(pages, block // 2, dtype=torch.bfloat16) for n in names}
         target = worker(dst)
         try:
             target.begin_step()
@@ -355,6 +359,7 @@ def test_a_real_size_prefix_streams_through_the_default_staging(
         finally:
             target.close(timeout_s=120)
         assert ring.free_bytes == staging  # every region came back
-        assert all(torch.equal(dst[n], src[n]) for n in names)
+        assert all(torch.equal(dst[n].view(torch.int16), src[n].view(torch.int16))
+                   for n in names)
     finally:
         store.close()
