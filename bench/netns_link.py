@@ -48,6 +48,16 @@ def rate_gbps(link: str) -> float:
     return float(match["num"]) * _UNIT_GBPS[match["unit"]]
 
 
+def rate_arg(text: str) -> str:
+    """An argparse type: a bare RATE (``1gbit``, ``10gbit``, ``500mbit``), as given."""
+    try:
+        rate_gbps(f"netns:{text}")
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a rate like 1gbit, 10gbit or 500mbit, got {text!r}") from None
+    return text
+
+
 def emulated_twin(link: str) -> str:
     """The emulated link at the same rate as ``netns:RATE`` (10 us per fetch)."""
     return f"emulated:{rate_gbps(link):g},10"

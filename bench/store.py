@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from layerlift.bench.args import BenchParser, int_at_least
-from layerlift.bench.netns_link import rate_gbps
+from layerlift.bench.netns_link import rate_arg
 from layerlift.bench.output import add_output_options, write_outputs
 from layerlift.bench.results import plot, render
 from layerlift.linker.master import EmbeddedMaster
@@ -202,14 +202,6 @@ def _print(link: str, results: dict[str, Any]) -> None:
                          for q in ratios))  # fmt: skip
 
 
-def _rate(text: str) -> str:
-    try:
-        rate_gbps(f"netns:{text}")
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected a rate like 1gbit or 500mbit, got {text!r}") from None
-    return text
-
 
 def build_parser() -> argparse.ArgumentParser:
     parser = BenchParser("layerlift bench store", __doc__.splitlines()[0])
@@ -217,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int_at_least(1), default=9, help="repeats per mode")
     parser.add_argument("--bytes", type=int_at_least(1 << 20), default=64 << 20,
                         help="bytes moved per page size and repeat")
-    parser.add_argument("--netns", type=_rate, default=None, metavar="RATE",
+    parser.add_argument("--netns", type=rate_arg, default=None, metavar="RATE",
                         help="also over a namespace link throttled to RATE (e.g. 1gbit; "
                              "needs root)")
     parser.add_argument("--cluster", default=None, help=argparse.SUPPRESS)  # on the engine host

@@ -61,8 +61,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from layerlift.bench.args import BenchParser, int_at_least
-from layerlift.bench.netns_link import rate_gbps
+from layerlift.bench.args import BenchParser, int_at_least, int_list
+from layerlift.bench.netns_link import rate_arg
 from layerlift.bench.output import add_output_options, write_outputs
 from layerlift.bench.results import plot, render
 from layerlift.bench.transfer_profile import PARTS as PROFILE_PARTS
@@ -558,32 +558,12 @@ def plot_record(record: dict[str, Any], path: str) -> None:
     plt.close(fig)
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected numbers separated by commas, got {text!r}") \
-            from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
-    return values
-
-
-def _rate(text: str) -> str:
-    try:
-        rate_gbps(f"netns:{text}")
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected a rate like 1gbit or 10gbit, got {text!r}") from None
-    return text
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = BenchParser("layerlift bench transfer", __doc__.splitlines()[0])
     add_output_options(parser)
-    parser.add_argument("--tokens", type=_ints, default=[8192],
+    parser.add_argument("--tokens", type=int_list(16, "8192,32768"), default=[8192],
                         help="prompt lengths in tokens, comma-separated (e.g. 8192,32768)")
-    parser.add_argument("--page-sizes", type=_ints, default=[16, 64, 128],
+    parser.add_argument("--page-sizes", type=int_list(1, "16,64,128"), default=[16, 64, 128],
                         help="tokens per page, comma-separated")
     parser.add_argument("--layers", type=int_at_least(1), default=32)
     parser.add_argument("--kv-heads", type=int_at_least(1), default=8)
@@ -591,7 +571,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int_at_least(1), default=5, help="repeats per mode")
     parser.add_argument("--timeout", type=float, default=120.0,
                         help="the store's timeout per call (s)")
-    parser.add_argument("--netns", type=_rate, action="append", default=[], metavar="RATE",
+    parser.add_argument("--netns", type=rate_arg, action="append", default=[], metavar="RATE",
                         help="also over a namespace link throttled to RATE (e.g. 10gbit, "
                              "1gbit; repeatable; needs root)")
     parser.add_argument("--no-loopback", action="store_true",
