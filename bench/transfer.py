@@ -68,7 +68,7 @@ from layerlift.bench.results import plot, render
 from layerlift.bench.transfer_profile import PARTS as PROFILE_PARTS
 from layerlift.bench.transfer_profile import profiled
 from layerlift.linker import staged_load
-from layerlift.linker.integrity import CHECK_BYTES, checksums, slice_seed
+from layerlift.linker.integrity import footers
 from layerlift.linker.master import EmbeddedMaster
 from layerlift.linker.mooncake_config import MooncakeConfig
 from layerlift.linker.mooncake_store import MooncakeStore
@@ -222,13 +222,10 @@ class Bench:
 
     def _footers(self, rows: torch.Tensor, keys: Sequence[str]) -> None:
         """Write each row's footer for ``keys`` (LayerLift's object format)."""
-        lay = self.layout
+        objects, pb = self.layout.objects, self.layout.page_bytes
         base, stride = int(rows.data_ptr()), int(rows.stride(0))
-        for j, (offset, size) in enumerate(lay.objects.slices):
-            crc = checksums([base + i * stride + offset for i in range(len(keys))], size,
-                            [slice_seed(k, j) for k in keys])
-            at = lay.page_bytes + CHECK_BYTES * j
-            rows[:, at : at + CHECK_BYTES] = torch.from_numpy(crc.view(np.uint8).reshape(-1, 4))
+        table = footers([base + i * stride for i in range(len(keys))], objects.slices, keys)
+        rows.numpy()[:, pb : pb + objects.footer_bytes] = table.view(np.uint8)
 
     @property
     def payload(self) -> int:

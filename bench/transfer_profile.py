@@ -7,7 +7,7 @@ pieces of LayerLift's staged transfer that are not its own bookkeeping:
   ``put_parts``);
 * ``session``: read sessions opened and ended;
 * ``crc``: the CRC-32 checks of a load (``mismatches``) and the footers an
-  offload computes (``checksums``);
+  offload computes (``footers``);
 * ``copy``: a host sink's copy out of staging, a snapshot's copy into it;
 * ``ring``: waiting for and taking staging regions;
 * ``python``: the rest of the wall time (building the ranged call's lists,
@@ -112,7 +112,7 @@ def profiled(store: Any, ring: Any, staged_load: ModuleType,
     store.open_session = session
     patch(ring, "acquire", "ring")
     patch(staged_load, "mismatches", "crc")
-    patch(staged_offload, "checksums", "crc")
+    patch(staged_offload, "footers", "crc")
     patch(sinks.HostSink, "write", "copy")
     patch(sinks.HostSnapshot, "read", "copy")
     for cls in snapshots:

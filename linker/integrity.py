@@ -57,6 +57,7 @@ __all__ = [
     "component_slices",
     "encode_object",
     "footer_bytes",
+    "footers",
     "mismatches",
     "object_bytes",
     "page_footers",
@@ -116,16 +117,22 @@ def checksums(ptrs: Sequence[int], size: int, seeds: Sequence[int]) -> np.ndarra
     return out
 
 
+def footers(pages: Sequence[int], slices: Sequence[tuple[int, int]],
+            keys: Sequence[str]) -> np.ndarray:
+    """The footers of the pages at ``pages`` stored under ``keys``, each
+    page's ``slices`` (``(offset, size)``, local layer order) at their
+    offsets: ``uint32[n, layers]`` (C order, so row ``i`` viewed as bytes is
+    page ``i``'s footer)."""
+    out = np.empty((len(pages), len(slices)), dtype="<u4")
+    for j, (offset, size) in enumerate(slices):
+        out[:, j] = checksums([p + offset for p in pages], size, [slice_seed(k, j) for k in keys])
+    return out
+
+
 def page_footers(spec: ModelSpec, component: Component, page_ptrs: Sequence[int],
                  keys: Sequence[str]) -> np.ndarray:
-    """The footers of the pages at ``page_ptrs`` stored under ``keys``:
-    ``uint32[n, layers]`` (C order, so row ``i`` is page ``i``'s footer bytes)."""
-    slices = component_slices(spec, component)
-    out = np.empty((len(page_ptrs), len(slices)), dtype="<u4")
-    for j, (offset, size) in enumerate(slices):
-        seeds = [slice_seed(k, j) for k in keys]
-        out[:, j] = checksums([p + offset for p in page_ptrs], size, seeds)
-    return out
+    """:func:`footers` of ``component``'s pages (the engine's pools)."""
+    return footers(page_ptrs, component_slices(spec, component), keys)
 
 
 def mismatches(ptrs: Sequence[int], size: int, expected: np.ndarray,

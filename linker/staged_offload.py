@@ -7,13 +7,14 @@ first.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import numpy as np
 
-from layerlift.linker.integrity import checksums, slice_seed
+from layerlift.linker.integrity import footers
 from layerlift.linker.ring import Region, StagingRing
 from layerlift.linker.sinks import Snapshot, Source
 from layerlift.linker.staged_load import DEFAULT_DEPTH
@@ -104,14 +105,9 @@ class StagedOffload:
                 if self.chunks:
                     self._chunk_in_place(self.chunks[0], outcome, self.source)
                 return outcome
-            if self.depth < 2 or len(self.chunks) < 2:
-                for index, chunk in enumerate(self.chunks):
-                    free, on_source_free = self._last_read(index, on_source_free)
-                    staged = self._stage(chunk, outcome, free)
-                    if staged is None or not self._account(self._put(staged), outcome):
-                        break
-                return outcome
-            with ThreadPoolExecutor(1, thread_name_prefix="layerlift-put") as putter:
+            pipelined = self.depth >= 2 and len(self.chunks) >= 2
+            with (ThreadPoolExecutor(1, thread_name_prefix="layerlift-put") if pipelined
+                  else contextlib.nullcontext()) as putter:
                 pending: Future[_PutResult] | None = None
                 try:
                     for index, chunk in enumerate(self.chunks):
@@ -123,7 +119,8 @@ class StagedOffload:
                                 done, pending = pending, None
                                 go_on = self._account(done.result(), outcome)
                             if go_on and staged is not None:
-                                pending, staged = putter.submit(self._put, staged), None
+                                sending, staged = staged, None  # the put releases it now
+                                pending = self._submit(putter, sending)
                         finally:
                             if staged is not None:  # staged, never sent
                                 staged.region.release()
@@ -168,8 +165,8 @@ class StagedOffload:
                 fb = layout.footer_bytes
                 if fb:
                     assert region is not None
-                    footers = region.tensor[start : start + n * fb].view(n, fb)
-                    footers.numpy()[:] = footer_table(addrs, layout.slices, seg_keys).view(np.uint8)
+                    table = region.tensor[start : start + n * fb].view(n, fb)
+                    table.numpy()[:] = footers(addrs, layout.slices, seg_keys).view(np.uint8)
                     at = region.ptr + start
                     ptrs += [[a, at + i * fb] for i, a in enumerate(addrs)]
                     sizes += [[layout.page_bytes, fb]] * n
@@ -227,7 +224,7 @@ class StagedOffload:
                     seg_keys = list(part.keys[seg.lo : seg.hi])
                     rows = [base + start + i * ob for i in range(n)]
                     if layout.slices:
-                        table = footer_table(rows, layout.slices, seg_keys)
+                        table = footers(rows, layout.slices, seg_keys)
                         objects.numpy()[:, pb : pb + layout.footer_bytes] = table.view(np.uint8)
                     keys += seg_keys
                     ptrs += rows
@@ -247,6 +244,15 @@ class StagedOffload:
         if index == len(self.chunks) - 1:
             return on_source_free, None
         return None, on_source_free
+
+    def _submit(self, putter: ThreadPoolExecutor | None, staged: _Staged) -> Future[_PutResult]:
+        """``staged``'s put on the put thread, or (no put thread: depth 1 or
+        one chunk) here and now: done before the next chunk is staged."""
+        if putter is not None:
+            return putter.submit(self._put, staged)
+        done: Future[_PutResult] = Future()
+        done.set_result(self._put(staged))
+        return done
 
     def _put(self, staged: _Staged) -> _PutResult:
         """The put thread (or this one): one ``put`` of a staged chunk; its
@@ -279,18 +285,6 @@ class StagedOffload:
         outcome.objects += len(result.staged.keys)
         outcome.bytes += sum(result.staged.sizes)
         return True
-
-
-def footer_table(pages: Sequence[int], slices: Sequence[tuple[int, int]],
-                 keys: Sequence[str]) -> np.ndarray:
-    """The footers of the pages at ``pages`` stored under ``keys`` (each
-    page's slices at their offsets): ``uint32[n, layers]``, C order, so row
-    ``i`` viewed as bytes is page ``i``'s footer."""
-    table = np.empty((len(keys), len(slices)), dtype="<u4")
-    for j, (offset, size) in enumerate(slices):
-        table[:, j] = checksums([a + offset for a in pages], size,
-                                [slice_seed(k, j) for k in keys])
-    return table
 
 
 @dataclass(slots=True)
