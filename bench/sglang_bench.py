@@ -1,12 +1,18 @@
 """LayerLift inside SGLang beside SGLang's own Mooncake linker (issue 26), one run.
 
     layerlift bench sglang [--json PATH] [--markdown PATH] [--plot PATH] [--repeats N]
-        [--pages 64,128] [--prompt-tokens N] [--compute-ms C] [--no-faults]
-        [--links loopback,netns:1gbit]
+        [--layout small|real] [--pages 64,128] [--prompt-tokens N] [--compute-ms C]
+        [--no-faults] [--links loopback,netns:1gbit]
 
 The same harness (``layerlift.testing.sglang_harness``: SGLang 0.5.23's real
-``UnifiedRadixCache``, ``SWAKVPool`` and ``HybridReqToTokenPool`` for a
-12-layer F S M S M F model, 8 KV heads x 64, on CPU) runs with each linker,
+``UnifiedRadixCache``, ``SWAKVPool`` and ``HybridReqToTokenPool`` on CPU; with
+``--layout small`` a 12-layer F S M S M F model, 8 KV heads x 64, 1024-token
+prompts and 2 ms of compute a layer; with ``--layout real`` a real model's
+layout, 32 layers (30 full attention, one sliding window, one Mamba: the
+harness's pools need one of each), 8 KV heads x 128, bf16 (128 KiB a token),
+8192-token prompts and, per layer, a Llama-3-8B layer's prefill time at the
+prompt's length on one H100 (the roofline of ``engine/model/compute_model.py``:
+9.3 ms at 8192 tokens)) runs with each linker,
 built by SGLang's own factory: ``--unified-cache-external-linker-backend
 dynamic`` with ``LayerLiftLinker``, and ``mooncake`` (SGLang's
 ``MooncakeDirectLinker``), on one embedded ``mooncake_master`` (loopback TCP).
@@ -65,7 +71,7 @@ from layerlift.bench.args import BenchParser, float_above, int_at_least, int_lis
 from layerlift.bench.output import add_output_options, write_outputs
 from layerlift.bench.stats import percentile_ci
 from layerlift.linker.master import EmbeddedMaster
-from layerlift.testing.sglang_harness import HybridShape, Restore, SGLangHost
+from layerlift.testing.sglang_harness import HybridShape, Restore, SGLangHost, same_bytes
 
 LINKERS = ("layerlift", "sglang-mooncake")
 STALL_CAP_S = 15.0
@@ -99,9 +105,52 @@ def _links(text: str) -> list[str]:
     return links
 
 
-def _shape(page: int) -> HybridShape:
+LAYOUTS = ("small", "real")
+REAL_KINDS = "F" * 15 + "S" + "F" * 15 + "M"
+
+
+def _shape(page: int, layout: str = "small", prompt_tokens: int = 1024) -> HybridShape:
+    """The cache's shape of ``layout`` (see the module docstring), its pools
+    sized for one prompt of ``prompt_tokens`` beside the small layout's 12288."""
+    if layout == "real":
+        return HybridShape(kinds=REAL_KINDS, page_size=page, window=128, head_num=8,
+                           head_dim=128, kv_tokens=prompt_tokens + 2 * page, mamba_slots=8)
     return HybridShape(kinds="FSMSMF" * 2, page_size=page, window=256, head_num=8, head_dim=64,
-                       kv_tokens=12288, mamba_slots=64)
+                       kv_tokens=max(12288, prompt_tokens + 2 * page), mamba_slots=64)
+
+
+def kv_bytes(shape: HybridShape, tokens: int) -> int:
+    """Bytes of K and V of ``tokens`` tokens in ``shape``'s attention layers (bf16)."""
+    attention = sum(1 for k in shape.kinds if k != "M")
+    return 2 * shape.head_num * shape.head_dim * 2 * attention * tokens
+
+
+def prefill_ms_per_layer(tokens: int, device: str = "h100") -> float:
+    """One Llama-3-8B layer's prefill of ``tokens`` new tokens on ``device``
+    (the roofline model), in ms: the real layout's compute stand-in."""
+    from layerlift.engine.model.architectures import LLAMA3_8B
+    from layerlift.engine.model.compute_model import DEVICES, RooflineCompute, SeqWork
+    from layerlift.pools.spec import Component
+
+    roofline = RooflineCompute(LLAMA3_8B, DEVICES[device])
+    kinds = [Component.FULL] * len(LLAMA3_8B.layers)
+    return roofline.layer_seconds(kinds, [SeqWork(0, tokens)])[0] * 1e3
+
+
+# With one master for both linkers and 2176 MiB segments, SGLang's puts failed
+# here (TRANSFER_FAIL, into the other producer's segment); now each linker has
+# a master of its own on loopback and segments stay under 2 GiB (which of the
+# two changes cured it was not isolated).
+SEGMENT_CAP_MIB = 2000
+LEASE_S = 2.0  # the loopback masters' read lease
+NETNS_LEASE_S = 5.0  # `layerlift master`'s (a namespace link's master)
+SETTLE_S = 60.0  # how long a prompt's offloads may take (1 GiB over 1 Gbit: ~9 s)
+
+
+def segment_mib(shape: HybridShape, tokens: int) -> int:
+    """A producer's segment: two prompts' objects (the one being restored
+    and the next one's puts) and room, at least the small layout's 256 MiB."""
+    return min(SEGMENT_CAP_MIB, max(256, 2 * kv_bytes(shape, tokens) // (1 << 20) + 128))
 
 
 def _config(linker: str, master: str, segment: int, local: str = "127.0.0.1",
@@ -132,6 +181,32 @@ def _pair(linker: str, shape: HybridShape, master: str, segment_mib: int = 256,
     return hosts[0], hosts[1]
 
 
+class _Sweeper:
+    """A client of the master (no segment) that empties the store after each
+    restore: a real layout's round puts 2 GiB, more than Mooncake evicts in
+    time (its puts would fail and the next restores miss). ``remove_all``
+    without ``force``: objects still under a read lease, and puts not yet
+    complete (a linker's offload may still run), stay."""
+
+    def __init__(self, master: str, local: str, lease_s: float = 0.0) -> None:
+        from mooncake.store import MooncakeDistributedStore
+
+        self.lease_s = lease_s
+        self._client = MooncakeDistributedStore()
+        rc = self._client.setup(local, "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", master)
+        if rc != 0:
+            raise RuntimeError(f"the benchmark's clean-up client could not join the master at "
+                               f"{master} (setup returned {rc})")
+
+    def sweep(self) -> None:
+        """Remove what is not leased, after the read lease of what was just read ended."""
+        time.sleep(self.lease_s)
+        self._client.remove_all(False)
+
+    def close(self) -> None:
+        self._client.close()
+
+
 def _store_node(master: EmbeddedMaster) -> subprocess.Popen[str]:
     """A ``layerlift store-node`` process holding the store's only segment."""
     node = subprocess.Popen(
@@ -146,9 +221,11 @@ def _store_node(master: EmbeddedMaster) -> subprocess.Popen[str]:
 
 
 def _exact(host: SGLangHost, r: Restore, tokens: list[int]) -> list[bool]:
-    """Per layer: the bytes the forward read equal what the producer computed."""
-    expected = host.expected(tokens[: r.loaded_tokens])
-    return [all(torch.equal(g, e) for g, e in zip(r.layers[layer], expected[layer], strict=True))
+    """Per layer: the bytes the forward read equal, byte for byte, what the
+    producer computed (one layer's expected bytes at a time)."""
+    done = tokens[: r.loaded_tokens]
+    return [all(same_bytes(g, e) for g, e in
+                zip(r.layers[layer], host.expected_layer(done, layer), strict=True))
             for layer in sorted(r.layers)]
 
 
@@ -163,37 +240,70 @@ def _prompt(rng: random.Random, n: int) -> list[int]:
 
 
 def timing_point(page: int, repeats: int, prompt_tokens: int, compute_s: float,
-                 master: str, rng: random.Random, link: str = "loopback",
-                 **pair: Any) -> dict[str, Any]:
-    """One (link, page size) point; ``pair``: ``_pair``'s options (segment, address, bounds)."""
-    shape = _shape(page)
-    pairs = {name: _pair(name, shape, master, **pair) for name in LINKERS}
+                 master: str | dict[str, str], rng: random.Random, link: str = "loopback",
+                 layout: str = "small", lease_s: float = 0.0, **pair: Any) -> dict[str, Any]:
+    """One (link, page size) point; ``master``: the master's address, or each
+    linker's own (its read lease ``lease_s``: what a restore read is removed
+    once it ended); ``pair``: ``_pair``'s options (segment, address, bounds)."""
+    shape = _shape(page, layout, prompt_tokens)
+    pair.setdefault("segment_mib", segment_mib(shape, prompt_tokens))
+    masters = master if isinstance(master, dict) else {name: master for name in LINKERS}
+    pairs = {name: _pair(name, shape, masters[name], **pair) for name in LINKERS}
+    sweepers = {name: _Sweeper(masters[name], pair.get("local", "127.0.0.1"), lease_s)
+                for name in LINKERS}
     runs: dict[str, list[Restore]] = {name: [] for name in LINKERS}
     exact = {name: 0 for name in LINKERS}
+    warm_wrong = {name: 0 for name in LINKERS}
+    unsettled: dict[str, str] = {}  # a linker whose offload never ended: why (then it stops)
     n = prompt_tokens // page * page
     try:
-        for _ in range(repeats):
+        for rep in range(-1, repeats):  # round -1 warms up (first touches of pools, segments)
             for name in LINKERS:
+                if name in unsettled:
+                    continue
                 producer, consumer = pairs[name]
                 tokens = _prompt(rng, n)
                 producer.compute(tokens, [n // 2 // page * page, n])
-                producer.settle_offloads()
+                try:
+                    producer.settle_offloads(timeout_s=SETTLE_S)
+                except RuntimeError as exc:
+                    unsettled[name] = f"{exc} {SETTLE_S:g} s after the prompt's inserts"
+                    continue
                 r = consumer.restore([*tokens, 1], compute_s=compute_s)
-                if r.ok and r.loaded_tokens == n and all(_exact(consumer, r, tokens)):
-                    exact[name] += 1
-                runs[name].append(r)
+                ok = r.ok and r.loaded_tokens == n and all(_exact(consumer, r, tokens))
+                r.layers.clear()  # the restored bytes (checked): a real layout's are 1 GiB
+                if rep < 0:  # the warm-up is timed by nobody; a wrong one still counts
+                    warm_wrong[name] += not ok
+                else:
+                    exact[name] += ok
+                    runs[name].append(r)
+                for host in (producer, consumer):  # the next prompt gets the whole pools
+                    host.flush_cache()
+                sweepers[name].sweep()  # and the store what is not leased
     finally:
         for producer, consumer in pairs.values():
             consumer.close()
             producer.close()
+        for sweeper in sweepers.values():
+            sweeper.close()
     layer_bytes = 2 * page * shape.head_num * shape.head_dim * 2 * (n // page)
     out: dict[str, Any] = {"link": link, "page_tokens": page, "prompt_tokens": n,
+                           "layout": layout, "kv_bytes": kv_bytes(shape, n),
                            "layers": len(shape.kinds), "attention_layer_bytes": layer_bytes,
                            "linkers": {}}
+    ours, theirs = ([r.forward_s for r in runs[name]] for name in LINKERS)
+    if len(ours) == len(theirs) == repeats:
+        out["ratio"] = _ci([a / b for a, b in zip(ours, theirs, strict=True)])  # paired by repeat
     for name, rs in runs.items():
+        if not rs:
+            out["linkers"][name] = {"exact": "0/0", "not_measured": unsettled.get(name, "")}
+            continue
         out["linkers"][name] = {
+            "not_measured": unsettled.get(name, ""),
             "exact": f"{exact[name]}/{len(rs)}",
+            "warmup_not_exact": warm_wrong[name],
             "forward_s": _ci([r.forward_s for r in rs]),
+            "forward_all_s": [round(r.forward_s, 5) for r in rs],
             "layer_ready_s": [_ci([r.wait_s[i] for r in rs])["median"]
                               for i in range(len(shape.kinds))],
         }
@@ -334,19 +444,30 @@ def render(record: dict[str, Any]) -> str:
     # A record made before --links (one loopback row kind) keeps its old table.
     linked = "links" in record
     head = "| link " if linked else ""
-    lines = ["### SGLang: LayerLiftLinker beside MooncakeDirectLinker", "",
+    layout = (f" ({record['layout']} layout, {record['prompt_tokens']}-token prompts)"
+              if "layout" in record else "")
+    lines = [f"### SGLang: LayerLiftLinker beside MooncakeDirectLinker{layout}", "",
              f"{head}| page | linker | exact | forward total (s), median [95% CI] |"
-             " layer 0 ready (s) | last layer ready (s) |",
-             "| --- " * (7 if linked else 6) + "|"]
+             " layer 0 ready (s) | last layer ready (s) | layerlift / mooncake, paired |",
+             "| --- " * (8 if linked else 7) + "|"]
     for point in record["timing"]:
         cell = f"| {point.get('link', 'loopback')} " if linked else ""
+        ratio = point.get("ratio")
         for name, lk in point["linkers"].items():
+            if "forward_s" not in lk:
+                lines.append(f"{cell}| {point['page_tokens']} | {name} | — | not measured: "
+                             f"{lk['not_measured']} | — | — | — |")
+                continue
             f = lk["forward_s"]
+            paired = (f"{ratio['median']:.3f} [{ratio['lo']:.3f}, {ratio['hi']:.3f}]"
+                      if ratio and name == LINKERS[0] else "")
             lines.append(f"{cell}| {point['page_tokens']} | {name} | {lk['exact']} | "
                          f"{f['median']:.4f} [{f['lo']:.4f}, {f['hi']:.4f}] | "
-                         f"{lk['layer_ready_s'][0]:.4f} | {lk['layer_ready_s'][-1]:.4f} |")
+                         f"{lk['layer_ready_s'][0]:.4f} | {lk['layer_ready_s'][-1]:.4f} | "
+                         f"{paired} |")
     for skipped in record.get("links_unavailable", []):
-        lines.append(f"| {skipped['link']} | — | — | — | not measured: {skipped['why']} | — | — |")
+        lines.append(f"| {skipped['link']} | — | — | — | not measured: {skipped['why']} "
+                     "| — | — | — |")
     if record.get("faults"):
         lines += ["", "| linker | fault | hit tokens | load reported failed | layers with wrong"
                   " bytes | layers zeroed | output used | verdict after (s) |",
@@ -391,10 +512,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--repeats", type=int_at_least(5), default=7, help="restores per point")
     ap.add_argument("--pages", type=int_list(16, "64,128"), default=[64, 128],
                     help="page sizes in tokens")
-    ap.add_argument("--prompt-tokens", type=int_at_least(256), default=1024,
-                    help="tokens restored per request")
-    ap.add_argument("--compute-ms", type=float_above(-1e-9), default=2.0,
-                    help="the forward stand-in's compute per layer (a sleep)")
+    ap.add_argument("--layout", choices=LAYOUTS, default="small",
+                    help="the cache's layout: small (12 layers, 8 KV heads x 64) or real "
+                         "(32 layers, 8 KV heads x 128, bf16: 128 KiB a token)")
+    ap.add_argument("--prompt-tokens", type=int_at_least(256), default=None,
+                    help="tokens restored per request (default: 1024 small, 8192 real)")
+    ap.add_argument("--compute-ms", type=float_above(-1e-9), default=None,
+                    help="the forward stand-in's compute per layer, a sleep (default: 2 small; "
+                         "real: a Llama-3-8B layer's prefill of the prompt on one H100, "
+                         "9.3 ms at 8192 tokens)")
     ap.add_argument("--no-faults", action="store_true", help="skip the fault cases")
     ap.add_argument("--links", type=_links, default=["loopback", "netns:1gbit"],
                     help="links of the timing rows: loopback, netns:RATE[+DELAYms]")
@@ -411,8 +537,9 @@ def _child(args: argparse.Namespace) -> int:
     master = args.child_master
     rng = random.Random(26)
     pair: dict[str, Any] = {"segment_mib": 0, "local": route_source(master), "bounds": (10.0, 30.0)}
+    lease_s = NETNS_LEASE_S if args.layout == "real" else 0.0
     timing = [timing_point(p, args.repeats, args.prompt_tokens, args.compute_ms / 1e3, master,
-                           rng, **pair) for p in args.pages]
+                           rng, layout=args.layout, lease_s=lease_s, **pair) for p in args.pages]
     Path(args.child_json).write_text(json.dumps({"timing": timing}))
     return 0
 
@@ -441,13 +568,14 @@ def netns_points(link: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     _, rate, delay_ms = parse_link(link)
     assert rate is not None
     with (tempfile.TemporaryDirectory(prefix="layerlift-sglang-netns-") as tmp,
-          netns_cluster(rate, NETNS_SEGMENT, tmp) as (hosts, master)):
+          netns_cluster(rate, netns_segment(args), tmp) as (hosts, master)):
         if delay_ms:
             _netem(hosts, "engine", rate, delay_ms)
         out = Path(tmp) / "points.json"
         argv = [sys.executable, "-m", "layerlift.cli", "bench", "sglang", "--no-faults",
                 "--repeats", str(args.repeats), "--pages", ",".join(map(str, args.pages)),
-                "--prompt-tokens", str(args.prompt_tokens), "--compute-ms", str(args.compute_ms),
+                "--layout", args.layout, "--prompt-tokens", str(args.prompt_tokens),
+                "--compute-ms", str(args.compute_ms),
                 "--child-master", master, "--child-json", str(out)]
         status = run_in_engine_host(hosts, argv, tmp)
         if not out.exists():
@@ -460,8 +588,22 @@ def netns_points(link: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     return points
 
 
+def netns_segment(args: argparse.Namespace) -> int:
+    """Bytes of the storage node's segment on a namespace link: every
+    producer's objects live there (two prompts', under 2 GiB; each restore's
+    objects are swept once their read lease ended)."""
+    shape = _shape(max(args.pages), args.layout, args.prompt_tokens)
+    return max(NETNS_SEGMENT, min(SEGMENT_CAP_MIB << 20,
+                                  2 * kv_bytes(shape, args.prompt_tokens) + (128 << 20)))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.prompt_tokens is None:
+        args.prompt_tokens = 8192 if args.layout == "real" else 1024
+    if args.compute_ms is None:
+        args.compute_ms = (round(prefill_ms_per_layer(args.prompt_tokens), 3)
+                           if args.layout == "real" else 2.0)
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     if args.child_master:
         return _child(args)
@@ -469,10 +611,18 @@ def main(argv: list[str] | None = None) -> int:
     timing: list[dict[str, Any]] = []
     unavailable: list[dict[str, str]] = []
     faults: list[dict[str, Any]] = []
-    with EmbeddedMaster(http_metadata=False, lease_ttl_ms=5000) as master:
+    # A 2 s read lease: over loopback a real layout's restore reads for ~1 s,
+    # and what a restore read can be swept 2 s later. On loopback each linker
+    # has a master of its own: its producer's segment is the store's only one
+    # (SGLang's puts into another client's segment in this process failed).
+    lease_ms = int(LEASE_S * 1e3)
+    with (EmbeddedMaster(http_metadata=False, lease_ttl_ms=lease_ms) as master,
+          EmbeddedMaster(http_metadata=False, lease_ttl_ms=lease_ms) as second):
         if "loopback" in args.links:
+            own = {LINKERS[0]: master.master_address, LINKERS[1]: second.master_address}
             timing += [timing_point(p, args.repeats, args.prompt_tokens, args.compute_ms / 1e3,
-                                    master.master_address, rng) for p in args.pages]
+                                    own, rng, layout=args.layout, lease_s=LEASE_S)
+                       for p in args.pages]
         faults = [] if args.no_faults else fault_points(master, rng)
     for link in (x for x in args.links if x != "loopback"):
         from layerlift.testing.netns import netns_available
@@ -489,6 +639,9 @@ def main(argv: list[str] | None = None) -> int:
                    "CPU pools; loopback: one embedded mooncake_master on loopback TCP; "
                    "netns: a master and a storage node across a throttled namespace link",
            "repeats": args.repeats, "compute_ms": args.compute_ms, "links": args.links,
+           "layout": args.layout, "prompt_tokens": args.prompt_tokens,
+           "compute_source": ("a Llama-3-8B layer's prefill of the prompt on one H100 "
+                              "(roofline)" if args.layout == "real" else "a fixed stand-in"),
            "timing": timing, "links_unavailable": unavailable, "faults": faults,
            "meta": {"loadavg": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count()}}
     print(render(write_outputs("sglang", out, args, argv, render, plot)))

@@ -29,7 +29,7 @@ from layerlift.engine.model.compute_model import Architecture as Arch
 from layerlift.engine.model.compute_model import MoE, Recurrent
 from layerlift.pools.spec import MambaSpec, ModelSpec, StateTensorSpec
 
-__all__ = ["ARCHITECTURES", "real_state_bytes", "simulated_spec"]
+__all__ = ["ARCHITECTURES", "LLAMA3_8B", "real_state_bytes", "simulated_spec"]
 
 # Qwen/Qwen3-Next-80B-A3B-Instruct config.json (= transformers Qwen3NextConfig
 # defaults): hidden_size 2048, 48 layers, layer_types linear x3 + full
@@ -85,6 +85,16 @@ _GPT_OSS_20B = Arch(
 )
 
 ARCHITECTURES: dict[str, Arch] = {a.name: a for a in (_QWEN3_NEXT, _NEMOTRON_H, _GPT_OSS_20B)}
+
+# meta-llama/Meta-Llama-3-8B config.json: hidden_size 4096, 32 layers of full
+# attention, 32 query / 8 KV heads of 128 (128 KiB of BF16 KV a token), SwiGLU
+# MLP of 14336. Not a hybrid (so not one of ARCHITECTURES, the simulated
+# model's): the per-layer prefill time of the real-layout host benchmarks.
+LLAMA3_8B = Arch(
+    name="llama-3-8b", source="meta-llama/Meta-Llama-3-8B config.json",
+    pattern="F" * 32, hidden=4096, q_heads=32, kv_heads=8, head_dim=128, window=0,
+    mlp_inter=14336, moe=None, recurrent=None, weights_bytes=8.0e9 * 2,
+)
 
 # Real state tensors of the recurrent layers: (name, shape, dtype name).
 _STATES: dict[str, tuple[tuple[str, tuple[int, ...], str], ...]] = {
