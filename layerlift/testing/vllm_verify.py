@@ -47,23 +47,30 @@ IN_PROCESS_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}
 
 
 def make_tiny_model(kind: str, path: str, seed: int = 0, *, hidden: int = 128,
-                    layers: int = 4) -> str:
+                    layers: int = 4, kv_heads: int = 1, head_dim: int = 64,
+                    max_positions: int = 4096) -> str:
     """Save a small model with seeded random weights into ``path`` (vocab 512,
-    ``hidden`` wide, ``layers`` deep; attention heads of 64, one KV head):
+    ``hidden`` wide, ``layers`` deep; ``hidden // head_dim`` attention heads
+    of ``head_dim``, ``kv_heads`` KV heads: by default heads of 64 and one KV
+    head; 8 KV heads of 128 is a real model's KV layout):
     ``gemma3`` (sliding-window layers, the last one full attention),
     ``llama`` (full attention only: one KV cache group) or ``nemotron_h``
     (Mamba-2, attention, Mamba-2, MLP, repeated). Returns ``path``. Raises
-    ValueError for an unknown kind or a size that is not a multiple of 64."""
+    ValueError for an unknown kind or sizes that do not divide."""
     import torch
     import transformers
 
-    if hidden % 64 or hidden < 64 or layers < 2:
-        raise ValueError(f"hidden must be a multiple of 64 and layers >= 2, got {hidden}, {layers}")
+    if head_dim % 32 or hidden % head_dim or hidden < head_dim or layers < 2:
+        raise ValueError(f"hidden must be a multiple of head_dim (itself of 32) and layers >= 2, "
+                         f"got hidden {hidden}, head_dim {head_dim}, {layers} layers")
+    if kv_heads < 1 or (hidden // head_dim) % kv_heads:
+        raise ValueError(f"{kv_heads} KV heads do not divide {hidden // head_dim} attention heads")
     torch.manual_seed(seed)
     common: dict[str, Any] = dict(vocab_size=512, hidden_size=hidden,
-                                  intermediate_size=2 * hidden, num_attention_heads=hidden // 64,
-                                  num_key_value_heads=1, head_dim=64,
-                                  max_position_embeddings=4096)
+                                  intermediate_size=2 * hidden,
+                                  num_attention_heads=hidden // head_dim,
+                                  num_key_value_heads=kv_heads, head_dim=head_dim,
+                                  max_position_embeddings=max_positions)
     if kind == "gemma3":
         config: Any = transformers.Gemma3TextConfig(
             num_hidden_layers=layers, sliding_window=32,
@@ -113,7 +120,8 @@ class Instance:
                  log_path: Path, env: dict[str, str] | None = None, *,
                  prefix_caching: bool = False, scheduler_cls: str = "",
                  failure_policy: str = "", in_process: bool = False,
-                 wait: bool = True) -> None:
+                 wait: bool = True, dtype: str = "float32", max_model_len: int = 4096,
+                 kv_bytes: int | None = None) -> None:
         env = dict(os.environ, MC_LOG_LEVEL="ERROR", GLOG_minloglevel="2",
                    PYTHONUNBUFFERED="1", **(IN_PROCESS_ENV if in_process else {}), **(env or {}))
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override the serve's KV bytes
@@ -122,6 +130,8 @@ class Instance:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "layerlift.testing.vllm_verify", "serve", "--model", model,
              "--connector", connector, "--extra", json.dumps(extra or {}),
+             "--dtype", dtype, "--max-model-len", str(max_model_len),
+             *(["--kv-bytes", str(kv_bytes)] if kv_bytes else []),
              *(["--prefix-caching"] if prefix_caching else []),
              *(["--scheduler-cls", scheduler_cls] if scheduler_cls else []),
              *(["--failure-policy", failure_policy] if failure_policy else [])],
@@ -238,8 +248,8 @@ def _serve(args: argparse.Namespace) -> int:
         kv["kv_load_failure_policy"] = args.failure_policy
     sched: dict[str, Any] = ({"scheduler_cls": args.scheduler_cls, "async_scheduling": False}
                              if args.scheduler_cls else {})
-    llm = LLM(model=args.model, skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
-              enable_prefix_caching=args.prefix_caching, max_model_len=4096, seed=0,
+    llm = LLM(model=args.model, skip_tokenizer_init=True, dtype=args.dtype, enforce_eager=True,
+              enable_prefix_caching=args.prefix_caching, max_model_len=args.max_model_len, seed=0,
               kv_cache_memory_bytes=args.kv_bytes, kv_transfer_config=kv, **sched)
     print(MARK + json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
@@ -269,6 +279,10 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--model", required=True)
     serve.add_argument("--connector", default="none", choices=("layerlift", "mooncake", "none"))
     serve.add_argument("--extra", default="{}", help="kv_connector_extra_config as JSON")
+    serve.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                       help="the model's dtype (default: float32)")
+    serve.add_argument("--max-model-len", type=int, default=4096,
+                       help="vLLM's max_model_len (default: 4096)")
     serve.add_argument("--kv-bytes", type=int, default=256 << 20,
                        help="vLLM's KV cache bytes (default: 256 MiB)")
     serve.add_argument("--prefix-caching", action="store_true",
