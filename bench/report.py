@@ -53,9 +53,29 @@ EFF_ABOVE_1 = (
     "(the median over repeats of the same ratio) is the steadier figure.")
 
 
+def behind_note(p: dict[str, Any]) -> str | None:
+    """One line for a point whose overlap came in behind its barrier on a
+    link whose reads run on this machine's cores (not an emulated NIC): why,
+    with the point's own load and forward times; None otherwise."""
+    t = p["ttft_s"]
+    if str(p["link"]).startswith("emulated") or t["overlap"] <= t["barrier"]:
+        return None
+    load, compute = p.get("load_s"), p.get("compute_s")
+    alone = (f" (the load alone {_ms(load)} ms, the forward alone {_ms(compute)} ms)"
+             if load is not None and compute is not None else "")
+    return (f"note: {p['link']} P={p['prefix_tokens']} B={p['batch']}: overlap "
+            f"{_ms(t['overlap'])} ms is behind the barrier's {_ms(t['barrier'])} ms: here "
+            f"Mooncake's reads and the forward run on the same CPU cores{alone}, so a layer's "
+            "read slows the layer computing beside it instead of hiding behind it (the "
+            "emulated rows model a NIC that costs no core).")
+
+
 def table_notes(points: Sequence[dict[str, Any]]) -> list[str]:
-    """Notes printed under the table: one line per point whose eff is above
-    1 (its room in ms), then :data:`EFF_ABOVE_1` once, if any."""
+    """Notes printed under the table: one line per point whose overlap is
+    behind its barrier on a link sharing the cores (:func:`behind_note`),
+    one per point whose eff is above 1 (its room in ms), then
+    :data:`EFF_ABOVE_1` once, if any eff is."""
+    behind = [n for n in map(behind_note, points) if n is not None]
     notes = []
     for p in points:
         eff = p.get("efficiency")
@@ -65,7 +85,7 @@ def table_notes(points: Sequence[dict[str, Any]]) -> list[str]:
                 f"note: {p['link']} P={p['prefix_tokens']} B={p['batch']}: eff {eff:.2f} > 1: "
                 f"overlap {_ms(t['overlap'])} ms < bound {_ms(p['bound_s'])} ms; the room "
                 f"T_barrier - bound is {_ms(t['barrier'] - p['bound_s'])} ms.")
-    return [*notes, EFF_ABOVE_1] if notes else []
+    return [*behind, *notes, EFF_ABOVE_1] if notes else behind
 
 
 def format_table(points: Sequence[dict[str, Any]]) -> str:

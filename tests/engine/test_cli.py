@@ -107,6 +107,21 @@ def test_a_point_above_the_bound_gets_a_note_with_its_room() -> None:
                      "room T_barrier - bound is 10.0 ms.", EFF_ABOVE_1]
 
 
+def test_an_overlap_behind_its_barrier_on_shared_cores_says_why_in_one_line() -> None:
+    from layerlift.bench.report import table_notes
+
+    behind = {**_point("mooncake-tcp-loopback", 1, 2048, 0.5), "load_s": 0.05, "compute_s": 0.1,
+              "ttft_s": {"recompute": 1.4, "barrier": 0.166, "overlap": 0.245}}
+    emulated = {**behind, "link": "emulated:0.1GB/s,10us"}
+    assert table_notes([_point("mooncake-tcp-loopback", 1, 512, 0.9), emulated]) == []
+    [note] = table_notes([behind, emulated])
+    assert note.startswith("note: mooncake-tcp-loopback P=2048 B=1: overlap 245.0 ms is behind "
+                           "the barrier's 166.0 ms: here Mooncake's reads and the forward run on "
+                           "the same CPU cores (the load alone 50.0 ms, the forward alone "
+                           "100.0 ms)")
+    assert "\n" not in note
+
+
 def test_plot_legends_are_readable_and_shared_settings_are_in_the_title(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import matplotlib.figure
