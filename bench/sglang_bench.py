@@ -54,170 +54,36 @@ import argparse
 import json
 import os
 import random
-import re
 import subprocess
 import sys
 import tempfile
-import threading
-import time
-from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from layerlift.bench.args import BenchParser, float_above, int_at_least, int_list
 from layerlift.bench.output import add_output_options, write_outputs
+from layerlift.bench.sglang_faults import fault_points
+from layerlift.bench.sglang_setup import (
+    LAYOUTS,
+    LEASE_S,
+    LINKERS,
+    NETNS_LEASE_S,
+    NETNS_SEGMENT,
+    SEGMENT_CAP_MIB,
+    SETTLE_S,
+    Sweeper,
+    kv_bytes,
+    links_arg,
+    make_pair,
+    parse_link,
+    prefill_ms_per_layer,
+    random_prompt,
+    segment_mib,
+    shape_for,
+)
 from layerlift.bench.stats import percentile_ci
 from layerlift.linker.master import EmbeddedMaster
-from layerlift.testing.sglang_harness import HybridShape, Restore, SGLangHost, same_bytes
-
-LINKERS = ("layerlift", "sglang-mooncake")
-STALL_CAP_S = 15.0
-_NETNS = re.compile(r"^netns:(?P<rate>\d+(?:\.\d+)?(?:kbit|mbit|gbit))"
-                    r"(?:\+(?P<delay>\d+(?:\.\d+)?)ms)?$")
-NETNS_SEGMENT = 1 << 30  # bytes of the storage node's segment on a namespace link
-
-
-def parse_link(text: str) -> tuple[str, str | None, float]:
-    """``loopback`` or ``netns:RATE[+DELAYms]`` as (kind, rate, delay_ms).
-    Raises ValueError with a sentence otherwise."""
-    text = text.strip().lower()
-    if text == "loopback":
-        return "loopback", None, 0.0
-    match = _NETNS.match(text)
-    if match is None:
-        raise ValueError(f"bad link {text!r}: use loopback or netns:RATE[+DELAYms] "
-                         "(e.g. netns:1gbit, netns:1gbit+2ms)")
-    return "netns", match["rate"], float(match["delay"] or 0.0)
-
-
-def _links(text: str) -> list[str]:
-    links = [x.strip().lower() for x in text.split(",") if x.strip()]
-    if not links:
-        raise argparse.ArgumentTypeError("name at least one link")
-    for link in links:
-        try:
-            parse_link(link)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-    return links
-
-
-LAYOUTS = ("small", "real")
-REAL_KINDS = "F" * 15 + "S" + "F" * 15 + "M"
-
-
-def _shape(page: int, layout: str = "small", prompt_tokens: int = 1024) -> HybridShape:
-    """The cache's shape of ``layout`` (see the module docstring), its pools
-    sized for one prompt of ``prompt_tokens`` beside the small layout's 12288."""
-    if layout == "real":
-        return HybridShape(kinds=REAL_KINDS, page_size=page, window=128, head_num=8,
-                           head_dim=128, kv_tokens=prompt_tokens + 2 * page, mamba_slots=8)
-    return HybridShape(kinds="FSMSMF" * 2, page_size=page, window=256, head_num=8, head_dim=64,
-                       kv_tokens=max(12288, prompt_tokens + 2 * page), mamba_slots=64)
-
-
-def kv_bytes(shape: HybridShape, tokens: int) -> int:
-    """Bytes of K and V of ``tokens`` tokens in ``shape``'s attention layers (bf16)."""
-    attention = sum(1 for k in shape.kinds if k != "M")
-    return 2 * shape.head_num * shape.head_dim * 2 * attention * tokens
-
-
-def prefill_ms_per_layer(tokens: int, device: str = "h100") -> float:
-    """One Llama-3-8B layer's prefill of ``tokens`` new tokens on ``device``
-    (the roofline model), in ms: the real layout's compute stand-in."""
-    from layerlift.engine.model.architectures import LLAMA3_8B
-    from layerlift.engine.model.compute_model import DEVICES, RooflineCompute, SeqWork
-    from layerlift.pools.spec import Component
-
-    roofline = RooflineCompute(LLAMA3_8B, DEVICES[device])
-    kinds = [Component.FULL] * len(LLAMA3_8B.layers)
-    return roofline.layer_seconds(kinds, [SeqWork(0, tokens)])[0] * 1e3
-
-
-# With one master for both linkers and 2176 MiB segments, SGLang's puts failed
-# here (TRANSFER_FAIL, into the other producer's segment); now each linker has
-# a master of its own on loopback and segments stay under 2 GiB (which of the
-# two changes cured it was not isolated).
-SEGMENT_CAP_MIB = 2000
-LEASE_S = 2.0  # the loopback masters' read lease
-NETNS_LEASE_S = 5.0  # `layerlift master`'s (a namespace link's master)
-SETTLE_S = 60.0  # how long a prompt's offloads may take (1 GiB over 1 Gbit: ~9 s)
-
-
-def segment_mib(shape: HybridShape, tokens: int) -> int:
-    """A producer's segment: two prompts' objects (the one being restored
-    and the next one's puts) and room, at least the small layout's 256 MiB."""
-    return min(SEGMENT_CAP_MIB, max(256, 2 * kv_bytes(shape, tokens) // (1 << 20) + 128))
-
-
-def _config(linker: str, master: str, segment: int, local: str = "127.0.0.1",
-            bounds: tuple[float, float] = (2.0, 5.0)) -> tuple[str, dict[str, Any]]:
-    """SGLang's linker config for a client of the master at ``master`` (its
-    address), reached from ``local``; ``bounds``: LayerLift's (timeout_s, load_timeout_s)."""
-    if linker == "layerlift":
-        return "dynamic", {"linker": "LayerLiftLinker", "linker_module_path": "layerlift.hosts.sglang",
-                           "linker_extra_config": {
-                               "master_address": master, "namespace": "bench",
-                               "model": "bench-hybrid", "segment_mib": segment, "staging_mib": 64,
-                               "local_hostname": local, "timeout_s": bounds[0],
-                               "load_timeout_s": bounds[1]}}
-    return "mooncake", {"master_server_address": master,
-                        "metadata_server": "P2PHANDSHAKE", "protocol": "tcp",
-                        "global_segment_size": segment << 20, "local_hostname": local,
-                        "check_server": False}
-
-
-def _pair(linker: str, shape: HybridShape, master: str, segment_mib: int = 256,
-          local: str = "127.0.0.1",
-          bounds: tuple[float, float] = (2.0, 5.0)) -> tuple[SGLangHost, SGLangHost]:
-    """A producer cache (contributing ``segment_mib`` to the store) and a consumer (none)."""
-    hosts = []
-    for segment in (segment_mib, 0):
-        backend, config = _config(linker, master, segment, local, bounds)
-        hosts.append(SGLangHost(shape, backend=backend, config=config))
-    return hosts[0], hosts[1]
-
-
-class _Sweeper:
-    """A client of the master (no segment) that empties the store after each
-    restore: a real layout's round puts 2 GiB, more than Mooncake evicts in
-    time (its puts would fail and the next restores miss). ``remove_all``
-    without ``force``: objects still under a read lease, and puts not yet
-    complete (a linker's offload may still run), stay."""
-
-    def __init__(self, master: str, local: str, lease_s: float = 0.0) -> None:
-        from mooncake.store import MooncakeDistributedStore
-
-        self.lease_s = lease_s
-        self._client = MooncakeDistributedStore()
-        rc = self._client.setup(local, "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", master)
-        if rc != 0:
-            raise RuntimeError(f"the benchmark's clean-up client could not join the master at "
-                               f"{master} (setup returned {rc})")
-
-    def sweep(self) -> None:
-        """Remove what is not leased, after the read lease of what was just read ended."""
-        time.sleep(self.lease_s)
-        self._client.remove_all(False)
-
-    def close(self) -> None:
-        self._client.close()
-
-
-def _store_node(master: EmbeddedMaster) -> subprocess.Popen[str]:
-    """A ``layerlift store-node`` process holding the store's only segment."""
-    node = subprocess.Popen(
-        [sys.executable, "-m", "layerlift.cli", "store-node", "--master", master.master_address,
-         "--bytes", "256M"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    assert node.stdout is not None
-    line = node.stdout.readline()
-    if not line.startswith("ready"):
-        node.kill()
-        raise RuntimeError(f"the storage node did not start: {line!r}")
-    return node
+from layerlift.testing.sglang_harness import Restore, SGLangHost, same_bytes
 
 
 def _exact(host: SGLangHost, r: Restore, tokens: list[int]) -> list[bool]:
@@ -235,8 +101,22 @@ def _ci(values: list[float]) -> dict[str, float]:
     return {"median": med, "lo": lo, "hi": hi}
 
 
-def _prompt(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(1, 1 << 30) for _ in range(n)]
+def _one_restore(pair: tuple[SGLangHost, SGLangHost], tokens: list[int], page: int,
+                 compute_s: float) -> tuple[Restore, bool]:
+    """The producer computes and offloads ``tokens``, the consumer restores
+    them: the restore and whether every layer it read is exact. RuntimeError
+    when the offloads did not end within ``SETTLE_S``. Both caches are
+    flushed afterwards (the next prompt gets the whole pools)."""
+    producer, consumer = pair
+    n = len(tokens)
+    producer.compute(tokens, [n // 2 // page * page, n])
+    producer.settle_offloads(timeout_s=SETTLE_S)
+    r = consumer.restore([*tokens, 1], compute_s=compute_s)
+    ok = r.ok and r.loaded_tokens == n and all(_exact(consumer, r, tokens))
+    r.layers.clear()  # the restored bytes (checked): a real layout's are 1 GiB
+    for host in pair:
+        host.flush_cache()
+    return r, ok
 
 
 def timing_point(page: int, repeats: int, prompt_tokens: int, compute_s: float,
@@ -244,200 +124,63 @@ def timing_point(page: int, repeats: int, prompt_tokens: int, compute_s: float,
                  layout: str = "small", lease_s: float = 0.0, **pair: Any) -> dict[str, Any]:
     """One (link, page size) point; ``master``: the master's address, or each
     linker's own (its read lease ``lease_s``: what a restore read is removed
-    once it ended); ``pair``: ``_pair``'s options (segment, address, bounds)."""
-    shape = _shape(page, layout, prompt_tokens)
+    once it ended); ``pair``: ``make_pair``'s options (segment, address, bounds).
+    Round -1 warms up (first touches of pools and segments): checked, not
+    timed. A linker whose offloads never end is reported and left out."""
+    shape = shape_for(page, layout, prompt_tokens)
     pair.setdefault("segment_mib", segment_mib(shape, prompt_tokens))
     masters = master if isinstance(master, dict) else {name: master for name in LINKERS}
-    pairs = {name: _pair(name, shape, masters[name], **pair) for name in LINKERS}
-    sweepers = {name: _Sweeper(masters[name], pair.get("local", "127.0.0.1"), lease_s)
+    pairs = {name: make_pair(name, shape, masters[name], **pair) for name in LINKERS}
+    sweepers = {name: Sweeper(masters[name], pair.get("local", "127.0.0.1"), lease_s)
                 for name in LINKERS}
     runs: dict[str, list[Restore]] = {name: [] for name in LINKERS}
     exact = {name: 0 for name in LINKERS}
     warm_wrong = {name: 0 for name in LINKERS}
-    unsettled: dict[str, str] = {}  # a linker whose offload never ended: why (then it stops)
+    unsettled: dict[str, str] = {}  # a linker whose offload never ended: why
     n = prompt_tokens // page * page
     try:
-        for rep in range(-1, repeats):  # round -1 warms up (first touches of pools, segments)
-            for name in LINKERS:
-                if name in unsettled:
-                    continue
-                producer, consumer = pairs[name]
-                tokens = _prompt(rng, n)
-                producer.compute(tokens, [n // 2 // page * page, n])
+        for rep in range(-1, repeats):
+            for name in (x for x in LINKERS if x not in unsettled):
                 try:
-                    producer.settle_offloads(timeout_s=SETTLE_S)
+                    r, ok = _one_restore(pairs[name], random_prompt(rng, n), page, compute_s)
                 except RuntimeError as exc:
                     unsettled[name] = f"{exc} {SETTLE_S:g} s after the prompt's inserts"
                     continue
-                r = consumer.restore([*tokens, 1], compute_s=compute_s)
-                ok = r.ok and r.loaded_tokens == n and all(_exact(consumer, r, tokens))
-                r.layers.clear()  # the restored bytes (checked): a real layout's are 1 GiB
-                if rep < 0:  # the warm-up is timed by nobody; a wrong one still counts
+                if rep < 0:
                     warm_wrong[name] += not ok
                 else:
                     exact[name] += ok
                     runs[name].append(r)
-                for host in (producer, consumer):  # the next prompt gets the whole pools
-                    host.flush_cache()
-                sweepers[name].sweep()  # and the store what is not leased
+                sweepers[name].sweep()  # the store keeps what is still leased
     finally:
         for producer, consumer in pairs.values():
             consumer.close()
             producer.close()
         for sweeper in sweepers.values():
             sweeper.close()
-    layer_bytes = 2 * page * shape.head_num * shape.head_dim * 2 * (n // page)
     out: dict[str, Any] = {"link": link, "page_tokens": page, "prompt_tokens": n,
                            "layout": layout, "kv_bytes": kv_bytes(shape, n),
-                           "layers": len(shape.kinds), "attention_layer_bytes": layer_bytes,
+                           "layers": len(shape.kinds),
+                           "attention_layer_bytes": 2 * shape.head_num * shape.head_dim * 2 * n,
                            "linkers": {}}
     ours, theirs = ([r.forward_s for r in runs[name]] for name in LINKERS)
     if len(ours) == len(theirs) == repeats:
         out["ratio"] = _ci([a / b for a, b in zip(ours, theirs, strict=True)])  # paired by repeat
     for name, rs in runs.items():
-        if not rs:
-            out["linkers"][name] = {"exact": "0/0", "not_measured": unsettled.get(name, "")}
-            continue
-        out["linkers"][name] = {
-            "not_measured": unsettled.get(name, ""),
-            "exact": f"{exact[name]}/{len(rs)}",
-            "warmup_not_exact": warm_wrong[name],
-            "forward_s": _ci([r.forward_s for r in rs]),
+        out["linkers"][name] = _linker_row(rs, exact[name], warm_wrong[name],
+                                           unsettled.get(name, ""), len(shape.kinds))
+    return out
+
+
+def _linker_row(rs: list[Restore], exact: int, warm_wrong: int, why_not: str,
+                layers: int) -> dict[str, Any]:
+    """One linker's figures at one point (only ``not_measured`` without restores)."""
+    if not rs:
+        return {"exact": "0/0", "not_measured": why_not}
+    return {"not_measured": why_not, "exact": f"{exact}/{len(rs)}",
+            "warmup_not_exact": warm_wrong, "forward_s": _ci([r.forward_s for r in rs]),
             "forward_all_s": [round(r.forward_s, 5) for r in rs],
-            "layer_ready_s": [_ci([r.wait_s[i] for r in rs])["median"]
-                              for i in range(len(shape.kinds))],
-        }
-    return out
-
-
-def _run_capped(fn: Callable[[], Restore], cap_s: float,
-                release: Callable[[], None]) -> tuple[Restore | None, float, bool]:
-    """Run ``fn`` on a thread. If it has not returned within ``cap_s``, call
-    ``release`` (resume the master) and wait for it again. Returns its result,
-    the seconds until it returned, and whether it outlived the cap."""
-    box: list[Restore] = []
-    started = time.perf_counter()
-    thread = threading.Thread(target=lambda: box.append(fn()), daemon=True)
-    thread.start()
-    thread.join(cap_s)
-    hung = thread.is_alive()
-    release()
-    thread.join(120.0)
-    return (box[0] if box else None), time.perf_counter() - started, hung
-
-
-def _classify(host: SGLangHost, r: Restore, tokens: list[int]) -> tuple[int, int]:
-    """(layers holding bytes that are neither the offloaded ones nor zero,
-    layers zeroed)."""
-    expected = host.expected(tokens[: r.loaded_tokens])
-    wrong = zero = 0
-    for layer in sorted(r.layers):
-        got = r.layers[layer]
-        if all(torch.equal(g, e) for g, e in zip(got, expected[layer], strict=True)):
-            continue
-        if all(not bool(g.contiguous().view(torch.uint8).any()) for g in got):
-            zero += 1
-        else:
-            wrong += 1
-    return wrong, zero
-
-
-def _flip_layer5(name: str, host: SGLangHost) -> Callable[[], None]:
-    """Install, on the consumer's own ranged-read call, a fault that flips one
-    byte of what layer 5's read landed (storage that returns a corrupted
-    slice). Returns the undo."""
-    if name == "layerlift":
-        store = host.linker.store
-        inner = store.get_ranges
-        offset5 = host.linker.layouts["kv"].slices[1][0]
-
-        def faulty(keys: Any, dst: Any, sizes: Any, offsets: Any) -> None:
-            inner(keys, dst, sizes, offsets)
-            if keys and "/full/" in keys[0] and offsets[0][0] == offset5:
-                _flip(dst[0][0])
-
-        store.get_ranges = faulty
-        return lambda: setattr(store, "get_ranges", inner)
-    client = host.linker.storage.store
-    real = client.batch_get_into_multi_buffer_ranges
-    calls = [0]
-
-    class _Client:
-        def __getattr__(self, attr: str) -> Any:
-            return getattr(client, attr)
-
-        def batch_get_into_multi_buffer_ranges(self, keys: Any, ptrs: Any, sizes: Any,
-                                               offsets: Any) -> Any:
-            result = real(keys, ptrs, sizes, offsets)
-            calls[0] += 1
-            if calls[0] == 6:  # one call per layer here: the 6th is layer 5
-                _flip(ptrs[0][0])
-            return result
-
-    host.linker.storage.store = _Client()
-    return lambda: setattr(host.linker.storage, "store", client)
-
-
-def _flip(ptr: int) -> None:
-    import ctypes
-
-    b = ctypes.c_uint8.from_address(ptr + 3)
-    b.value ^= 0x40
-
-
-def _fault_case(name: str, fault: str, producer: SGLangHost, consumer: SGLangHost,
-                rng: random.Random, before: Callable[[], None] | None,
-                release: Callable[[], None]) -> dict[str, Any]:
-    tokens = _prompt(rng, 512)
-    producer.compute(tokens, [512])
-    producer.settle_offloads()
-    undo = _flip_layer5(name, consumer) if fault == "corrupted slice" else (lambda: None)
-    r, took, hung = _run_capped(partial(consumer.restore, [*tokens, 1], before_start=before),
-                                STALL_CAP_S, release)
-    undo()
-    wrong, zero = _classify(consumer, r, tokens) if r and r.loaded_tokens else (None, None)
-    return {"linker": name, "fault": fault, "verdict_s": round(took, 3),
-            "hit_tokens": r.hit_tokens if r else None,
-            "hung_past_s": STALL_CAP_S if hung else None,
-            "load_reported_failed": (not r.ok) if r else None,
-            "layers_with_wrong_bytes": wrong, "layers_zeroed": zero,
-            "output_used": bool(r and r.ok)}
-
-
-def fault_points(master: EmbeddedMaster, rng: random.Random) -> list[dict[str, Any]]:
-    """Per linker: a corrupted slice and a stopped master on ``master``; a
-    killed storage node on a master of its own (the dead node's segment stays
-    listed there until its lease lapses, which would fail later puts)."""
-    from layerlift.testing.faults import ProcessStall
-
-    shape = _shape(64)
-    out = []
-    assert master.pid is not None
-    stall = ProcessStall(master.pid)
-    for name in LINKERS:
-        producer, consumer = _pair(name, shape, master.master_address)
-        try:
-            out.append(_fault_case(name, "corrupted slice", producer, consumer, rng, None,
-                                   lambda: None))
-            out.append(_fault_case(name, "stopped master", producer, consumer, rng, stall.stop,
-                                   stall.release))
-        finally:
-            stall.release()
-            consumer.close()
-            producer.close()
-    for name in LINKERS:
-        with EmbeddedMaster(http_metadata=False, lease_ttl_ms=5000) as own:
-            node = _store_node(own)
-            producer, consumer = _pair(name, shape, own.master_address, segment_mib=0)
-            try:
-                out.append(_fault_case(name, "killed storage node", producer, consumer, rng,
-                                       node.kill, lambda: None))
-            finally:
-                node.kill()
-                node.wait()
-                consumer.close()
-                producer.close()
-    return out
+            "layer_ready_s": [_ci([r.wait_s[i] for r in rs])["median"] for i in range(layers)]}
 
 
 def render(record: dict[str, Any]) -> str:
@@ -522,7 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "real: a Llama-3-8B layer's prefill of the prompt on one H100, "
                          "9.3 ms at 8192 tokens)")
     ap.add_argument("--no-faults", action="store_true", help="skip the fault cases")
-    ap.add_argument("--links", type=_links, default=["loopback", "netns:1gbit"],
+    ap.add_argument("--links", type=links_arg, default=["loopback", "netns:1gbit"],
                     help="links of the timing rows: loopback, netns:RATE[+DELAYms]")
     ap.add_argument("--child-master", help=argparse.SUPPRESS)  # a netns link's engine host
     ap.add_argument("--child-json", help=argparse.SUPPRESS)
@@ -592,7 +335,7 @@ def netns_segment(args: argparse.Namespace) -> int:
     """Bytes of the storage node's segment on a namespace link: every
     producer's objects live there (two prompts', under 2 GiB; each restore's
     objects are swept once their read lease ended)."""
-    shape = _shape(max(args.pages), args.layout, args.prompt_tokens)
+    shape = shape_for(max(args.pages), args.layout, args.prompt_tokens)
     return max(NETNS_SEGMENT, min(SEGMENT_CAP_MIB << 20,
                                   2 * kv_bytes(shape, args.prompt_tokens) + (128 << 20)))
 

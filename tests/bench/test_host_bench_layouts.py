@@ -6,20 +6,20 @@ from __future__ import annotations
 
 import pytest
 
-from layerlift.bench.sglang_bench import (
+from layerlift.bench.sglang_bench import build_parser
+from layerlift.bench.sglang_setup import (
     LINKERS,
     SEGMENT_CAP_MIB,
-    _shape,
-    build_parser,
     kv_bytes,
     prefill_ms_per_layer,
     segment_mib,
+    shape_for,
 )
 from layerlift.bench.vllm_bench import PAGE, Layout, layout_for
 
 
 def test_sglangs_real_layout_is_32_layers_of_8_kv_heads_of_128() -> None:
-    shape = _shape(64, "real", 8192)
+    shape = shape_for(64, "real", 8192)
     assert len(shape.kinds) == 32 and set(shape.kinds) == {"F", "S", "M"}
     assert (shape.head_num, shape.head_dim, shape.page_size) == (8, 128, 64)
     assert shape.kv_tokens >= 8192 + 64  # the prompt and the request's extra token
@@ -27,8 +27,8 @@ def test_sglangs_real_layout_is_32_layers_of_8_kv_heads_of_128() -> None:
     assert kv_bytes(shape, 8192) > 900 << 20  # ~1 GiB a prompt
     # A producer's segment holds two prompts where it can, and stays under 2 GiB.
     assert segment_mib(shape, 8192) == SEGMENT_CAP_MIB
-    assert segment_mib(_shape(64), 1024) == 256
-    assert _shape(64).kinds == "FSMSMF" * 2  # the small layout is unchanged
+    assert segment_mib(shape_for(64), 1024) == 256
+    assert shape_for(64).kinds == "FSMSMF" * 2  # the small layout is unchanged
 
 
 def test_the_real_layouts_compute_stand_in_is_a_llama_layers_roofline() -> None:
