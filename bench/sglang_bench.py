@@ -73,6 +73,7 @@ from layerlift.bench.sglang_setup import (
     SETTLE_S,
     Sweeper,
     kv_bytes,
+    layer_kv_bytes,
     links_arg,
     make_pair,
     parse_link,
@@ -161,7 +162,7 @@ def timing_point(page: int, repeats: int, prompt_tokens: int, compute_s: float,
     out: dict[str, Any] = {"link": link, "page_tokens": page, "prompt_tokens": n,
                            "layout": layout, "kv_bytes": kv_bytes(shape, n),
                            "layers": len(shape.kinds),
-                           "attention_layer_bytes": 2 * shape.head_num * shape.head_dim * 2 * n,
+                           "attention_layer_bytes": layer_kv_bytes(shape, n),
                            "linkers": {}}
     ours, theirs = ([r.forward_s for r in runs[name]] for name in LINKERS)
     if len(ours) == len(theirs) == repeats:

@@ -15,11 +15,9 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-import torch
-
 from layerlift.bench.sglang_setup import LINKERS, make_pair, random_prompt, shape_for
 from layerlift.linker.master import EmbeddedMaster
-from layerlift.testing.sglang_harness import Restore, SGLangHost
+from layerlift.testing.sglang_harness import Restore, SGLangHost, is_zero, same_bytes
 
 __all__ = ["STALL_CAP_S", "fault_points"]
 
@@ -58,13 +56,14 @@ def _run_capped(fn: Callable[[], Restore], cap_s: float,
 def _classify(host: SGLangHost, r: Restore, tokens: list[int]) -> tuple[int, int]:
     """(layers holding bytes that are neither the offloaded ones nor zero,
     layers zeroed)."""
-    expected = host.expected(tokens[: r.loaded_tokens])
+    done = tokens[: r.loaded_tokens]
     wrong = zero = 0
     for layer in sorted(r.layers):
         got = r.layers[layer]
-        if all(torch.equal(g, e) for g, e in zip(got, expected[layer], strict=True)):
+        if all(same_bytes(g, e) for g, e in
+               zip(got, host.expected_layer(done, layer), strict=True)):
             continue
-        if all(not bool(g.contiguous().view(torch.uint8).any()) for g in got):
+        if all(is_zero(g) for g in got):
             zero += 1
         else:
             wrong += 1

@@ -15,7 +15,7 @@ from typing import Any
 from layerlift.testing.sglang_harness import HybridShape, SGLangHost
 
 __all__ = ["LAYOUTS", "LEASE_S", "LINKERS", "NETNS_LEASE_S", "NETNS_SEGMENT", "SEGMENT_CAP_MIB",
-           "SETTLE_S", "Sweeper", "kv_bytes", "linker_config", "links_arg", "make_pair",
+           "SETTLE_S", "Sweeper", "kv_bytes", "layer_kv_bytes", "linker_config", "links_arg", "make_pair",
            "parse_link", "prefill_ms_per_layer", "random_prompt", "segment_mib", "shape_for"]
 
 LINKERS = ("layerlift", "sglang-mooncake")
@@ -63,10 +63,14 @@ def shape_for(page: int, layout: str = "small", prompt_tokens: int = 1024) -> Hy
                        kv_tokens=max(12288, prompt_tokens + 2 * page), mamba_slots=64)
 
 
+def layer_kv_bytes(shape: HybridShape, tokens: int) -> int:
+    """Bytes of K and V of ``tokens`` tokens in one attention layer (bf16)."""
+    return 2 * shape.head_num * shape.head_dim * 2 * tokens
+
+
 def kv_bytes(shape: HybridShape, tokens: int) -> int:
     """Bytes of K and V of ``tokens`` tokens in ``shape``'s attention layers (bf16)."""
-    attention = sum(1 for k in shape.kinds if k != "M")
-    return 2 * shape.head_num * shape.head_dim * 2 * attention * tokens
+    return layer_kv_bytes(shape, tokens) * sum(1 for k in shape.kinds if k != "M")
 
 
 def prefill_ms_per_layer(tokens: int, device: str = "h100") -> float:

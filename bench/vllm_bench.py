@@ -245,8 +245,9 @@ def paired_to(rows: list[dict[str, Any]], base: str) -> None:
             continue
         ratios = [a / b for ra, rb in zip(row["ttft_s"], ref["ttft_s"], strict=True)
                   for a, b in zip(ra, rb, strict=True)]
-        med, lo, hi = percentile_ci([ratios], 50)
-        row["ratio_to"] = {"connector": base, "median": med, "lo": lo, "hi": hi}
+        ci = _median_ci(ratios)
+        if ci is not None:
+            row["ratio_to"] = {"connector": base, "median": ci[0], "lo": ci[1], "hi": ci[2]}
 
 
 def _summary(connector: str, rounds: list[list[dict[str, Any]]], log: Path) -> dict[str, Any]:
