@@ -50,6 +50,7 @@ import random
 import re
 import statistics
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,6 +63,12 @@ __all__ = ["hidden_fractions", "layer_overlaps", "main", "render"]
 PAGE = 128
 CONNECTORS = ("none", "mooncake", "layerlift", "layerlift-sync")
 SCHED = "layerlift.hosts.vllm.LayerLiftScheduler"
+QUIET_S = 1.5
+"""Seconds every instance waits before its turn in a round. vLLM's message
+queue readers (shm_broadcast.py's ``SpinCondition``) busy-poll for 1 s after
+their last message: without the wait, the instance timed just before spins
+on the cores beside the one being timed (on two cores a restore's thread
+hand-offs then took 10-15 ms each)."""
 _SYNC_LINE = re.compile(r"synchronous restore of \S+: load ([\d.]+) ms, the forward waited "
                         r"([\d.]+) ms")
 _LAYER_LINE = re.compile(r"per-layer restore of (\S+): (\{.*)")  # to the line end
@@ -278,6 +285,7 @@ def _interleaved(instances: dict[str, Any], prefixes: list[list[int]],
     rounds: dict[str, list[list[dict[str, Any]]]] = {c: [] for c in instances}
     for _ in range(repeats):
         for connector, inst in instances.items():
+            time.sleep(QUIET_S)  # the instance timed before this one goes idle
             rounds[connector].append(inst.generate(prompts))
     return rounds, warm
 

@@ -75,3 +75,28 @@ def test_vllm_bench_pairs_each_connector_with_mooncake_round_by_round() -> None:
     lonely = [{"connector": "layerlift", "ttft_s": [[1.0]]}]
     paired_to(lonely, "mooncake")  # no mooncake row: nothing to pair with
     assert "ratio_to" not in lonely[0]
+
+
+def test_vllm_bench_lets_every_instance_go_idle_before_its_turn(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's queue readers busy-poll for 1 s after their last message: each
+    instance's timed turn starts only after QUIET_S of nobody's generate."""
+    from layerlift.bench import vllm_bench
+
+    events: list[str] = []
+
+    class Fake:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def generate(self, prompts: list[list[int]]) -> list[dict[str, float]]:
+            events.append(self.name)
+            return [{"wall_s": 0.0} for _ in prompts]
+
+    monkeypatch.setattr(vllm_bench.time, "sleep", lambda s: events.append(f"sleep {s}"))
+    instances = {"a": Fake("a"), "b": Fake("b")}
+    rounds, warm = vllm_bench._interleaved(instances, [[1]], [[1], [2]], repeats=2)
+    assert vllm_bench.QUIET_S > 1.0
+    quiet = f"sleep {vllm_bench.QUIET_S}"
+    assert events == ["a", "b"] + [quiet, "a", quiet, "b"] * 2
+    assert [len(r) for r in rounds["a"]] == [2, 2] and set(warm) == {"a", "b"}
