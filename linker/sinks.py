@@ -89,7 +89,10 @@ class Gate:
 
 
 class Sink(Protocol):
-    """Where a load's verified rows go (the adapter's destination)."""
+    """Where a load's verified rows go (the adapter's destination). A sink
+    with a true ``strided_rows`` attribute (:class:`HostSink`) also takes
+    rows whose stride exceeds their size (each row contiguous): a whole
+    load can then be read as whole objects (``StagedLoad.fetch_all``)."""
 
     def write(self, seg: LoadSegment, part: LoadPart, rows: torch.Tensor) -> DeviceEvent | None:
         """Copy ``rows`` (``uint8[seg.rows, size]``, host staging, verified)
@@ -128,7 +131,11 @@ into the destination of the segment's rows (e.g. ``view.index_copy_(0, idx, rows
 
 
 class HostSink:
-    """The host path: ``scatter`` copies from staging; done when it returns."""
+    """The host path: ``scatter`` copies from staging; done when it returns.
+    Its rows may be strided (``strided_rows``: a row's stride can exceed its
+    size, as in slices of whole objects); each row is contiguous."""
+
+    strided_rows = True
 
     def __init__(self, scatter: Scatter) -> None:
         self.scatter = scatter

@@ -69,6 +69,19 @@ returned, and the staging's memory (the ring) only once ``wait_quiet`` is
 true. The transfer opens no read session: the adapter opens one over the
 load's keys around it (``Store.open_session``), as it does today.
 
+Whole (:meth:`StagedLoad.fetch_all`)
+====================================
+
+For a load nobody waits on layer by layer (the vLLM worker's asynchronous
+restores: the request waits for all of it), the layers' segments are packed
+together, in layer order, into chunks of the same budget: a load within one
+chunk is one ``get_ranges`` for every layer. Each chunk goes through steps
+1-5 as one: nothing of it is copied unless every slice in it verified; a
+layer lands once the chunk holding its last slice was copied.
+:meth:`StagedLoad.all_jobs` gives it to a streamed scheduler unit (one
+thread, the jobs in order: the first reads everything, the others return
+once their layer is in).
+
 In place (the engine's loads)
 =============================
 

@@ -13,6 +13,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from layerlift.linker.integrity import CHECK_BYTES, mismatches, slice_seed
 from layerlift.linker.ring import Region, StagingRing, StagingTimeout
@@ -24,7 +25,16 @@ from layerlift.linker.store_base import (
     StoreObjectSize,
     StoreTimeout,
 )
-from layerlift.linker.transfer_plan import LoadChunk, LoadPart, LoadSegment, ObjectLayout, pack_runs
+from layerlift.linker.transfer_plan import (
+    LoadChunk,
+    LoadPart,
+    LoadSegment,
+    ObjectLayout,
+    check_bytes,
+    merge_chunks,
+    pack_runs,
+    reads_every_slice_once,
+)
 from layerlift.overlap.base import LayerJob
 from layerlift.overlap.device import DeviceEvent
 
@@ -52,12 +62,6 @@ class TransferRevoked(StoreError):
 
 
 # ---- loads -----------------------------------------------------------------------
-
-
-def _check_bytes(layout: ObjectLayout, local: int) -> int:
-    """Staging bytes a row's check takes when slice ``local`` is read: the
-    whole footer for the part's first slice, one CRC otherwise."""
-    return layout.footer_bytes if local == 0 else CHECK_BYTES
 
 
 @dataclass(slots=True)
@@ -123,7 +127,7 @@ class StagedLoad:
                                      f"objects have {len(part.layout.slices)} slice(s)")
                 if placement is not None:  # in place: one call per layer (below)
                     continue
-                row = part.layout.slices[local][1] + _check_bytes(part.layout, local)
+                row = part.layout.slices[local][1] + check_bytes(part.layout, local)
                 if not ring.fits(row):
                     raise ValueError(
                         f"one slice of {row} bytes (with its checksum) does not fit the "
@@ -154,6 +158,7 @@ class StagedLoad:
                       for p in self.parts]
         self._have = [np.zeros(len(p.keys), dtype=bool) for p in self.parts]
         self._crcs_lock = threading.Lock()
+        self._merged_plan: list[tuple[LoadChunk, tuple[int, ...]]] | None = None
 
     def nbytes(self, layer: int) -> int:
         """Payload bytes layer ``layer`` moves (without checksums)."""
@@ -178,10 +183,153 @@ class StagedLoad:
             if self.placement is not None:
                 self._chunk_in_place(chunk, self.placement)
             else:
-                event = self._chunk(chunk, last=i == len(chunks) - 1)
+                event = self._chunk(chunk, (layer,) if i == len(chunks) - 1 else ())
         if not chunks:
             self._landed(layer, None)
         return event
+
+    def one_call(self) -> bool:
+        """Whether :meth:`fetch_all` reads every layer in one store call (the
+        load fits one chunk of ``capacity // depth`` bytes). Staged loads only."""
+        return self.sink is not None and len(self._merged()) <= 1
+
+    def fetch_all(self) -> DeviceEvent | None:
+        """Worker thread: every layer, in as few store calls as the chunk
+        budget allows (one when :meth:`one_call`): each chunk holds the
+        slices of several layers, in layer order, and is read, verified and
+        copied as one (nothing of a chunk is copied unless all of it
+        verified); a layer lands (``on_layer``, ``events``) once the chunk
+        holding its last slice was copied (one without reads with the layer
+        before it), so layers land in order. Into a host sink, a load of one
+        chunk reading every slice of its objects reads them whole instead
+        (one range an object, :meth:`_fetch_objects`). For a load nobody
+        waits on layer by layer (a restore the request waits for whole): a
+        store call and a thread's turn a layer cost more than the layer's
+        bytes when layers are small. Raises as
+        :meth:`fetch_layer`; a failure stops the load (later chunks are not
+        read), layers already landed stay landed. Staged loads only."""
+        if self.sink is None:
+            raise ValueError("fetch_all is for staged loads; an in-place load reads "
+                             "one call a layer already (fetch_layer)")
+        if self._objects_whole():
+            return self._fetch_objects()
+        event: DeviceEvent | None = None
+        merged = self._merged()
+        for chunk, landing in merged:
+            event = self._chunk(chunk, landing)
+        if not merged:  # nothing to read: every layer lands at once
+            for layer in range(len(self.chunks)):
+                self._landed(layer, None)
+        return event
+
+    def _objects_whole(self) -> bool:
+        """Whether :meth:`fetch_all` reads whole objects: the load is one
+        chunk, reads every slice of every row of its parts once, and its sink
+        takes rows strided by an object (``strided_rows``: a host sink; a
+        device sink's H2D copy wants contiguous rows). One range an object
+        instead of two a slice: on Mooncake a range costs ~40 us, more than a
+        small slice's bytes."""
+        return (bool(getattr(self.sink, "strided_rows", False)) and len(self._merged()) == 1
+                and reads_every_slice_once(self.chunks, self.parts))
+
+    def _fetch_objects(self) -> DeviceEvent | None:
+        """:meth:`fetch_all` of whole objects: every object of every part,
+        page then footer, back to back in one region, in one ranged call;
+        every slice verified against its footer there (any mismatch:
+        nothing is copied, :class:`CorruptSlices` with the first layer that
+        reads a corrupt slice); then, under the gate, layer by layer, each
+        segment's rows (strided views of the objects) to the sink and the
+        layer landed. Timeouts and short objects as in a per-layer read."""
+        plan: list[tuple[int, LoadPart, int]] = []
+        at = 0
+        for p, part in enumerate(self.parts):
+            if part.keys:
+                plan.append((p, part, at))
+                at += len(part.keys) * part.layout.object_bytes
+        reader = {(seg.part, seg.local): seg.layer for chunks in self.chunks for c in chunks
+                  for seg in c.segments}
+        first = min(reader.values(), default=0)
+        region = self._take(at)
+        event: DeviceEvent | None = None
+        try:
+            base = region.ptr
+            keys: list[str] = []
+            dst: list[list[int]] = []
+            lens: list[list[int]] = []
+            for _, part, start in plan:
+                ob, n = part.layout.object_bytes, len(part.keys)
+                keys += part.keys
+                dst += [[base + start + i * ob] for i in range(n)]
+                lens += [[ob]] * n
+            self._read(first, keys, dst, lens, [[0]] * len(keys), region.hand_over)
+            objects: dict[int, torch.Tensor] = {}
+            tables: dict[int, np.ndarray] = {}
+            corrupt: dict[str, None] = {}
+            bad_layer = None
+            for p, part, start in plan:
+                layout, n = part.layout, len(part.keys)
+                ob, pb, fb = layout.object_bytes, layout.page_bytes, layout.footer_bytes
+                rows = objects[p] = region.tensor[start : start + n * ob].view(n, ob)
+                table = np.ascontiguousarray(rows[:, pb : pb + fb].numpy()).view("<u4")
+                for j, (offset, size) in enumerate(layout.slices):
+                    bad = mismatches([base + start + i * ob + offset for i in range(n)], size,
+                                     table[:, j], [slice_seed(k, j) for k in part.keys])
+                    if bad:
+                        corrupt.update((part.keys[b], None) for b in bad)
+                        layer = reader[(p, j)]
+                        bad_layer = layer if bad_layer is None else min(bad_layer, layer)
+                tables[p] = table
+            if corrupt:
+                if self.on_corrupt is not None:
+                    self.on_corrupt(list(corrupt))
+                raise CorruptSlices(first if bad_layer is None else bad_layer, list(corrupt))
+            with self._crcs_lock:  # verified: later reads of these rows may use them
+                for p, table in tables.items():
+                    self._crcs[p][:] = table
+                    self._have[p][:] = True
+            assert self.sink is not None
+            with self.gate.held() as open_:
+                if not open_:
+                    raise TransferRevoked("the load was stopped before its copies; "
+                                          "nothing was written")
+                for layer, chunks in enumerate(self.chunks):
+                    for chunk in chunks:
+                        for seg in chunk.segments:
+                            part = self.parts[seg.part]
+                            offset, size = part.layout.slices[seg.local]
+                            view = objects[seg.part][seg.lo : seg.hi, offset : offset + size]
+                            written = self.sink.write(seg, part, view)
+                            event = written if written is not None else event
+                    self.events[layer] = event
+                    if self.on_layer is not None:
+                        self.on_layer(layer, event)
+        finally:
+            region.release_after(event)
+        return event
+
+    def all_jobs(self, requests: frozenset[Hashable] = frozenset()) -> list[LayerJob]:
+        """:meth:`fetch_all` as one job a layer for a *streamed* scheduler
+        unit (``LoadScheduler(stream_size >= layers)``: one thread runs the
+        unit's jobs in order): the first layer's job reads every layer, the
+        others find their layer landed and return, so the scheduler releases
+        each layer after its bytes are in (and stops at a failure as for any
+        job). Under a scheduler that runs jobs of one load on several threads
+        the later jobs could return first: use :meth:`job` there."""
+        def fetch() -> None:
+            self.fetch_all()
+
+        jobs = [LayerJob(layer, lambda: None, self.nbytes(layer), requests)
+                for layer in range(len(self.chunks))]
+        if jobs:
+            jobs[0] = LayerJob(0, fetch, self.nbytes(0), requests)
+        return jobs
+
+    def _merged(self) -> list[tuple[LoadChunk, tuple[int, ...]]]:
+        """The whole load's chunks (`merge_chunks`), planned once."""
+        if self._merged_plan is None:
+            self._merged_plan = merge_chunks(self.chunks, self.parts,
+                                             max(1, self.ring.capacity // self.depth), self.ring)
+        return self._merged_plan
 
     def _landed(self, layer: int, event: DeviceEvent | None) -> None:
         """A layer with nothing to read lands at once (under the gate, too)."""
@@ -228,7 +376,9 @@ class StagedLoad:
             self._out -= 1
             self._lock.notify_all()
 
-    def _chunk(self, chunk: LoadChunk, last: bool) -> DeviceEvent | None:
+    def _chunk(self, chunk: LoadChunk, landing: Sequence[int]) -> DeviceEvent | None:
+        """One staged chunk; ``landing``: the layers whose last segment it
+        holds (they land, under the gate, after its copies)."""
         assert self.sink is not None  # staged (a placement reads in place)
         # Region layout, per segment in order: its rows of ``size`` bytes, then
         # their checks (``_check_bytes`` a row: whole footers for a part's
@@ -239,7 +389,7 @@ class StagedLoad:
         for seg in chunk.segments:
             part = self.parts[seg.part]
             size = part.layout.slices[seg.local][1]
-            check = _check_bytes(part.layout, seg.local)
+            check = check_bytes(part.layout, seg.local)
             plan.append(_SegmentRead(seg, part, at, size, check,
                                      list(part.keys[seg.lo : seg.hi]), self._known(seg)))
             at += seg.rows * (size + check)
@@ -268,6 +418,7 @@ class StagedLoad:
                 keys += r.keys
             self._read(chunk.layer, keys, dst, lens, offs, region.hand_over)
             corrupt: list[str] = []
+            bad_layer = chunk.layer
             footers: list[tuple[_SegmentRead, np.ndarray]] = []
             for r in plan:
                 n, start, size = r.seg.rows, r.start, r.size
@@ -281,11 +432,13 @@ class StagedLoad:
                         footers.append((r, table))
                 bad = mismatches([base + start + i * size for i in range(n)], size,
                                  expected, [slice_seed(k, r.seg.local) for k in r.keys])
+                if bad and not corrupt:
+                    bad_layer = r.seg.layer  # segments are in layer order
                 corrupt += [r.keys[b] for b in bad]
             if corrupt:
                 if self.on_corrupt is not None:
                     self.on_corrupt(corrupt)
-                raise CorruptSlices(chunk.layer, corrupt)
+                raise CorruptSlices(bad_layer, corrupt)
             self._keep_footers(footers)
             with self.gate.held() as open_:
                 if not open_:
@@ -296,10 +449,10 @@ class StagedLoad:
                         r.seg.rows, r.size)
                     written = self.sink.write(r.seg, r.part, rows)
                     event = written if written is not None else event
-                if last:
-                    self.events[chunk.layer] = event
+                for layer in landing:
+                    self.events[layer] = event
                     if self.on_layer is not None:
-                        self.on_layer(chunk.layer, event)
+                        self.on_layer(layer, event)
         finally:
             region.release_after(event)
         return event
@@ -376,7 +529,7 @@ class StagedLoad:
             part = self.parts[seg.part]
             size = part.layout.slices[seg.local][1]
             known = self._known(seg) if self.verify else None
-            check = _check_bytes(part.layout, seg.local) if self.verify and known is None else 0
+            check = check_bytes(part.layout, seg.local) if self.verify and known is None else 0
             plan.append((_SegmentRead(seg, part, at, size, check,
                                       list(part.keys[seg.lo : seg.hi]), known),
                          placement.addresses(seg, part)))

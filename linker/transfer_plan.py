@@ -53,6 +53,7 @@ So with the default 64 MiB staging and ``depth`` 4, any request streams in
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -214,3 +215,48 @@ def pack_runs(runs: Sequence[tuple[int, int, int]], budget: int,
     if cur:
         chunks.append(cur)
     return chunks
+
+
+def check_bytes(layout: ObjectLayout, local: int) -> int:
+    """Staging bytes a row's check takes when slice ``local`` is read: the
+    whole footer for the part's first slice, one CRC otherwise."""
+    return layout.footer_bytes if local == 0 else CHECK_BYTES
+
+
+def merge_chunks(chunks: Sequence[Sequence[LoadChunk]], parts: Sequence[LoadPart], budget: int,
+                 ring: StagingRing) -> list[tuple[LoadChunk, tuple[int, ...]]]:
+    """A load's per-layer ``chunks`` (one list a layer) repacked as one
+    load: every layer's segments, in layer order, in chunks of ``budget``
+    bytes (`pack_runs`), each with the layers that land with it (those whose
+    last slice it holds; a layer without reads with the layer before it, or
+    with the first chunk), so the layers land in order."""
+    flat = [seg for layer in chunks for c in layer for seg in c.segments]
+    runs = [(i, seg.rows, parts[seg.part].layout.slices[seg.local][1]
+             + check_bytes(parts[seg.part].layout, seg.local)) for i, seg in enumerate(flat)]
+    packed = pack_runs(runs, budget, ring)
+    last_at: dict[int, int] = {}  # layer -> the chunk holding its last slice
+    for k, pieces in enumerate(packed):
+        for i, _, _ in pieces:
+            last_at[flat[i].layer] = k
+    at = 0
+    for layer in range(len(chunks)):
+        at = last_at.setdefault(layer, at)
+    plan: list[tuple[LoadChunk, tuple[int, ...]]] = []
+    for k, pieces in enumerate(packed):
+        segs = tuple(LoadSegment(flat[i].layer, flat[i].part, flat[i].local,
+                                 flat[i].lo + lo, flat[i].lo + hi) for i, lo, hi in pieces)
+        landing = tuple(sorted(layer for layer, c in last_at.items() if c == k))
+        plan.append((LoadChunk(segs[0].layer, segs), landing))
+    return plan
+
+
+def reads_every_slice_once(chunks: Sequence[Sequence[LoadChunk]],
+                           parts: Sequence[LoadPart]) -> bool:
+    """Whether the load's segments read every slice of every row of every
+    part that has rows, each once (so the load is its objects, whole)."""
+    read = Counter((seg.part, seg.local) for layer in chunks for c in layer
+                   for seg in c.segments if seg.rows == len(parts[seg.part].keys))
+    wanted = {(p, j) for p, part in enumerate(parts) if part.keys
+              for j in range(len(part.layout.slices))}
+    segments = sum(len(c.segments) for layer in chunks for c in layer)
+    return set(read) == wanted and all(n == 1 for n in read.values()) and segments == len(wanted)

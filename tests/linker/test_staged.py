@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import uuid
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import pytest
 import torch
@@ -305,14 +305,6 @@ def test_a_failed_put_stops_the_offload_and_frees_the_source() -> None:
 
 
 # ---- a real Mooncake master ---------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def long_lease_master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedMaster]:
-    """A master of this module's own (stopping the session's would stall other tests)."""
-    log = tmp_path_factory.mktemp("staged") / "mooncake_master.log"
-    with EmbeddedMaster(log_path=log, lease_ttl_ms=5000) as master:
-        yield master
 
 
 @pytest.mark.mooncake

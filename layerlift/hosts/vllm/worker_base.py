@@ -118,6 +118,11 @@ class WorkerBase:
         self._thread.start()
         self._lane = CpuLane(2, name="vllm")
         self._sched = LoadScheduler(self._lane, LoadPolicy.OVERLAP, max_in_flight=max_in_flight)
+        # One unit of every layer, run in order by one lane call: an
+        # asynchronous restore that fits one store call (`LoadSide._schedule`).
+        self._streamed = LoadScheduler(self._lane, LoadPolicy.OVERLAP,
+                                       max_in_flight=max_in_flight,
+                                       stream_size=max(1, len(self._layers)))
         self._tasks: set[Future[None]] = set()
         # vLLM calls save() under torch.inference_mode: staging made there
         # would be an inference tensor that the lane's threads cannot write.

@@ -4,7 +4,11 @@ layer held at a gate, a corrupt object or a refused load is reported, and
 nothing writes into the blocks once it was (the held read is released after
 the report and must change no byte); nothing computed in a step whose
 synchronous load failed is offloaded; each TP rank has its own objects; a
-corrupt object is replaced under `layerlift master`'s 5 s read lease."""
+corrupt object is replaced under `layerlift master`'s 5 s read lease. Every
+restore test runs with both schedules of an asynchronous restore: all
+layers in one store call on one lane call (`StagedLoad.fetch_all`, for a
+restore within one staging chunk) and one job a layer (the schedule of
+larger and of synchronous restores, forced here)."""
 
 from __future__ import annotations
 
@@ -20,7 +24,9 @@ from layerlift.hosts.vllm.meta import LoadSpec, SaveSpec
 from layerlift.hosts.vllm.worker import BlockWorker
 from layerlift.linker.master import EmbeddedMaster
 from layerlift.linker.mooncake_store import MooncakeStore
+from layerlift.linker.staged import StagedLoad
 from layerlift.linker.store_base import ForwardingStore, Store
+from layerlift.overlap.base import LayerJob
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mooncake]
 
@@ -28,8 +34,8 @@ BLOCK = 4096  # bytes of one block of one layer
 LAYERS = ("l0", "l1")
 HASHES = [bytes([i]) * 16 for i in range(4)]  # page hashes 0..3
 class HeldStore(ForwardingStore):
-    """Forwards to ``inner``; the ranged read of slice offset ``held_offset``
-    reads, then waits for ``release`` before it returns (``started`` set when
+    """Forwards to ``inner``; a ranged read of the bytes at ``held_offset``
+    (a slice alone, among other layers' slices, or in a whole object) reads, then waits for ``release`` before it returns (``started`` set when
     it waits, ``returned`` once released): a layer whose bytes come late."""
 
     def __init__(self, inner: Store, held_offset: int | None = None) -> None:
@@ -41,7 +47,9 @@ class HeldStore(ForwardingStore):
 
     def get_ranges(self, keys: Sequence[str], dst_ptrs: Sequence[Sequence[int]],
                    sizes: Sequence[Sequence[int]], src_offsets: Sequence[Sequence[int]]) -> None:
-        held = src_offsets and src_offsets[0][0] == self.held_offset
+        at = self.held_offset
+        held = at is not None and any(o <= at < o + n for offs, lens in zip(src_offsets, sizes, strict=True)
+                                      for o, n in zip(offs, lens, strict=True))
         if not held:
             self.inner.get_ranges(keys, dst_ptrs, sizes, src_offsets)
             return
@@ -54,6 +62,14 @@ class HeldStore(ForwardingStore):
             self.started.set()
             assert self.release.wait(30), "the test never released the held read"
             self.returned.set()
+
+
+@pytest.fixture(params=["merged", "per-layer"])
+def schedule(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each test under both schedules of an asynchronous restore (`LoadSide._schedule`)."""
+    if request.param == "per-layer":
+        monkeypatch.setattr(StagedLoad, "one_call", lambda self: False)
+    return str(request.param)
 
 
 @pytest.fixture
@@ -117,6 +133,66 @@ def _restore(store: Store, ns: str, layout: Layout | None = None
         worker.close()
 
 
+class CountingStore(ForwardingStore):
+    """Forwards to ``inner``, counting the ranged reads."""
+
+    def __init__(self, inner: Store) -> None:
+        super().__init__(inner)
+        self.reads = 0
+
+    def get_ranges(self, keys: Sequence[str], dst_ptrs: Sequence[Sequence[int]],
+                   sizes: Sequence[Sequence[int]], src_offsets: Sequence[Sequence[int]]) -> None:
+        self.reads += 1
+        self.inner.get_ranges(keys, dst_ptrs, sizes, src_offsets)
+
+
+def test_a_restore_takes_the_schedule_its_size_calls_for(
+        store: MooncakeStore, mooncake_namespace: str, schedule: str) -> None:
+    """Two layers of 4 KiB a block, restored asynchronously: within one
+    staging chunk, so one store call and one lane call for both layers;
+    with that path off, a call and a lane call a layer. Either way every
+    byte arrives, and a synchronous restore is always one call a layer."""
+    src = _offload(store, mooncake_namespace)
+    for sync in (False, True):
+        kv = _kv(fill=False)
+        calls, reads = _counted_restore(store, mooncake_namespace, kv, sync)
+        merged = schedule == "merged" and not sync
+        assert calls == ([[0, 1]] if merged else [[0], [1]])
+        assert reads == (1 if merged else 2)
+        for name in LAYERS:
+            assert torch.equal(kv[name][5], src[name][1])
+            assert torch.equal(kv[name][6], src[name][2])
+
+
+def _counted_restore(store: Store, ns: str, kv: dict[str, torch.Tensor],
+                     sync: bool) -> tuple[list[list[int]], int]:
+    """A restore of pages 1 and 2 into blocks 5 and 6: the layers of each
+    lane call, and the store's ranged reads."""
+    counting = CountingStore(store)
+    worker = _worker(counting, kv, ns)
+    calls: list[list[int]] = []
+    fetch_into = worker._lane.fetch_into
+
+    def counted(jobs: Sequence[LayerJob], *args: object, **kw: object) -> object:
+        calls.append([j.layer for j in jobs])
+        return fetch_into(jobs, *args, **kw)  # type: ignore[arg-type]
+
+    worker._lane.fetch_into = counted  # type: ignore[method-assign]
+    try:
+        worker.begin_step()
+        worker.start_loads([_spec(sync=sync)])
+        if sync:
+            for name in LAYERS:
+                worker.wait_layer(name)
+            assert worker.step_errors() == set()
+        else:
+            assert worker.results(wait_s=30) == ({"r"}, set())
+    finally:
+        worker.close()
+    return calls, counting.reads
+
+
+@pytest.mark.usefixtures("schedule")
 def test_sync_restore_lands_each_layer(store: MooncakeStore, mooncake_namespace: str) -> None:
     src = _offload(store, mooncake_namespace)
     kv = _kv(fill=False)
@@ -136,6 +212,7 @@ def test_sync_restore_lands_each_layer(store: MooncakeStore, mooncake_namespace:
     assert store.exists([_key(mooncake_namespace, 3)]) == [False]
 
 
+@pytest.mark.usefixtures("schedule")
 def test_late_layer_is_reported_and_never_written(store: MooncakeStore,
                                                   mooncake_namespace: str) -> None:
     src = _offload(store, mooncake_namespace)
@@ -158,6 +235,7 @@ def test_late_layer_is_reported_and_never_written(store: MooncakeStore,
     assert not kv["l1"][5].any() and not kv["l1"][6].any()  # written nowhere after the report
 
 
+@pytest.mark.usefixtures("schedule")
 def test_async_late_load_fails_then_writes_nothing(store: MooncakeStore,
                                                    mooncake_namespace: str) -> None:
     _offload(store, mooncake_namespace)
@@ -175,6 +253,7 @@ def test_async_late_load_fails_then_writes_nothing(store: MooncakeStore,
     assert not kv["l1"][5].any() and not kv["l1"][6].any()
 
 
+@pytest.mark.usefixtures("schedule")
 def test_a_step_whose_sync_load_failed_offloads_nothing(
         store: MooncakeStore, mooncake_master: EmbeddedMaster, mooncake_namespace: str) -> None:
     """vLLM runs the forward over the failed blocks and calls wait_for_save
@@ -208,6 +287,7 @@ def test_a_step_whose_sync_load_failed_offloads_nothing(
     assert (done, failed) == ({"r"}, {"r"})  # still the corrupt object: fails its check
 
 
+@pytest.mark.usefixtures("schedule")
 def test_each_tp_rank_offloads_and_restores_its_own_shard(store: MooncakeStore,
                                                           mooncake_namespace: str) -> None:
     """TP = 2: the same plan (page hashes) on two workers of different ranks
@@ -231,6 +311,7 @@ def lease_master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedM
         yield master
 
 
+@pytest.mark.usefixtures("schedule")
 def test_corrupt_object_is_replaced_under_a_5s_lease(lease_master: EmbeddedMaster,
                                                      mooncake_namespace: str) -> None:
     """The read that finds a corrupt object leases it for 5 s (Mooncake
