@@ -64,6 +64,18 @@ class TransferRevoked(StoreError):
 # ---- loads -----------------------------------------------------------------------
 
 
+def _object_mismatches(part: LoadPart, pages: Sequence[int],
+                       table: np.ndarray) -> list[tuple[int, int]]:
+    """``(row, slice)`` of every slice of ``part``'s objects (row ``i``'s page
+    at ``pages[i]``) whose CRC is not its footer's entry in ``table``
+    (``uint32[rows, slices]``), slice by slice."""
+    bad: list[tuple[int, int]] = []
+    for j, (offset, size) in enumerate(part.layout.slices):
+        bad += [(i, j) for i in mismatches([a + offset for a in pages], size, table[:, j],
+                                           [slice_seed(k, j) for k in part.keys])]
+    return bad
+
+
 @dataclass(slots=True)
 class _SegmentRead:
     """One segment of a load chunk as read: where its rows start in the
@@ -265,24 +277,21 @@ class StagedLoad:
             objects: dict[int, torch.Tensor] = {}
             tables: dict[int, np.ndarray] = {}
             corrupt: dict[str, None] = {}
-            bad_layer = None
+            bad_layer = len(self.chunks)  # the first layer reading a corrupt slice
             for p, part, start in plan:
-                layout, n = part.layout, len(part.keys)
+                n, layout = len(part.keys), part.layout
                 ob, pb, fb = layout.object_bytes, layout.page_bytes, layout.footer_bytes
                 rows = objects[p] = region.tensor[start : start + n * ob].view(n, ob)
                 table = np.ascontiguousarray(rows[:, pb : pb + fb].numpy()).view("<u4")
-                for j, (offset, size) in enumerate(layout.slices):
-                    bad = mismatches([base + start + i * ob + offset for i in range(n)], size,
-                                     table[:, j], [slice_seed(k, j) for k in part.keys])
-                    if bad:
-                        corrupt.update((part.keys[b], None) for b in bad)
-                        layer = reader[(p, j)]
-                        bad_layer = layer if bad_layer is None else min(bad_layer, layer)
+                for i, j in _object_mismatches(part, [base + start + i * ob for i in range(n)],
+                                               table):
+                    corrupt[part.keys[i]] = None
+                    bad_layer = min(bad_layer, reader[(p, j)])
                 tables[p] = table
             if corrupt:
                 if self.on_corrupt is not None:
                     self.on_corrupt(list(corrupt))
-                raise CorruptSlices(first if bad_layer is None else bad_layer, list(corrupt))
+                raise CorruptSlices(bad_layer, list(corrupt))
             with self._crcs_lock:  # verified: later reads of these rows may use them
                 for p, table in tables.items():
                     self._crcs[p][:] = table
@@ -628,10 +637,8 @@ class StagedLoad:
                     n, slices = len(part.keys), part.layout.slices
                     raw = region.tensor[start : start + n * part.layout.footer_bytes].numpy()
                     table = raw.view("<u4").reshape(n, len(slices))
-                    for j, (offset, size) in enumerate(slices):
-                        bad = mismatches([a + offset for a in addrs], size, table[:, j],
-                                         [slice_seed(k, j) for k in part.keys])
-                        corrupt.update((part.keys[b], None) for b in bad)
+                    corrupt.update((part.keys[i], None)
+                                   for i, _ in _object_mismatches(part, addrs, table))
                 if corrupt:
                     if self.on_corrupt is not None:
                         self.on_corrupt(list(corrupt))

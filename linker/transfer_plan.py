@@ -53,7 +53,6 @@ So with the default 64 MiB staging and ``depth`` 4, any request streams in
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -254,9 +253,8 @@ def reads_every_slice_once(chunks: Sequence[Sequence[LoadChunk]],
                            parts: Sequence[LoadPart]) -> bool:
     """Whether the load's segments read every slice of every row of every
     part that has rows, each once (so the load is its objects, whole)."""
-    read = Counter((seg.part, seg.local) for layer in chunks for c in layer
-                   for seg in c.segments if seg.rows == len(parts[seg.part].keys))
-    wanted = {(p, j) for p, part in enumerate(parts) if part.keys
-              for j in range(len(part.layout.slices))}
-    segments = sum(len(c.segments) for layer in chunks for c in layer)
-    return set(read) == wanted and all(n == 1 for n in read.values()) and segments == len(wanted)
+    segs = [seg for layer in chunks for c in layer for seg in c.segments]
+    wanted = sorted((p, j) for p, part in enumerate(parts) if part.keys
+                    for j in range(len(part.layout.slices)))
+    return (all(seg.rows == len(parts[seg.part].keys) for seg in segs)
+            and sorted((seg.part, seg.local) for seg in segs) == wanted)

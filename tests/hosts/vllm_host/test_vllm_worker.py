@@ -34,9 +34,11 @@ BLOCK = 4096  # bytes of one block of one layer
 LAYERS = ("l0", "l1")
 HASHES = [bytes([i]) * 16 for i in range(4)]  # page hashes 0..3
 class HeldStore(ForwardingStore):
-    """Forwards to ``inner``; a ranged read of the bytes at ``held_offset``
-    (a slice alone, among other layers' slices, or in a whole object) reads, then waits for ``release`` before it returns (``started`` set when
-    it waits, ``returned`` once released): a layer whose bytes come late."""
+    """Forwards to ``inner``, counting the ranged reads (``reads``); a ranged
+    read of the bytes at ``held_offset`` (a slice alone, among other layers'
+    slices, or in a whole object) reads, then waits for ``release`` before it
+    returns (``started`` set when it waits, ``returned`` once released): a
+    layer whose bytes come late. Without ``held_offset`` nothing is held."""
 
     def __init__(self, inner: Store, held_offset: int | None = None) -> None:
         super().__init__(inner)
@@ -44,12 +46,15 @@ class HeldStore(ForwardingStore):
         self.release, self.started, self.returned = (threading.Event(), threading.Event(),
                                                      threading.Event())
         self.error: BaseException | None = None
+        self.reads = 0
 
     def get_ranges(self, keys: Sequence[str], dst_ptrs: Sequence[Sequence[int]],
                    sizes: Sequence[Sequence[int]], src_offsets: Sequence[Sequence[int]]) -> None:
+        self.reads += 1
         at = self.held_offset
-        held = at is not None and any(o <= at < o + n for offs, lens in zip(src_offsets, sizes, strict=True)
-                                      for o, n in zip(offs, lens, strict=True))
+        held = at is not None and any(
+            o <= at < o + n for offs, lens in zip(src_offsets, sizes, strict=True)
+            for o, n in zip(offs, lens, strict=True))
         if not held:
             self.inner.get_ranges(keys, dst_ptrs, sizes, src_offsets)
             return
@@ -133,19 +138,6 @@ def _restore(store: Store, ns: str, layout: Layout | None = None
         worker.close()
 
 
-class CountingStore(ForwardingStore):
-    """Forwards to ``inner``, counting the ranged reads."""
-
-    def __init__(self, inner: Store) -> None:
-        super().__init__(inner)
-        self.reads = 0
-
-    def get_ranges(self, keys: Sequence[str], dst_ptrs: Sequence[Sequence[int]],
-                   sizes: Sequence[Sequence[int]], src_offsets: Sequence[Sequence[int]]) -> None:
-        self.reads += 1
-        self.inner.get_ranges(keys, dst_ptrs, sizes, src_offsets)
-
-
 def test_a_restore_takes_the_schedule_its_size_calls_for(
         store: MooncakeStore, mooncake_namespace: str, schedule: str) -> None:
     """Two layers of 4 KiB a block, restored asynchronously: within one
@@ -168,7 +160,7 @@ def _counted_restore(store: Store, ns: str, kv: dict[str, torch.Tensor],
                      sync: bool) -> tuple[list[list[int]], int]:
     """A restore of pages 1 and 2 into blocks 5 and 6: the layers of each
     lane call, and the store's ranged reads."""
-    counting = CountingStore(store)
+    counting = HeldStore(store)  # holds nothing: counts the reads
     worker = _worker(counting, kv, ns)
     calls: list[list[int]] = []
     fetch_into = worker._lane.fetch_into
