@@ -74,7 +74,10 @@ class StagedOffload:
                              for p, part in enumerate(self.parts) if part.keys)
             self.chunks: list[OffloadChunk] = [OffloadChunk(segments)] if segments else []
             return
-        budget = max(1, ring.capacity // depth)
+        # At most two regions of this offload are held at once (one chunk put
+        # while the next is staged: see `run`), so each chunk may take half
+        # the ring (all of it unpipelined): fewer, larger puts.
+        budget = max(1, ring.capacity // self.regions_held())
         runs: list[tuple[int, int, int]] = []
         for p, part in enumerate(self.parts):
             size = part.layout.object_bytes
@@ -86,6 +89,12 @@ class StagedOffload:
         self.chunks = [
             OffloadChunk(tuple(OffloadSegment(p, lo, hi) for p, lo, hi in pieces))
             for pieces in pack_runs(runs, budget, ring)]
+
+    def regions_held(self) -> int:
+        """The most regions of the ring this offload holds at once: 2 when
+        pipelined (``depth`` >= 2: a chunk put while the next is staged), else
+        1. The chunks are sized to ``capacity // regions_held()``."""
+        return 2 if self.depth >= 2 else 1
 
     def run(self, on_source_free: Callable[[], None] | None = None) -> OffloadOutcome:
         """Worker thread: put every chunk in order; stop at the first failure.

@@ -25,8 +25,9 @@ Chunking
 
 A transfer of any size streams through the ring, whatever the ring's size, as
 long as one object's slice (loads) or one whole object (offloads) fits it
-(else ``ValueError`` at construction, with a sentence). Each chunk's staging
-is at most ``ring.capacity // depth`` bytes (or one row, if a row is larger):
+(else ``ValueError`` at construction, with a sentence). Each load chunk's
+staging is at most ``ring.capacity // depth`` bytes, each offload chunk's
+``ring.capacity // 2`` (``// 1`` at depth 1) (or one row, if a row is larger):
 
 * a load chunk is :class:`LoadChunk` ``(layer, segments)``: one store call
   (``get_ranges``) into one region. Each :class:`LoadSegment` ``(layer, part,
@@ -45,10 +46,11 @@ is at most ``ring.capacity // depth`` bytes (or one row, if a row is larger):
   An offload keeps one chunk in flight: chunks are put
   in order and the next is sent only once the previous put succeeded, so a
   later object (a checkpoint, a deeper page) is never stored without the
-  earlier ones.
+  earlier ones. It holds two regions at most (one chunk put while the next
+  is staged), hence half the ring a chunk: fewer, larger puts.
 
-So with the default 64 MiB staging and ``depth`` 4, any request streams in
-16 MiB chunks.
+So with the default 64 MiB staging and ``depth`` 4, any load streams in
+16 MiB chunks and any offload in 32 MiB ones.
 """
 
 from __future__ import annotations

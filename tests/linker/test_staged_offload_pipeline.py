@@ -189,3 +189,27 @@ def test_depth_one_stays_sequential() -> None:
     assert off.run().ok
     assert log == ["snapshot 0", "put 0 returned", "snapshot 1", "put 1 returned"]
     assert stored(inner, keys, src) == [True] * 3 and ring.idle()
+
+
+@pytest.mark.parametrize("depth", [2, 4, 8])
+@pytest.mark.parametrize("slack", [0, 63])
+def test_half_ring_chunks_never_wait_on_the_offload_itself(depth: int, slack: int) -> None:
+    """Chunks take half the ring at any depth >= 2: with a ring of exactly
+    two chunks' spans and acquires that never wait (``timeout_s=0``), every
+    chunk is staged while the one before it is put (a third region would
+    raise ``StagingTimeout`` at once and fail the offload)."""
+    inner = MemoryStore()
+    log: list[str] = []
+    store = PutGate(inner, log)
+    ring = StagingRing(inner, 2 * 3072 + slack, timeout_s=0.0)  # 3012-byte objects: span 3072
+    keys = [f"half/p{i}" for i in range(5)]
+    src = pages(5, 23)
+    snap = Snap(src, log)
+    off = StagedOffload(ring, store, [OffloadPart(LAYOUT, tuple(keys))], snap, depth=depth)
+    assert off.regions_held() == 2 and len(off.chunks) == 5
+    for k in range(4):  # put k returns only once chunk k + 1 is staged
+        store.release[k] = snap.started[k + 1]
+    outcome = off.run()
+    assert outcome.ok and outcome.objects == 5, outcome
+    assert all(log.index(f"snapshot {k + 1}") < log.index(f"put {k} returned") for k in range(4))
+    assert stored(inner, keys, src) == [True] * 5 and ring.idle()

@@ -167,7 +167,8 @@ class LayerLiftLinker(UnifiedCacheLinker):  # type: ignore[misc,unused-ignore]
         rings: list[StagingRing] = []
         try:
             # Loads and offloads stream through bounded staging rings (``linker/ring.py``):
-            # a request of any size passes through, in chunks of capacity // depth.
+            # a request of any size passes through, in chunks of capacity // depth
+            # (loads) or capacity // 2 (offloads).
             # On a device both are pinned (the H2D and D2H copies read and write them).
             alloc = self.path.device.pinned if self.path is not None else None
             self.ring = StagingRing(self.store, s.staging_mib << 20, alloc=alloc,
