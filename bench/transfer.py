@@ -27,8 +27,9 @@ the same objects into the same registered destination:
 Offloads, from one registered source of the same pages, each repeat under
 new keys: ``raw put`` (whole objects, footers precomputed), ``in-place`` (the
 engine's: one ``put_parts`` of every page from where it is, footers computed
-over those bytes) and ``ring`` (the hosts': snapshot into staging, footers,
-put, chunk by chunk).
+over those bytes) and ``ring`` (the hosts': snapshot into a 128 MiB
+staging ring, SGLang's offload default, footers, put, chunk by chunk: 64 MiB
+puts, each beside the staging of the next).
 
 Every figure is GB/s of payload (page bytes, no footers) as min / median /
 max over the repeats, modes rotated per repeat; ``/ ranged`` is the median
@@ -36,7 +37,9 @@ of the per-repeat ratios to the raw ranged read at the same depth (loads)
 or to the raw put (offloads), and ``/ whole`` to the first row. The
 ``profile`` rows split one more sequential (d1) run of each LayerLift mode:
 time inside store calls, CRC checks, copies, ring waits, session calls and
-the rest (Python bookkeeping), per layer and per slice. ``--netns RATE``
+the rest (Python bookkeeping), per layer and per slice. ``cores`` is the
+process's CPU time over the wall time of each mode (what it kept busy: on two
+cores a mode at ~2 leaves nothing to overlap). ``--netns RATE``
 runs the same on a third namespace host behind a ``tbf`` link of RATE (the
 master and a storage node on hosts of their own).
 """
@@ -92,6 +95,7 @@ from layerlift.overlap.scheduler import LoadScheduler
 __all__ = ["Layout", "build_parser", "main", "measure", "plot_record", "render_table"]
 
 DEPTHS = (1, 4)
+OFFLOAD_RING_BYTES = 2 * DEFAULT_RING_BYTES  # SGLang's offload_staging_mib default
 WHOLE_CALL_BYTES = 256 << 20  # a raw whole read's batch: 2 s at 1 Gbit, under the 5 s lease
 LEASE_WAIT_S = 20.0  # how long a case's objects may stay leased after its last read
 
@@ -195,6 +199,9 @@ class Bench:
         self.src_rows, self.dst_rows = _Rows(self.src), _Rows(self.dst)
         self._footers(self.src, self.keys)
         self.ring = StagingRing(store, DEFAULT_RING_BYTES, timeout_s=timeout_s)
+        # The hosts' offload ring: SGLang's default offload_staging_mib (twice
+        # its load ring), so an offload puts in chunks of half of it.
+        self.offload_ring = StagingRing(store, OFFLOAD_RING_BYTES, timeout_s=timeout_s)
         store.put(list(self.keys), [self.src_rows.ptr(i) for i in range(self.n)], [ob] * self.n)
         self.pool = ThreadPoolExecutor(max(DEPTHS))
         self._keys_made: list[str] = []
@@ -202,6 +209,7 @@ class Bench:
     def close(self) -> None:
         self.pool.shutdown()
         self.ring.close()
+        self.offload_ring.close()
         for t in (self.src, self.dst):
             self.store.unregister(int(t.data_ptr()))
         self._remove(list(self.keys) + self._keys_made)
@@ -334,7 +342,7 @@ class Bench:
             off = StagedOffload(self.ring, self.store, [part], None, timeout_s=self.timeout_s,
                                 wait_timed_out=True, source=_Source(self.src_rows))
         else:
-            off = StagedOffload(self.ring, self.store, [part],
+            off = StagedOffload(self.offload_ring, self.store, [part],
                                 _RowSnapshot(self.src_rows, self.layout.page_bytes),
                                 timeout_s=self.timeout_s)
         outcome = off.run()
@@ -342,7 +350,8 @@ class Bench:
         self._forget(keys)
 
     def profile_offload(self, *, in_place: bool) -> dict[str, Any]:
-        with profiled(self.store, self.ring, staged_load, (_RowSnapshot,)) as prof:
+        ring = self.ring if in_place else self.offload_ring
+        with profiled(self.store, ring, staged_load, (_RowSnapshot,)) as prof:
             self.offload(in_place=in_place)
         return prof.split(self.layout.layers, self.n * self.layout.layers)
 
@@ -366,16 +375,22 @@ def _modes(b: Bench) -> tuple[dict[str, Callable[[], None]], dict[str, Callable[
 
 
 def _timed(modes: dict[str, Callable[[], None]], repeats: int, after: Callable[[], None],
-           nbytes: int) -> dict[str, list[float]]:
+           nbytes: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """GB/s of every repeat of every mode (rotated per repeat), and the cores
+    this process kept busy meanwhile (its CPU time over the wall time, every
+    thread: the store's own transfer threads included)."""
     names = list(modes)
     gbps: dict[str, list[float]] = {m: [] for m in names}
+    cores: dict[str, list[float]] = {m: [] for m in names}
     for rep in range(repeats):
         for mode in names[rep % len(names):] + names[: rep % len(names)]:
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             modes[mode]()
-            gbps[mode].append(nbytes / (time.perf_counter() - start) / 1e9)
+            wall = time.perf_counter() - start
+            gbps[mode].append(nbytes / wall / 1e9)
+            cores[mode].append((time.process_time() - cpu) / wall)
             after()
-    return gbps
+    return gbps, cores
 
 
 def _ratios(gbps: dict[str, list[float]], base: Callable[[str], str]) -> dict[str, Any]:
@@ -401,8 +416,8 @@ def measure(store: Store, layout: Layout, tokens: int, repeats: int,
             b.check()
             b.dst[:, : layout.page_bytes].zero_()
 
-        load_gbps = _timed(loads, repeats, cleared, b.payload)
-        off_gbps = _timed(offloads, repeats, lambda: None, b.payload)
+        load_gbps, load_cores = _timed(loads, repeats, cleared, b.payload)
+        off_gbps, off_cores = _timed(offloads, repeats, lambda: None, b.payload)
         profile = {"in-place load": b.profile_load(in_place=True),
                    "ring load": b.profile_load(in_place=False),
                    "in-place offload": b.profile_offload(in_place=True),
@@ -416,8 +431,10 @@ def measure(store: Store, layout: Layout, tokens: int, repeats: int,
         "loads": {m: _spread(v) for m, v in load_gbps.items()},
         "loads / ranged": _ratios(load_gbps, _ranged_of),
         "loads / whole": _ratios(load_gbps, lambda m: "raw whole"),
+        "loads cores": {m: _spread(v) for m, v in load_cores.items()},
         "offloads": {m: _spread(v) for m, v in off_gbps.items()},
         "offloads / raw put": _ratios(off_gbps, lambda m: "raw put"),
+        "offloads cores": {m: _spread(v) for m, v in off_cores.items()},
         "profile": profile,
     }  # fmt: skip
 
@@ -495,23 +512,35 @@ def _q(x: dict[str, float]) -> str:
     return f"{x['min']:.2f}/{x['median']:.2f}/{x['max']:.2f}"
 
 
+def _cores(case: dict[str, Any], key: str, mode: str) -> str:
+    """The median cores busy of ``mode`` (``-`` in a record from before they were kept)."""
+    spread = case.get(key, {}).get(mode)
+    return "-" if spread is None else f"{spread['median']:.2f}"
+
+
 def render_table(record: dict[str, Any]) -> str:
     """The results page's tables: GB/s and ratios per link and case, then the profile."""
     lines = ["Loads (GB/s of page bytes, min/median/max; `/ ranged`: to the raw ranged "
              "read at the same depth, per-repeat ratios)", ""]
-    lines += ["| link | case | mode | GB/s | / ranged | / whole |", "|---|---|---|---|---|---|"]
+    lines += ["| link | case | mode | GB/s | / ranged | / whole | cores |",
+              "|---|---|---|---|---|---|---|"]
     for link, cases in record["links"].items():
         for case, c in cases.items():
             for mode, g in c["loads"].items():
                 lines.append(f"| {link} | {case} | {mode} | {_q(g)} | "
-                             f"{_q(c['loads / ranged'][mode])} | {_q(c['loads / whole'][mode])} |")
+                             f"{_q(c['loads / ranged'][mode])} | {_q(c['loads / whole'][mode])} | "
+                             f"{_cores(c, 'loads cores', mode)} |")
     lines += ["", "Offloads (`/ raw put`: per-repeat ratios)", "",
-              "| link | case | mode | GB/s | / raw put |", "|---|---|---|---|---|"]
+              "| link | case | mode | GB/s | / raw put | cores |", "|---|---|---|---|---|---|"]
     for link, cases in record["links"].items():
         for case, c in cases.items():
             for mode, g in c["offloads"].items():
                 lines.append(f"| {link} | {case} | {mode} | {_q(g)} | "
-                             f"{_q(c['offloads / raw put'][mode])} |")
+                             f"{_q(c['offloads / raw put'][mode])} | "
+                             f"{_cores(c, 'offloads cores', mode)} |")
+    lines += ["", "`cores`: this process's CPU time over the wall time, median (every "
+              "thread, the store's transfer threads included; on loopback the storage "
+              "node's too, it is in the process; over a namespace link it is not)."]
     lines += ["", "Where the time goes (one run at depth 1, ms; `python`: the rest of the wall "
               "time; `overlapped`: the staged offload's puts run beside its staging, so its "
               "parts add up to more than the wall time)", "", "| link | case | run | wall | " + " | ".join(PROFILE_PARTS)

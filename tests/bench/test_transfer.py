@@ -6,6 +6,7 @@ splits the wall time without inventing any."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -38,6 +39,12 @@ def test_every_row_is_measured_for_every_case(record: dict[str, object]) -> None
         for table in ("loads", "offloads"):
             for mode, g in c[table].items():
                 assert 0 < g["min"] <= g["median"] <= g["max"], (mode, g)
+            # every mode's cores busy: some CPU (the bound is loose: at this size a
+            # mode runs for milliseconds, and CPU time of threads running on other
+            # cores is accounted a scheduler tick late)
+            assert list(c[f"{table} cores"]) == list(c[table])
+            for mode, g in c[f"{table} cores"].items():
+                assert 0 < g["median"] <= 4 * (os.cpu_count() or 1), (mode, g)
         # each ratio is to its own base row: the base rows are exactly 1
         for base in ("raw ranged d1", "raw ranged d4"):
             assert c["loads / ranged"][base] == {"min": 1.0, "median": 1.0, "max": 1.0}
@@ -69,6 +76,10 @@ def test_the_table_has_every_row(record: dict[str, object]) -> None:
     for mode in ("raw whole", "raw ranged d4", "in-place d1", "ring d4", "raw put"):
         assert f"| {mode} |" in text
     assert text.count("| mooncake-tcp-loopback | 256 tokens, page 16 | ring d1 |") == 1
+    case = record["links"]["mooncake-tcp-loopback"]["256 tokens, page 16"]  # type: ignore[index]
+    (row,) = [line for line in text.splitlines()
+              if line.startswith("| mooncake-tcp-loopback | 256 tokens, page 16 | ring |")]
+    assert row.endswith(f"| {case['offloads cores']['ring']['median']:.2f} |"), row
 
 
 def test_a_wrong_byte_in_a_load_fails_the_run() -> None:

@@ -173,10 +173,11 @@ class LayerLiftLinker(UnifiedCacheLinker):  # type: ignore[misc,unused-ignore]
             alloc = self.path.device.pinned if self.path is not None else None
             self.ring = StagingRing(self.store, s.staging_mib << 20, alloc=alloc,
                                     timeout_s=s.timeout_s)
-            self.offload_ring = StagingRing(self.store, s.staging_mib << 20, alloc=alloc,
+            self.offload_ring = StagingRing(self.store, s.offload_ring_mib << 20, alloc=alloc,
                                             timeout_s=s.timeout_s)
             for pool in self.layouts.values():  # the only size a staged transfer refuses
                 require_fit(self.ring, pool.objects)
+                require_fit(self.offload_ring, pool.objects)
             for ring in (self.ring, self.offload_ring):
                 ring.open()
                 rings.append(ring)

@@ -16,7 +16,9 @@ class LinkerSettings:
     a whole load batch; ``lookup_timeout_s`` one lookup on SGLang's scheduler
     thread, ``lookup_breaker_s`` how long lookups are misses after one timed
     out, ``lookup_share`` the share of the scheduler's time lookups may spend
-    (``lookup``)."""
+    (``lookup``). ``staging_mib`` sizes the load ring, ``offload_staging_mib``
+    the offload ring (None: twice ``staging_mib``; an offload holds two
+    chunks of half its ring at once: one put while the next is staged)."""
 
     master_address: str | None = None
     embedded_master: bool = False
@@ -32,6 +34,7 @@ class LinkerSettings:
     lookup_share: float = 0.25
     depth: int = 2
     staging_mib: int = 64
+    offload_staging_mib: int | None = None
     segment_mib: int = 256
     local_buffer_mib: int = 16
 
@@ -59,7 +62,19 @@ class LinkerSettings:
                     value < (0 if name == "segment_mib" else 1):
                 raise ValueError(f"LayerLiftLinker: {name} must be an integer >= "
                                  f"{0 if name == 'segment_mib' else 1}, got {value!r}")
+        if settings.offload_staging_mib is not None:
+            value = settings.offload_staging_mib
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"LayerLiftLinker: offload_staging_mib must be an integer >= 1 "
+                                 f"(or null: twice staging_mib), got {value!r}")
         return settings
+
+    @property
+    def offload_ring_mib(self) -> int:
+        """The offload ring's size in MiB (``offload_staging_mib``, or twice ``staging_mib``)."""
+        if self.offload_staging_mib is not None:
+            return self.offload_staging_mib
+        return 2 * self.staging_mib
 
 
 def _number(value: object) -> float:

@@ -51,6 +51,8 @@ def test_the_dynamic_loader_builds_a_layerlift_linker(make_host: Any) -> None:
     ({"load_timeout_s": 0}, "load_timeout_s must be a positive"),
     ({"lookup_timeout_s": "1"}, "lookup_timeout_s must be a positive"),
     ({"staging_mib": "64"}, "staging_mib must be an integer"),
+    ({"offload_staging_mib": 0}, "offload_staging_mib must be an integer >= 1"),
+    ({"offload_staging_mib": 1.5}, "offload_staging_mib must be an integer >= 1"),
     ({"lookup_share": 2}, "lookup_share .* must be a number in"),
 ])
 def test_a_bad_linker_config_is_refused_with_a_sentence(make_host: Any, extra: dict[str, Any],
