@@ -32,7 +32,7 @@ class LinkerSettings:
     lookup_timeout_s: float = 0.5
     lookup_breaker_s: float = 5.0
     lookup_share: float = 0.25
-    depth: int = 2
+    depth: int = 4
     staging_mib: int = 64
     offload_staging_mib: int | None = None
     segment_mib: int = 256
