@@ -114,7 +114,7 @@ class StagedOffload:
                 if self.chunks:
                     self._chunk_in_place(self.chunks[0], outcome, self.source)
                 return outcome
-            pipelined = self.depth >= 2 and len(self.chunks) >= 2
+            pipelined = self.regions_held() == 2 and len(self.chunks) >= 2
             with (ThreadPoolExecutor(1, thread_name_prefix="layerlift-put") if pipelined
                   else contextlib.nullcontext()) as putter:
                 pending: Future[_PutResult] | None = None

@@ -56,17 +56,15 @@ class LinkerSettings:
         if not 0 < _number(settings.lookup_share) <= 1:
             raise ValueError("LayerLiftLinker: lookup_share (the share of the scheduler's time "
                              "lookups may spend) must be a number in (0, 1]")
-        for name in ("depth", "staging_mib", "segment_mib", "local_buffer_mib"):
+        for name in ("depth", "staging_mib", "offload_staging_mib", "segment_mib",
+                     "local_buffer_mib"):
             value = getattr(settings, name)
+            if value is None and name == "offload_staging_mib":
+                continue  # twice staging_mib
             if not isinstance(value, int) or isinstance(value, bool) or \
                     value < (0 if name == "segment_mib" else 1):
                 raise ValueError(f"LayerLiftLinker: {name} must be an integer >= "
                                  f"{0 if name == 'segment_mib' else 1}, got {value!r}")
-        if settings.offload_staging_mib is not None:
-            value = settings.offload_staging_mib
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"LayerLiftLinker: offload_staging_mib must be an integer >= 1 "
-                                 f"(or null: twice staging_mib), got {value!r}")
         return settings
 
     @property
