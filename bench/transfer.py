@@ -228,6 +228,19 @@ class Bench:
                     raise
                 time.sleep(0.25)  # the master's lease expires on its own clock
 
+    def remove_objects(self) -> None:
+        """Remove the load modes' objects (waiting out their read lease)."""
+        self._remove(list(self.keys))
+
+    def reput(self) -> None:
+        """Put the load modes' objects again (after :meth:`remove_objects`,
+        or a client that empties the store, as ``bench transfer-sglang``'s
+        sweeps do)."""
+        self._remove(list(self.keys))
+        ob = self.layout.object_bytes
+        self.store.put(list(self.keys), [self.src_rows.ptr(i) for i in range(self.n)],
+                       [ob] * self.n)
+
     def _footers(self, rows: torch.Tensor, keys: Sequence[str]) -> None:
         """Write each row's footer for ``keys`` (LayerLift's object format)."""
         objects, pb = self.layout.objects, self.layout.page_bytes

@@ -256,6 +256,8 @@ class SGLangHost:
         self.kv.register_layer_transfer_counter(self.linker.layer_done_counter)
         self._rid = 0
         self._started = 0.0
+        # When compute() began its inserts, (wall, CPU): a transfer benchmark times offloads from it.
+        self.insert_clock = (0.0, 0.0)
 
     # ---- the producer side: compute, insert, offload ------------------------------
 
@@ -314,6 +316,7 @@ class SGLangHost:
         value = torch.cat([prefix.to(torch.int64), new.to(torch.int64)])
         self._write_kv(tokens, value, d)
         protected = d  # what the tree already holds of this request (not to be freed)
+        self.insert_clock = (time.perf_counter(), time.process_time())  # offloads may start now
         for c in sorted(checkpoints):
             slot = self.req_pool.mamba_allocator.alloc(1)
             if slot is None:
@@ -341,33 +344,47 @@ class SGLangHost:
 
     # ---- the consumer side: match, load back, forward, finish ---------------------
 
-    def forward(self, adm: Admission, compute_s: float = 0.0) -> None:
+    def forward(self, adm: Admission, compute_s: float = 0.0, read: bool = True) -> None:
         """The forward stand-in for one request of the batch: layer by layer,
-        read its loaded slots through the pools' accessors (each waits on the
-        linker's counter), then spend ``compute_s`` as the layer's compute (a
-        sleep: it uses no CPU)."""
+        call the pools' accessors (each waits on the linker's counter), copy
+        the request's loaded slots into ``Restore.layers`` (unless ``read`` is
+        False: a transfer benchmark checks them after the load), then spend
+        ``compute_s`` as the layer's compute (a sleep: it uses no CPU)."""
         if adm.done:
             return
         req, restore, tail = adm.req, adm.restore, adm.restore.tail
         assert tail is not None
         started = time.perf_counter()
-        swa_tail = self.alloc.translate_loc_from_full_to_swa(tail)
-        w_pages = -(-self.shape.window // self.shape.page_size) * self.shape.page_size
+        slot = int(req.kv.mamba_pool_idx)
         for layer, kind in enumerate(self.shape.kinds):
             if kind == "M":
-                state = self.req_pool.mamba2_layer_cache(layer)
-                slot = int(req.kv.mamba_pool_idx)
-                got = [state.temporal[slot].clone(), *(c[slot].clone() for c in state.conv)]
+                self.req_pool.mamba2_layer_cache(layer)  # waits for the layer
             else:
-                k = self.kv.get_key_buffer(layer)
-                v = self.kv.get_value_buffer(layer)
-                rows = swa_tail[-w_pages:] if kind == "S" else tail
-                got = [take_rows(k, rows), take_rows(v, rows)]
+                self.kv.get_key_buffer(layer)
+                self.kv.get_value_buffer(layer)
             restore.wait_s.append(time.perf_counter() - started)
-            restore.layers[layer] = got
+            if read:
+                restore.layers[layer] = self.loaded_layer(tail, slot, layer)
             if compute_s > 0:
                 time.sleep(compute_s)
         restore.forward_s = time.perf_counter() - started
+
+    def loaded_layer(self, tail: torch.Tensor, mamba_slot: int, layer: int) -> list[torch.Tensor]:
+        """A copy of what a request's forward reads of ``layer``: the K and V
+        rows of its loaded slots ``tail`` (a sliding-window layer's last
+        window of them), or a Mamba layer's states in ``mamba_slot``. Reads
+        the pools directly: call it once the layer's wait returned."""
+        if self.shape.kinds[layer] == "M":
+            idx = self.req_pool.mamba_map[layer]
+            cache = self.req_pool.mamba_pool.mamba_cache
+            return [s[idx, mamba_slot].clone() for s in (cache.temporal, *cache.conv)]
+        idx, is_swa = self.kv.layers_mapping[layer]
+        pool = self.kv.swa_kv_pool if is_swa else self.kv.full_kv_pool
+        rows = tail
+        if is_swa:
+            w_pages = -(-self.shape.window // self.shape.page_size) * self.shape.page_size
+            rows = self.alloc.translate_loc_from_full_to_swa(tail)[-w_pages:]
+        return [take_rows(pool.k_buffer[idx], rows), take_rows(pool.v_buffer[idx], rows)]
 
     def admit(self, tokens: list[int]) -> Admission:
         """Admit one request for ``tokens`` (the last token is the one to

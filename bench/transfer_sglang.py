@@ -1,0 +1,449 @@
+"""SGLang's two linkers as rows of the transfer benchmark, beside raw Mooncake calls, one run.
+
+    .venv-sglang/bin/layerlift bench transfer-sglang [--tokens 8192] [--page-sizes 64,128]
+        [--repeats 5] [--netns RATE ...] [--no-loopback] [--json PATH] [--markdown PATH]
+
+``layerlift bench transfer`` times the engine's transfer against raw
+Mooncake; this is the same for the two linkers inside SGLang 0.5.23's real
+cache (``layerlift.testing.sglang_harness``, the layout of ``bench sglang
+--layout real``: 32 layers, 30 of them full attention, one sliding window of
+128 tokens, one Mamba; 8 KV heads x 128, bf16), with no forward compute:
+how fast each moves one prompt between SGLang's pools and the store.
+
+Each repeat runs three units, their order rotated per repeat:
+
+* ``raw``: ``raw ranged d4`` (``bench transfer``'s: one ``get_ranges`` per
+  layer of a 32-layer page object per page, four layers in flight, inside
+  one read session, no checksum) and ``raw put`` (one ``put`` of every
+  object), the same payload;
+* each linker (``LayerLiftLinker``; SGLang's ``MooncakeDirectLinker``, built
+  by SGLang's factory as ``bench sglang`` builds them): a producer cache
+  writes the prompt's KV into its pools (not timed) and inserts it; its
+  **offload** is timed from the insert until the scheduler's poll (every
+  2 ms) finds the last put committed. A consumer cache matches the prompt
+  and loads it back; its **load** is timed from ``ready_to_load_host_cache``
+  until every layer's wait returned (the pools' accessors, as a forward
+  calls them, without reading) and ``finish_external_linker_loads`` gave its
+  verdict. Then, not timed, every byte that landed is compared with what the
+  producer wrote: a restore that is not exact ends the benchmark.
+
+GB/s: a load's payload is what landed in the consumer's pools (every
+full-attention layer's K+V of the prompt, the sliding-window layer's last
+window, the Mamba state); an offload's is the prompt's K+V in the 31
+attention layers (the Mamba state and each linker's metadata not counted);
+the raw rows' their page bytes. ``/ raw`` is the median of the per-repeat
+ratios of a load to ``raw ranged d4`` and of an offload to ``raw put``;
+``/ MooncakeDirectLinker`` of LayerLift's GB/s to SGLang's own, per repeat.
+``cores``: the process's CPU time over the wall time of the step.
+On loopback the raw client and each linker have a master of their own, and
+the store's segment is in this process: the producer's, as SGLang's
+instances contribute theirs (``bench sglang``'s set-up), so a linker's puts
+land in its own segment by memcpy and the raw put is the segment holder's
+own put beside them; the consumer (no segment) reads over TCP, as the raw
+reader does. (With the segment on a storage node instead, SGLang's 1 GiB of
+puts from ``MooncakeDirectLinker`` stalled on loopback until Mooncake's 60 s
+transfer timeout, TRANSFER_FAIL.) ``--netns RATE``: one master and a storage
+node holding the only segment on namespace hosts of their own, the caches and
+the raw client (segment 0 each) on a third host behind a ``tbf`` link of
+RATE: every put and read crosses that link.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from layerlift.bench.args import BenchParser, int_at_least, int_list
+from layerlift.bench.netns_link import rate_arg
+from layerlift.bench.output import add_output_options, write_outputs
+from layerlift.bench.results import plot, render
+from layerlift.bench.sglang_setup import (
+    LEASE_S,
+    LINKERS,
+    NETNS_LEASE_S,
+    SEGMENT_CAP_MIB,
+    SETTLE_S,
+    Sweeper,
+    kv_bytes,
+    make_pair,
+    random_prompt,
+    segment_mib,
+    shape_for,
+)
+from layerlift.bench.transfer import Bench, Layout
+from layerlift.linker.master import EmbeddedMaster
+from layerlift.linker.mooncake_config import MooncakeConfig
+from layerlift.linker.mooncake_store import MooncakeStore
+from layerlift.linker.store_base import Store
+from layerlift.testing.sglang_harness import SGLangHost, same_bytes
+
+__all__ = ["build_parser", "main", "render_table"]
+
+NAMES = {"layerlift": "LayerLiftLinker", "sglang-mooncake": "MooncakeDirectLinker"}
+RAW_LOAD, RAW_PUT = "raw ranged d4", "raw put"
+
+
+def _require(ok: object, what: str) -> None:
+    if not ok:
+        raise RuntimeError(f"bench transfer-sglang: {what}")
+
+
+def _spread(xs: Sequence[float]) -> dict[str, float]:
+    return {"min": round(min(xs), 3), "median": round(statistics.median(xs), 3),
+            "max": round(max(xs), 3)}  # fmt: skip
+
+
+class _Clock:
+    """Wall and CPU time of one step: ``(gbps, cores)`` for ``nbytes``."""
+
+    def __init__(self, wall: float | None = None, cpu: float | None = None) -> None:
+        self.wall = time.perf_counter() if wall is None else wall
+        self.cpu = time.process_time() if cpu is None else cpu
+
+    def stop(self, nbytes: int) -> tuple[float, float]:
+        wall = time.perf_counter() - self.wall
+        return nbytes / wall / 1e9, (time.process_time() - self.cpu) / wall
+
+
+class Case:
+    """One prompt length and page size: the raw client's objects, one
+    producer/consumer pair of caches per linker and what empties their store."""
+
+    def __init__(self, tokens: int, page: int, raw_store: Store, masters: dict[str, str], *,
+                 local: str, lease_s: float, shared_master: bool, put_store: Store,
+                 producer_segment: int | None, timeout_s: float) -> None:
+        self.shape = shape_for(page, "real", tokens)
+        self.n = tokens // page * page
+        self.shared_master = shared_master
+        self.rng = random.Random(42 + page)
+        self.offload_bytes = kv_bytes(self.shape, self.n)
+        self.load_bytes = 0  # what one restore landed: counted by the first check
+        self.put_store = put_store
+        with ExitStack() as stack:
+            self.raw = Bench(raw_store, Layout(len(self.shape.kinds), self.shape.head_num,
+                                               self.shape.head_dim, 2, page), self.n, timeout_s)
+            stack.callback(self.raw.close)
+            if shared_master:
+                self.raw.remove_objects()  # put again by each raw unit
+            if put_store is not raw_store:
+                put_store.register(self.raw.src)
+                stack.callback(put_store.unregister, int(self.raw.src.data_ptr()))
+            seg = segment_mib(self.shape, self.n) if producer_segment is None else producer_segment
+            bounds = (timeout_s, timeout_s) if shared_master else (2.0, 5.0)
+            self.pairs: dict[str, tuple[SGLangHost, SGLangHost]] = {}
+            self.sweepers: dict[str, Sweeper] = {}
+            for name in LINKERS:
+                pair = make_pair(name, self.shape, masters[name], seg, local, bounds)
+                stack.callback(pair[0].close)
+                stack.callback(pair[1].close)
+                self.pairs[name] = pair
+                sweeper = Sweeper(masters[name], local, lease_s)
+                stack.callback(sweeper.close)
+                self.sweepers[name] = sweeper
+            self._closing = stack.pop_all()
+
+    def close(self) -> None:
+        self._closing.close()
+
+    def raw_unit(self) -> dict[str, tuple[float, float]]:
+        """``raw ranged d4`` then ``raw put`` (their destination checked, then cleared)."""
+        b, pb = self.raw, self.raw.layout.page_bytes
+        if self.shared_master:
+            # One segment for every row (under 2 GiB, as SGLang's puts need):
+            # the raw objects live only for their read.
+            b.reput()
+        clock = _Clock()
+        b.raw_ranged(4)
+        load = clock.stop(b.payload)
+        b.check()
+        b.dst[:, :pb].zero_()
+        if self.shared_master:
+            b.remove_objects()  # after their read lease
+        keys = [f"bench-transfer-sglang-put-{uuid.uuid4().hex[:8]}/{i}" for i in range(b.n)]
+        ob = b.layout.object_bytes
+        clock = _Clock()
+        self.put_store.put(keys, [b.src_rows.ptr(i) for i in range(b.n)], [ob] * b.n)
+        put = clock.stop(b.payload)
+        self.put_store.remove(keys)  # never read: no lease
+        return {RAW_LOAD: load, RAW_PUT: put}
+
+    def linker_unit(self, name: str) -> dict[str, tuple[float, float]]:
+        """One offload and one restore of a new prompt through ``name``'s pair."""
+        producer, consumer = self.pairs[name]
+        tokens = random_prompt(self.rng, self.n)
+        try:
+            producer.compute(tokens, [self.n])
+            offload = _Clock(*producer.insert_clock)
+            producer.settle_offloads(timeout_s=SETTLE_S)
+            off = offload.stop(self.offload_bytes)
+            adm = consumer.admit([*tokens, 1])
+            _require(adm.restore.loaded_tokens == self.n,
+                     f"{NAMES[name]} loads {adm.restore.loaded_tokens} of {self.n} tokens")
+            clock = _Clock()
+            consumer.start_loads()
+            consumer.forward(adm, read=False)
+            consumer.finish([adm])
+            wall = time.perf_counter() - clock.wall
+            cpu = time.process_time() - clock.cpu
+            _require(adm.restore.ok, f"{NAMES[name]}'s load failed")
+            self.load_bytes = self._check(consumer, adm.restore.tail, adm.restore.mamba_slot,
+                                          tokens, name)
+            load = (self.load_bytes / wall / 1e9, cpu / wall)
+        finally:
+            for host in (producer, consumer):
+                host.flush_cache()
+            self.sweepers[name].sweep()  # the store keeps what is still leased
+        return {name: load, f"{name} offload": off}
+
+    def _check(self, consumer: SGLangHost, tail: Any, slot: int | None, tokens: list[int],
+               name: str) -> int:
+        """Every layer the consumer loaded equals what the producer wrote; the bytes compared."""
+        if tail is None or slot is None:
+            raise RuntimeError(f"bench transfer-sglang: {NAMES[name]} loaded no slots")
+        total = 0
+        for layer in range(len(self.shape.kinds)):
+            got = consumer.loaded_layer(tail, int(slot), layer)
+            want = consumer.expected_layer(tokens, layer)
+            _require(all(same_bytes(g, w) for g, w in zip(got, want, strict=True)),
+                     f"{NAMES[name]} loaded wrong bytes into layer {layer}")
+            total += sum(int(g.numel() * g.element_size()) for g in got)
+        return total
+
+
+def measure(case: Case, repeats: int) -> dict[str, Any]:
+    """Round -1 warms up (checked, not timed); then ``repeats`` rounds of the rotated units."""
+    units: dict[str, Callable[[], dict[str, tuple[float, float]]]] = {
+        "raw": case.raw_unit, **{name: partial(case.linker_unit, name) for name in LINKERS}}
+    order = list(units)
+    runs: list[dict[str, tuple[float, float]]] = []
+    for rep in range(-1, repeats):
+        got: dict[str, tuple[float, float]] = {}
+        for unit in order[rep % len(order):] + order[: rep % len(order)]:
+            got.update(units[unit]())
+        if rep >= 0:
+            runs.append(got)
+
+    def of(key: str, i: int = 0) -> list[float]:
+        return [r[key][i] for r in runs]
+
+    loads = {RAW_LOAD: RAW_LOAD, **{NAMES[n]: n for n in LINKERS}}
+    offloads = {RAW_PUT: RAW_PUT, **{NAMES[n]: f"{n} offload" for n in LINKERS}}
+    ours, theirs = LINKERS
+
+    def ratio(a: str, b: str) -> dict[str, float]:
+        return _spread([x / y for x, y in zip(of(a), of(b), strict=True)])
+
+    return {
+        "tokens": case.n, "page": case.shape.page_size, "repeats": repeats,
+        "load_bytes": case.load_bytes, "offload_bytes": case.offload_bytes,
+        "raw_bytes": case.raw.payload,
+        "loads": {label: _spread(of(k)) for label, k in loads.items()},
+        "loads / raw": {label: ratio(k, RAW_LOAD) for label, k in loads.items()},
+        "loads cores": {label: _spread(of(k, 1)) for label, k in loads.items()},
+        "offloads": {label: _spread(of(k)) for label, k in offloads.items()},
+        "offloads / raw": {label: ratio(k, RAW_PUT) for label, k in offloads.items()},
+        "offloads cores": {label: _spread(of(k, 1)) for label, k in offloads.items()},
+        "LayerLift / MooncakeDirectLinker": {
+            "load": ratio(ours, theirs), "offload": ratio(f"{ours} offload", f"{theirs} offload")},
+    }  # fmt: skip
+
+
+def run_cases(raw_store: Store, args: argparse.Namespace,
+              linker_masters: Callable[[], AbstractContextManager[dict[str, str]]],
+              **where: Any) -> dict[str, Any]:
+    """Every case; ``linker_masters()``: the linkers' master addresses for one case."""
+    out: dict[str, Any] = {}
+    for tokens in args.tokens:
+        for page in args.page_sizes:
+            label = f"{tokens} tokens, page {page}"
+            print(f"  {label}", flush=True)
+            with linker_masters() as masters:
+                case = Case(tokens, page, raw_store, masters, timeout_s=args.timeout, **where)
+                try:
+                    out[label] = measure(case, args.repeats)
+                finally:
+                    case.close()
+                    del case
+                    gc.collect()  # the hosts' store clients leave before their masters stop
+    return out
+
+
+def _raw_segment(args: argparse.Namespace) -> int:
+    biggest = max(args.tokens) * 32 * 2 * 8 * 128 * 2
+    return int(2.5 * biggest) + (256 << 20)  # the raw objects, a raw put in flight, slack
+
+
+@contextmanager
+def _own_masters(lease_ms: int) -> Iterator[dict[str, str]]:
+    """A master of its own for each linker, new for each case: with the
+    masters of a case before (whose producers held the segments) SGLang's
+    puts at the next page size failed (TRANSFER_FAIL)."""
+    with ExitStack() as stack:
+        yield {name: stack.enter_context(EmbeddedMaster(http_metadata=False,
+                                                        lease_ttl_ms=lease_ms)).master_address
+               for name in LINKERS}
+
+
+def run_loopback(args: argparse.Namespace) -> dict[str, Any]:
+    lease_ms = int(LEASE_S * 1e3)
+    with ExitStack() as stack:
+        raw_master = stack.enter_context(EmbeddedMaster(lease_ttl_ms=5000, http_metadata=False))
+        writer = stack.enter_context(MooncakeStore(raw_master.config(
+            global_segment_size=_raw_segment(args), timeout_s=args.timeout)))
+        reader = stack.enter_context(MooncakeStore(raw_master.config(
+            global_segment_size=0, local_buffer_size=16 << 20, timeout_s=args.timeout)))
+        return run_cases(reader, args, partial(_own_masters, lease_ms), local="127.0.0.1",
+                         lease_s=LEASE_S, shared_master=False, put_store=writer,
+                         producer_segment=None)
+
+
+def run_cluster(master: str, args: argparse.Namespace) -> dict[str, Any]:
+    """On a namespace link's engine host: every store is a client of the one master."""
+    from layerlift.engine.stores import route_source
+
+    local = route_source(master)
+    client = MooncakeStore(MooncakeConfig(
+        master_address=master, local_hostname=local, global_segment_size=0,
+        local_buffer_size=16 << 20, timeout_s=args.timeout))
+    with client:
+        return run_cases(client, args, lambda: nullcontext({name: master for name in LINKERS}),
+                         local=local, lease_s=NETNS_LEASE_S, shared_master=True,
+                         put_store=client, producer_segment=0)
+
+
+def run_netns(rate: str, args: argparse.Namespace) -> dict[str, Any]:
+    from layerlift.bench.netns_link import netns_cluster, run_in_engine_host
+
+    segment = SEGMENT_CAP_MIB << 20
+    with tempfile.TemporaryDirectory(prefix="layerlift-transfer-sglang-") as tmp, netns_cluster(
+            rate, segment, tmp) as (hosts, master):
+        out = Path(tmp) / "cases.json"
+        child = [sys.executable, "-m", "layerlift.cli", "bench", "transfer-sglang",
+                 "--tokens", ",".join(map(str, args.tokens)),
+                 "--page-sizes", ",".join(map(str, args.page_sizes)),
+                 "--repeats", str(args.repeats), "--timeout", str(args.timeout),
+                 "--cluster", master, "--json", str(out)]
+        status = run_in_engine_host(hosts, child, tmp)
+        if not out.exists():
+            log = (Path(tmp) / "servers.log").read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"the benchmark on the engine host exited with {status}; "
+                               f"servers' log: {log}")
+        cases: dict[str, Any] = json.loads(out.read_text())["cases"]
+        return cases
+
+
+def _q(x: dict[str, float]) -> str:
+    return f"{x['min']:.2f}/{x['median']:.2f}/{x['max']:.2f}"
+
+
+def render_table(record: dict[str, Any]) -> str:
+    """The results page's tables: loads, then offloads, per link and case."""
+    lines: list[str] = []
+    for kind, ratio in (("loads", "loads / raw"), ("offloads", "offloads / raw")):
+        base = RAW_LOAD if kind == "loads" else RAW_PUT
+        lines += [f"{kind.capitalize()} (GB/s min/median/max; `/ raw`: to `{base}` of the "
+                  "same round, per-repeat ratios)", "",
+                  "| link | case | row | GB/s | / raw | / MooncakeDirectLinker | cores |",
+                  "|---|---|---|---|---|---|---|"]
+        for link, cases in record["links"].items():
+            for case, c in cases.items():
+                for row, g in c[kind].items():
+                    vs = (_q(c["LayerLift / MooncakeDirectLinker"][kind[:-1]])
+                          if row == "LayerLiftLinker" else "")
+                    lines.append(f"| {link} | {case} | {row} | {_q(g)} | {_q(c[ratio][row])} | "
+                                 f"{vs} | {c[kind + ' cores'][row]['median']:.2f} |")
+        lines.append("")
+    lines.append(f"{record.get('layout', '')}; {record.get('timing', '')}.")
+    return "\n".join(lines)
+
+
+def plot_record(record: dict[str, Any], path: str) -> None:
+    """Median GB/s of every row, loads and offloads, one group per link and case."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = [(link, case, c) for link, cases in record["links"].items()
+              for case, c in cases.items()]
+    fig, axes = plt.subplots(1, 2, figsize=(max(8, 2.4 * len(groups)), 4))
+    for ax, kind in zip(axes, ("loads", "offloads"), strict=True):
+        rows = list(groups[0][2][kind])
+        width = 0.8 / len(rows)
+        for k, row in enumerate(rows):
+            ax.bar([i + k * width for i in range(len(groups))],
+                   [c[kind][row]["median"] for _, _, c in groups], width, label=row)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))],
+                      [f"{link.replace('mooncake-tcp-', '')}\n{case}" for link, case, _ in groups],
+                      fontsize=7)
+        ax.set_ylabel("GB/s (median)")
+        ax.set_title(f"SGLang's linkers: {kind}")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = BenchParser("layerlift bench transfer-sglang", __doc__.splitlines()[0])
+    add_output_options(parser)
+    parser.add_argument("--tokens", type=int_list(256, "8192"), default=[8192],
+                        help="prompt lengths in tokens, comma-separated")
+    parser.add_argument("--page-sizes", type=int_list(16, "64,128"), default=[64, 128],
+                        help="tokens per page, comma-separated")
+    parser.add_argument("--repeats", type=int_at_least(1), default=5, help="rounds per case")
+    parser.add_argument("--timeout", type=float, default=60.0,
+                        help="the stores' timeout per call (s)")
+    parser.add_argument("--netns", type=rate_arg, action="append", default=[], metavar="RATE",
+                        help="also over a namespace link throttled to RATE (e.g. 10gbit; "
+                             "repeatable; needs root)")
+    parser.add_argument("--no-loopback", action="store_true", help="only the --netns links")
+    parser.add_argument("--cluster", default=None, help=argparse.SUPPRESS)  # on the engine host
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    if args.cluster:
+        cases = run_cluster(args.cluster, args)
+        if args.json is not None:
+            Path(args.json).write_text(json.dumps({"cases": cases}))
+        return 0
+    links: dict[str, Any] = {}
+    if not args.no_loopback:
+        print("mooncake-tcp-loopback", flush=True)
+        links["mooncake-tcp-loopback"] = run_loopback(args)
+    for rate in args.netns:
+        label = f"mooncake-tcp-netns {rate}"
+        print(label, flush=True)
+        links[label] = run_netns(rate, args)
+    report: dict[str, Any] = {
+        "links": links,
+        "layout": "SGLang 0.5.23's real cache on CPU: 32 layers (30 full attention, one "
+                  "sliding window of 128, one Mamba), 8 KV heads x 128, bf16; raw rows: "
+                  "32-layer page objects of the same pages",
+        "timing": "per repeat the raw client, LayerLiftLinker and MooncakeDirectLinker in "
+                  "rotated order; ratios per repeat; every restore checked byte-exact",
+        "meta": {"loadavg": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count()},
+    }
+    record = write_outputs("transfer-sglang", report, args, argv, render, plot)
+    print(render(record))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
