@@ -71,7 +71,7 @@ from layerlift.bench.results import plot, render
 from layerlift.bench.transfer_profile import PARTS as PROFILE_PARTS
 from layerlift.bench.transfer_profile import profiled
 from layerlift.linker import staged_load
-from layerlift.linker.integrity import footers
+from layerlift.linker.integrity import copy_checksum, footers, slice_seed
 from layerlift.linker.master import EmbeddedMaster
 from layerlift.linker.mooncake_config import MooncakeConfig
 from layerlift.linker.mooncake_store import MooncakeStore
@@ -161,16 +161,24 @@ class _Placement:
 
 
 class _RowSnapshot:
-    """The hosts' snapshot on CPU (SGLang's, vLLM's): each row's page bytes
-    copied into staging with one memmove."""
+    """The hosts' snapshot on CPU (SGLang's): each row's page bytes copied
+    into staging slice by slice with memmove, each slice checksummed right
+    after its copy (``copy_checksum``); the footers are returned."""
 
     def __init__(self, rows: _Rows, page_bytes: int) -> None:
         self.rows, self.page_bytes = rows, page_bytes
 
-    def read(self, seg: OffloadSegment, part: OffloadPart, pages: torch.Tensor) -> None:
+    def read(self, seg: OffloadSegment, part: OffloadPart, pages: torch.Tensor) -> np.ndarray:
+        slices = part.layout.slices
+        _require(sum(n for _, n in slices) == self.page_bytes, "the slices tile the page")
         base, stride = int(pages.data_ptr()), int(pages.stride(0))
+        table = np.empty((seg.rows, len(slices)), dtype="<u4")
         for i in range(seg.rows):
-            ctypes.memmove(base + i * stride, self.rows.ptr(seg.lo + i), self.page_bytes)
+            dst, src = base + i * stride, self.rows.ptr(seg.lo + i)
+            key = part.keys[seg.lo + i]
+            for j, (o, n) in enumerate(slices):
+                table[i, j] = copy_checksum(dst + o, [(src + o, n)], slice_seed(key, j))
+        return table
 
 
 class _Source:
@@ -556,7 +564,8 @@ def render_table(record: dict[str, Any]) -> str:
               "node's too, it is in the process; over a namespace link it is not)."]
     lines += ["", "Where the time goes (one run at depth 1, ms; `python`: the rest of the wall "
               "time; `overlapped`: the staged offload's puts run beside its staging, so its "
-              "parts add up to more than the wall time)", "", "| link | case | run | wall | " + " | ".join(PROFILE_PARTS)
+              "parts add up to more than the wall time; the ring offload's snapshot "
+              "checksums each slice as it copies it: its CRC is in `copy`)", "", "| link | case | run | wall | " + " | ".join(PROFILE_PARTS)
               + " | python µs/slice |", "|---|---|---|---|" + "---|" * (len(PROFILE_PARTS) + 1)]
     for link, cases in record["links"].items():
         for case, c in cases.items():

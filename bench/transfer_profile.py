@@ -8,7 +8,9 @@ pieces of LayerLift's staged transfer that are not its own bookkeeping:
 * ``session``: read sessions opened and ended;
 * ``crc``: the CRC-32 checks of a load (``mismatches``) and the footers an
   offload computes (``footers``);
-* ``copy``: a host sink's copy out of staging, a snapshot's copy into it;
+* ``copy``: a host sink's copy out of staging, a snapshot's copy into it
+  (with the footers of a snapshot that checksums each slice as it copies
+  it, as the hosts' CPU snapshot does: its ``crc`` is then 0);
 * ``ring``: waiting for and taking staging regions;
 * ``python``: the rest of the wall time (building the ranged call's lists,
   footer tables, chunk plans: the per-slice Python work).

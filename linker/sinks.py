@@ -43,6 +43,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from layerlift.linker.store_base import StoreTimeout
@@ -186,11 +187,17 @@ class DeviceSink:
 class Snapshot(Protocol):
     """Where an offload's page bytes come from (the adapter's source)."""
 
-    def read(self, seg: OffloadSegment, part: OffloadPart, pages: torch.Tensor) -> None:
+    def read(self, seg: OffloadSegment, part: OffloadPart,
+             pages: torch.Tensor) -> np.ndarray | None:
         """Copy the page bytes of rows ``seg.lo..seg.hi`` of ``part``
         (layer-major, ``layout.page_bytes`` each) into ``pages``
         (``uint8[seg.rows, page_bytes]``, a strided view of staging).
-        Returns once the bytes are in ``pages``."""
+        Returns once the bytes are in ``pages``: None, and the transfer
+        computes the footers over ``pages``; or those footers already
+        (``uint32[seg.rows, slices]``, what ``integrity.footers`` gives for
+        ``pages`` and the rows' keys), computed over the bytes in ``pages``
+        as each slice was copied (``integrity.copy_checksum``), never over
+        the source."""
 
 
 class Source(Protocol):
@@ -217,6 +224,7 @@ class HostSnapshot:
 
     def read(self, seg: OffloadSegment, part: OffloadPart, pages: torch.Tensor) -> None:
         pages.copy_(self.gather(seg, part))
+        return None
 
 
 class DeviceSnapshot:
@@ -246,3 +254,4 @@ class DeviceSnapshot:
         done = device.event()
         done.record(self.stream)
         done.synchronize()
+        return None

@@ -108,7 +108,10 @@ Offloads (:class:`StagedOffload`)
 ``run()`` (a worker thread) per chunk, in order: take a region, let the
 snapshot copy each segment's page bytes into it (``snapshot.read(segment,
 part, pages)``, ``pages`` the ``uint8[n, page_bytes]`` strided view of the
-region's rows), compute the footers over *those* bytes, then one ``put``. The bytes a
+region's rows), compute the footers over *those* bytes (or take the ones the
+snapshot computed over them as it copied each slice: a host snapshot reads
+each slice back from the cache instead of the chunk again from memory,
+``integrity.copy_checksum``), then one ``put``. The bytes a
 put sends are the snapshot's, under checksums of the same bytes: a put that
 lands late (after its timeout) sends what the source held at snapshot time,
 never what it holds later. ``on_source_free`` runs once the transfer will not

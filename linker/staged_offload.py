@@ -202,7 +202,8 @@ class StagedOffload:
     def _stage(self, chunk: OffloadChunk, outcome: OffloadOutcome,
                snapshotted: Callable[[], None] | None) -> _Staged | None:
         """This thread: a region for the chunk's whole objects, the snapshot's
-        page bytes into it, the footers over those bytes. None (the error in
+        page bytes into it, the footers over those bytes (the snapshot's own,
+        when it computed them as it copied). None (the error in
         ``outcome``) when no region came free; a snapshot that raises releases
         the region and raises. ``snapshotted`` runs once, when this returns or
         raises (the source is not read any more)."""
@@ -229,11 +230,16 @@ class StagedOffload:
                     layout, n = part.layout, seg.rows
                     ob, pb = layout.object_bytes, layout.page_bytes
                     objects = region.tensor[start : start + n * ob].view(n, ob)
-                    self.snapshot.read(seg, part, objects[:, :pb])
+                    table = self.snapshot.read(seg, part, objects[:, :pb])
                     seg_keys = list(part.keys[seg.lo : seg.hi])
                     rows = [base + start + i * ob for i in range(n)]
                     if layout.slices:
-                        table = footers(rows, layout.slices, seg_keys)
+                        if table is None:  # not checksummed as it was copied
+                            table = footers(rows, layout.slices, seg_keys)
+                        elif table.shape != (n, len(layout.slices)) or table.dtype != "<u4":
+                            raise ValueError(f"the snapshot's footers are {table.dtype} "
+                                            f"{table.shape}; expected <u4 "
+                                            f"{(n, len(layout.slices))}")
                         objects.numpy()[:, pb : pb + layout.footer_bytes] = table.view(np.uint8)
                     keys += seg_keys
                     ptrs += rows

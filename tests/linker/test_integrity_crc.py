@@ -41,3 +41,21 @@ def test_slice_seed_is_zlibs_crc_of_the_name() -> None:
     for key in ("ns/fp.l2/full/0/00ab", "k", ""):
         for j in (0, 1, 47):
             assert integrity.slice_seed(key, j) == zlib.crc32(f"{key}#{j}".encode())
+
+
+@pytest.mark.parametrize("sizes", [[1], [0, 7], [5 * 1024, 64 << 10, 3], [(128 << 10) + 1] * 2])
+def test_copy_checksum_copies_the_pieces_back_to_back_and_checksums_the_copy(
+        sizes: list[int]) -> None:
+    rng = np.random.default_rng(len(sizes))
+    pieces = [rng.integers(0, 256, max(n, 1), dtype=np.uint8) for n in sizes]
+    total = sum(sizes)
+    dst = np.full(total + 8, 0xA5, dtype=np.uint8)
+    for seed in SEEDS:
+        dst[:] = 0xA5
+        got = integrity.copy_checksum(
+            int(dst.ctypes.data), [(int(p.ctypes.data), n) for p, n in zip(pieces, sizes,
+                                                                          strict=True)], seed)
+        want = b"".join(p[:n].tobytes() for p, n in zip(pieces, sizes, strict=True))
+        assert dst[:total].tobytes() == want and bool((dst[total:] == 0xA5).all())
+        assert got == zlib.crc32(want, seed)
+        assert got == integrity.checksums([int(dst.ctypes.data)], total, [seed])[0]

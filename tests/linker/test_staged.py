@@ -12,13 +12,14 @@ import uuid
 import zlib
 from collections.abc import Sequence
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from layerlift.linker.daemon_pool import DaemonPool
-from layerlift.linker.integrity import slice_seed
+from layerlift.linker.integrity import copy_checksum, slice_seed
 from layerlift.linker.master import EmbeddedMaster
 from layerlift.linker.memory_store import MemoryStore
 from layerlift.linker.mooncake_store import MooncakeStore
@@ -188,6 +189,76 @@ def test_a_corrupt_slice_never_reaches_the_destination() -> None:
     assert bool((dest.rows[9] == SENTINEL).all())
     assert bool((dest.rows[7, 1000:2000] == SENTINEL).all())
     assert load.wait_quiet(10.0) and ring.idle()
+
+
+class CheckingSnapshot:
+    """A host snapshot that checksums each slice as it copies it
+    (``integrity.copy_checksum``) and returns the footers; ``spoil``: rows
+    whose returned footer entry for slice 1 is off by one."""
+
+    def __init__(self, src: torch.Tensor, spoil: frozenset[int] = frozenset()) -> None:
+        self.src, self.spoil, self.calls = src, spoil, 0
+
+    def read(self, seg: OffloadSegment, part: OffloadPart, pages: torch.Tensor) -> np.ndarray:
+        self.calls += 1
+        slices = part.layout.slices
+        table = np.empty((seg.rows, len(slices)), dtype="<u4")
+        for i in range(seg.rows):
+            row = seg.lo + i
+            dst, src = int(pages[i].data_ptr()), int(self.src[row].data_ptr())
+            for j, (o, n) in enumerate(slices):
+                crc = copy_checksum(dst + o, [(src + o, n)], slice_seed(part.keys[row], j))
+                table[i, j] = (crc + 1) & 0xFFFFFFFF if j == 1 and row in self.spoil else crc
+        return table
+
+
+def test_footers_a_snapshot_computed_as_it_copied_are_the_ones_stored() -> None:
+    store = MemoryStore()
+    ring = StagingRing(store, 16 << 10)
+    n = 12
+    keys = [f"f/p{i}" for i in range(n)]
+    src = pages(n, 11)
+    snap = CheckingSnapshot(src)
+    off = StagedOffload(ring, store, [OffloadPart(LAYOUT, tuple(keys))], snap, depth=2)
+    assert len(off.chunks) >= 3 and off.run().ok and snap.calls == len(off.chunks)
+    got = torch.zeros(LAYOUT.object_bytes, dtype=torch.uint8)
+    ptr = store.register(got)
+    try:
+        for i, key in enumerate(keys):
+            assert store.get([key], [ptr], [LAYOUT.object_bytes]) == [True]
+            assert bytes(got.numpy()) == encode(key, src[i])
+    finally:
+        store.unregister(ptr)
+    # Negative control: the footers stored are the snapshot's, not recomputed:
+    # one wrong entry fails that slice's check on the load, nothing of it copied.
+    bad = [f"g/p{i}" for i in range(n)]
+    off = StagedOffload(ring, store, [OffloadPart(LAYOUT, tuple(bad))],
+                        CheckingSnapshot(src, frozenset({5})), depth=2)
+    assert off.run().ok
+    dest = Rows(n)
+    load = one_part_load(ring, store, bad, dest)
+    load.fetch_layer(0)
+    with pytest.raises(CorruptSlices) as info:
+        load.fetch_layer(1)
+    assert info.value.keys == (bad[5],)
+    assert bool((dest.rows[5, 1000:2000] == SENTINEL).all())
+    assert load.wait_quiet(10.0) and ring.wait_idle(10.0)
+
+
+def test_footers_of_the_wrong_shape_from_a_snapshot_are_refused() -> None:
+    store = MemoryStore()
+    ring = StagingRing(store, 16 << 10)
+
+    class Short(CheckingSnapshot):
+        def read(self, seg: OffloadSegment, part: OffloadPart,
+                 pages: torch.Tensor) -> np.ndarray:
+            return super().read(seg, part, pages)[:, :2]
+
+    keys = [f"s/p{i}" for i in range(4)]
+    off = StagedOffload(ring, store, [OffloadPart(LAYOUT, tuple(keys))], Short(pages(4, 2)))
+    with pytest.raises(ValueError, match="snapshot's footers"):
+        off.run()
+    assert store.exists(keys) == [False] * 4 and ring.wait_idle(10.0)
 
 
 def test_a_closed_gate_copies_nothing() -> None:

@@ -7,8 +7,9 @@ out. Per offload: one ``exists`` call (objects already stored are not sent
 again: a node that gained a checkpoint sends only the checkpoint), then a
 :class:`~layerlift.linker.staged.StagedOffload` through the offload staging
 ring: per chunk, a copy of the units' bytes into staging while the node is
-still locked, their per-layer CRC-32 footers computed over that copy, one
-``put``; chunks in order, the first failure ends the offload.
+still locked, their per-layer CRC-32 footers computed over that copy (each
+layer's slice as it is copied, still in the cache), one ``put``; chunks in
+order, the first failure ends the offload.
 
 Promises (each a test in ``tests/hosts/sglang_host``):
 
@@ -37,7 +38,6 @@ Promises (each a test in ``tests/hosts/sglang_host``):
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import threading
 import time
@@ -46,8 +46,10 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from layerlift.linker.integrity import copy_checksum, slice_seed
 from layerlift.linker.ring import StagingRing
 from layerlift.linker.staged import (
     DEFAULT_DEPTH,
@@ -141,24 +143,33 @@ class _SlotSnapshot:
     """The staged offload's snapshot (``linker/staged.py``): copy the units'
     page bytes from SGLang's slots into staging, layer-major, under the
     offloader's epoch lock; an offload taken before a ``reset`` is refused
-    there (``_Revoked``) instead of reading slots the reset freed."""
+    there (``_Revoked``) instead of reading slots the reset freed. Each
+    layer's slice is checksummed in staging right after its copy, while it
+    is in the cache (``integrity.copy_checksum``): the footers come back
+    with the bytes, and the transfer does not read the chunk a second time."""
 
     def __init__(self, offloader: Offloader, epoch: int) -> None:
         self.offloader, self.epoch = offloader, epoch
 
-    def read(self, seg: OffloadSegment, part: OffloadPart, pages: torch.Tensor) -> None:
+    def read(self, seg: OffloadSegment, part: OffloadPart, pages: torch.Tensor) -> np.ndarray:
         item: OffloadItem = part.source
+        layers = item.layout.layers
+        assert part.layout.slices == tuple(item.layout.slices)  # slice j: layer j's parts
         base, stride = int(pages.data_ptr()), int(pages.stride(0))
+        keys = part.keys[seg.lo : seg.hi]
+        seeds = [[slice_seed(key, j) for j in range(len(layers))] for key in keys]
+        table = np.empty((seg.rows, len(layers)), dtype="<u4")
         with self.offloader._epoch_lock:
             if self.epoch != self.offloader._epoch:
                 raise _Revoked
             for i in range(seg.rows):
                 at = base + i * stride
                 row = item.rows[seg.lo + i]
-                for lp in item.layout.layers:
-                    for p in lp.parts:
-                        ctypes.memmove(at, p.ptr(row), p.nbytes)
-                        at += p.nbytes
+                for j, lp in enumerate(layers):
+                    table[i, j] = copy_checksum(at, [(p.ptr(row), p.nbytes) for p in lp.parts],
+                                                seeds[i][j])
+                    at += lp.nbytes
+        return table
 
 
 class _DeviceSlotSnapshot:
@@ -189,7 +200,8 @@ class _DeviceSlotSnapshot:
         with self.offloader._epoch_lock:
             if self.epoch != self.offloader._epoch:
                 raise _Revoked
-            self._snapshot.read(seg, part, pages)
+            self._snapshot.read(seg, part, pages)  # footers computed over the pinned copy
+        return None
 
 
 class Offloader:
