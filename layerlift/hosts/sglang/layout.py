@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -37,18 +37,19 @@ __all__ = ["LayerParts", "Part", "PoolLayout", "fingerprint", "mamba_layout", "m
 @dataclass(frozen=True, slots=True)
 class Part:
     """One device tensor a layer's unit spans: ``rows`` consecutive rows of ``tensor``
-    (dim 0 indexes token slots or state slots; rows are contiguous)."""
+    (dim 0 indexes token slots or state slots; rows are contiguous). Its byte
+    sizes are read off the tensor once, here: the per-row loops of a load's
+    scatter and an offload's snapshot use them for every unit of every layer."""
 
     tensor: torch.Tensor
     rows: int
+    row_bytes: int = field(init=False, repr=False, compare=False)
+    nbytes: int = field(init=False, repr=False, compare=False)
 
-    @property
-    def row_bytes(self) -> int:
-        return int(self.tensor.stride(0)) * self.tensor.element_size()
-
-    @property
-    def nbytes(self) -> int:
-        return self.rows * self.row_bytes
+    def __post_init__(self) -> None:
+        row_bytes = int(self.tensor.stride(0)) * self.tensor.element_size()
+        object.__setattr__(self, "row_bytes", row_bytes)
+        object.__setattr__(self, "nbytes", self.rows * row_bytes)
 
     def ptr(self, row: int) -> int:
         """Address of row ``row`` (the first row of a unit)."""
@@ -61,10 +62,16 @@ class LayerParts:
 
     layer: int
     parts: tuple[Part, ...]
+    nbytes: int = field(init=False, repr=False, compare=False)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.parts)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "nbytes", sum(p.nbytes for p in self.parts))
+
+    def spans(self) -> list[tuple[int, int, int]]:
+        """``(base address, row bytes, unit bytes)`` of each part, read once
+        for a loop over many units (a unit at row ``r`` of a part starts at
+        ``base + r * row_bytes``)."""
+        return [(int(p.tensor.data_ptr()), p.row_bytes, p.nbytes) for p in self.parts]
 
 
 @dataclass(frozen=True, slots=True)

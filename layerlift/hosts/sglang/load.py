@@ -186,15 +186,15 @@ class BatchLoad:
     def _scatter(seg: LoadSegment, part: LoadPart, rows: torch.Tensor) -> None:
         """Verified rows from staging into SGLang's slots (under the gate)."""
         item: LoadItem = part.target
-        parts = item.layout.layers[seg.local].parts
+        spans = item.layout.layers[seg.local].spans()  # read off the tensors once
         src = int(rows.data_ptr())
         stride = int(rows.stride(0))
         for i in range(seg.rows):
             at = src + i * stride
             row = item.rows[seg.lo + i]
-            for lp in parts:
-                ctypes.memmove(lp.ptr(row), at, lp.nbytes)
-                at += lp.nbytes
+            for ptr, row_bytes, n in spans:
+                ctypes.memmove(ptr + row * row_bytes, at, n)
+                at += n
 
     @staticmethod
     def _device_scatter(seg: LoadSegment, part: LoadPart, rows: torch.Tensor) -> None:

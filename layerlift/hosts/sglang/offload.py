@@ -156,19 +156,18 @@ class _SlotSnapshot:
         layers = item.layout.layers
         assert part.layout.slices == tuple(item.layout.slices)  # slice j: layer j's parts
         base, stride = int(pages.data_ptr()), int(pages.stride(0))
-        keys = part.keys[seg.lo : seg.hi]
-        seeds = [[slice_seed(key, j) for j in range(len(layers))] for key in keys]
+        spans = [lp.spans() for lp in layers]  # read off the tensors once, not per unit
         table = np.empty((seg.rows, len(layers)), dtype="<u4")
         with self.offloader._epoch_lock:
             if self.epoch != self.offloader._epoch:
                 raise _Revoked
             for i in range(seg.rows):
                 at = base + i * stride
-                row = item.rows[seg.lo + i]
-                for j, lp in enumerate(layers):
-                    table[i, j] = copy_checksum(at, [(p.ptr(row), p.nbytes) for p in lp.parts],
-                                                seeds[i][j])
-                    at += lp.nbytes
+                row, key = item.rows[seg.lo + i], part.keys[seg.lo + i]
+                for j, layer in enumerate(spans):
+                    pieces = [(ptr + row * row_bytes, n) for ptr, row_bytes, n in layer]
+                    table[i, j] = copy_checksum(at, pieces, slice_seed(key, j))
+                    at += layers[j].nbytes
         return table
 
 
