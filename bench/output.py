@@ -13,6 +13,7 @@ results page draws their tables from the JSON too.)
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from collections.abc import Callable, Sequence
@@ -27,8 +28,19 @@ def add_output_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON here")
     ap.add_argument("--markdown", default=None, metavar="PATH",
                     help="write the Markdown table here (the one docs/results.md shows)")
-    ap.add_argument("--plot", default=None, metavar="PATH",
+    ap.add_argument("--plot", default=None, metavar="PATH", type=_plot_path,
                     help="write a PNG plot here (needs matplotlib: the dev extra)")
+
+
+def _plot_path(path: str) -> str:
+    """``--plot``'s check, before a run spends its minutes: matplotlib is there
+    (the hosts' environments do not have it)."""
+    if importlib.util.find_spec("matplotlib") is None:
+        raise argparse.ArgumentTypeError(
+            "needs matplotlib, which this environment lacks (the dev extra: pip install "
+            "matplotlib); or leave --plot out and draw it later with `layerlift bench "
+            "report` from the main environment")
+    return path
 
 
 def command_line(name: str, argv: Sequence[str] | None) -> str:

@@ -101,6 +101,11 @@ def _require(ok: object, what: str) -> None:
         raise RuntimeError(f"bench transfer-sglang: {what}")
 
 
+class OffloadsStalled(RuntimeError):
+    """A linker's offloads of a prompt did not end within ``SETTLE_S``: there
+    is nothing of its to restore, and its rows of the case are not measured."""
+
+
 def _spread(xs: Sequence[float]) -> dict[str, float]:
     return {"min": round(min(xs), 3), "median": round(statistics.median(xs), 3),
             "max": round(max(xs), 3)}  # fmt: skip
@@ -187,7 +192,11 @@ class Case:
         try:
             producer.compute(tokens, [self.n])
             offload = _Clock(*producer.insert_clock)
-            producer.settle_offloads(timeout_s=SETTLE_S)
+            try:
+                producer.settle_offloads(timeout_s=SETTLE_S)
+            except RuntimeError as exc:  # the harness's "N offload(s) still pending"
+                raise OffloadsStalled(f"{NAMES[name]}'s offloads of a prompt did not end "
+                                      f"within {SETTLE_S:g} s ({exc})") from exc
             off = offload.stop(self.offload_bytes)
             adm = consumer.admit([*tokens, 1])
             _require(adm.restore.loaded_tokens == self.n,
@@ -224,29 +233,39 @@ class Case:
 
 
 def measure(case: Case, repeats: int) -> dict[str, Any]:
-    """Round -1 warms up (checked, not timed); then ``repeats`` rounds of the rotated units."""
+    """Round -1 warms up (checked, not timed); then ``repeats`` rounds of the
+    rotated units. A linker whose offloads stall (:class:`OffloadsStalled`)
+    leaves the case: its rows are ``not measured`` with the reason, in every
+    round (ratios stay paired over the same rounds)."""
     units: dict[str, Callable[[], dict[str, tuple[float, float]]]] = {
         "raw": case.raw_unit, **{name: partial(case.linker_unit, name) for name in LINKERS}}
     order = list(units)
     runs: list[dict[str, tuple[float, float]]] = []
+    stalled: dict[str, str] = {}
     for rep in range(-1, repeats):
         got: dict[str, tuple[float, float]] = {}
         for unit in order[rep % len(order):] + order[: rep % len(order)]:
-            got.update(units[unit]())
+            if unit in stalled:
+                continue
+            try:
+                got.update(units[unit]())
+            except OffloadsStalled as exc:
+                print(f"    {exc}: not measured", flush=True)
+                stalled[unit] = str(exc)
         if rep >= 0:
             runs.append(got)
+    measured = [n for n in LINKERS if n not in stalled]
 
     def of(key: str, i: int = 0) -> list[float]:
         return [r[key][i] for r in runs]
 
-    loads = {RAW_LOAD: RAW_LOAD, **{NAMES[n]: n for n in LINKERS}}
-    offloads = {RAW_PUT: RAW_PUT, **{NAMES[n]: f"{n} offload" for n in LINKERS}}
-    ours, theirs = LINKERS
+    loads = {RAW_LOAD: RAW_LOAD, **{NAMES[n]: n for n in measured}}
+    offloads = {RAW_PUT: RAW_PUT, **{NAMES[n]: f"{n} offload" for n in measured}}
 
     def ratio(a: str, b: str) -> dict[str, float]:
         return _spread([x / y for x, y in zip(of(a), of(b), strict=True)])
 
-    return {
+    out: dict[str, Any] = {
         "tokens": case.n, "page": case.shape.page_size, "repeats": repeats,
         "load_bytes": case.load_bytes, "offload_bytes": case.offload_bytes,
         "raw_bytes": case.raw.payload,
@@ -256,9 +275,13 @@ def measure(case: Case, repeats: int) -> dict[str, Any]:
         "offloads": {label: _spread(of(k)) for label, k in offloads.items()},
         "offloads / raw": {label: ratio(k, RAW_PUT) for label, k in offloads.items()},
         "offloads cores": {label: _spread(of(k, 1)) for label, k in offloads.items()},
-        "LayerLift / MooncakeDirectLinker": {
-            "load": ratio(ours, theirs), "offload": ratio(f"{ours} offload", f"{theirs} offload")},
+        "not measured": {NAMES[n]: why for n, why in stalled.items()},
     }  # fmt: skip
+    if not stalled:
+        ours, theirs = LINKERS
+        out["LayerLift / MooncakeDirectLinker"] = {
+            "load": ratio(ours, theirs), "offload": ratio(f"{ours} offload", f"{theirs} offload")}
+    return out
 
 
 def run_cases(raw_store: Store, args: argparse.Namespace,
@@ -360,11 +383,13 @@ def render_table(record: dict[str, Any]) -> str:
                   "|---|---|---|---|---|---|---|"]
         for link, cases in record["links"].items():
             for case, c in cases.items():
+                paired = c.get("LayerLift / MooncakeDirectLinker")
                 for row, g in c[kind].items():
-                    vs = (_q(c["LayerLift / MooncakeDirectLinker"][kind[:-1]])
-                          if row == "LayerLiftLinker" else "")
+                    vs = _q(paired[kind[:-1]]) if paired and row == "LayerLiftLinker" else ""
                     lines.append(f"| {link} | {case} | {row} | {_q(g)} | {_q(c[ratio][row])} | "
                                  f"{vs} | {c[kind + ' cores'][row]['median']:.2f} |")
+                for row, why in c.get("not measured", {}).items():
+                    lines.append(f"| {link} | {case} | {row} | not measured: {why} | | | |")
         lines.append("")
     lines.append(f"{record.get('layout', '')}; {record.get('timing', '')}.")
     return "\n".join(lines)
@@ -381,11 +406,12 @@ def plot_record(record: dict[str, Any], path: str) -> None:
               for case, c in cases.items()]
     fig, axes = plt.subplots(1, 2, figsize=(max(8, 2.4 * len(groups)), 4))
     for ax, kind in zip(axes, ("loads", "offloads"), strict=True):
-        rows = list(groups[0][2][kind])
+        rows = list(dict.fromkeys(row for _, _, c in groups for row in c[kind]))
         width = 0.8 / len(rows)
-        for k, row in enumerate(rows):
+        for k, row in enumerate(rows):  # a row not measured in a case: no bar there
             ax.bar([i + k * width for i in range(len(groups))],
-                   [c[kind][row]["median"] for _, _, c in groups], width, label=row)
+                   [c[kind][row]["median"] if row in c[kind] else 0.0 for _, _, c in groups],
+                   width, label=row)
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))],
                       [f"{link.replace('mooncake-tcp-', '')}\n{case}" for link, case, _ in groups],
                       fontsize=7)

@@ -3,6 +3,7 @@ docs/results.md is what the JSON records give (regenerate: `layerlift bench repo
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -30,6 +31,22 @@ def test_every_benchmark_takes_the_same_output_options(
 def test_unknown_benchmark_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "nonsense"]) == 2
     assert "choose from ttft" in capsys.readouterr().err
+
+
+def test_plot_without_matplotlib_is_refused_before_the_run(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # The hosts' environments have no matplotlib: a run asked for a plot
+    # there must stop at once, not after its minutes of measuring.
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    js = tmp_path / "p.json"
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "pools", "--requests", "40", "--json", str(js),
+              "--plot", str(tmp_path / "p.png")])
+    assert exc.value.code == 2
+    assert "needs matplotlib, which this environment lacks" in capsys.readouterr().err
+    assert not js.exists()
 
 
 def test_a_run_writes_its_record_table_and_plot(tmp_path: Path) -> None:

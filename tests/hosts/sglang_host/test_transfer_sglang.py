@@ -70,3 +70,26 @@ def test_a_restore_that_is_not_exact_ends_the_run(monkeypatch: pytest.MonkeyPatc
     with pytest.raises(RuntimeError, match="loaded wrong bytes into layer 5"):
         transfer_sglang.main([*SMALL, "--json", str(out)])
     assert not out.exists()
+
+
+def test_a_linker_whose_offloads_never_end_is_reported_not_measured(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # As SGLang's linker did over a 10 Gbit namespace link: its offloads of a
+    # prompt still pending after the bound. The run goes on with the others.
+    real = SGLangHost.settle_offloads
+
+    def stalls_for_sglangs_linker(self: SGLangHost, timeout_s: float = 30.0) -> int:
+        if type(self.linker).__name__ == "MooncakeDirectLinker":
+            raise RuntimeError("2 offload(s) still pending")
+        return real(self, timeout_s)
+
+    monkeypatch.setattr(SGLangHost, "settle_offloads", stalls_for_sglangs_linker)
+    out = tmp_path / "stalled.json"
+    assert transfer_sglang.main([*SMALL, "--json", str(out)]) == 0
+    case = json.loads(out.read_text())["links"]["mooncake-tcp-loopback"]["512 tokens, page 64"]
+    assert list(case["loads"]) == ["raw ranged d4", "LayerLiftLinker"]
+    assert list(case["offloads"]) == ["raw put", "LayerLiftLinker"]
+    assert "did not end within" in case["not measured"]["MooncakeDirectLinker"]
+    assert "LayerLift / MooncakeDirectLinker" not in case
+    table = render(json.loads(out.read_text()))
+    assert "| MooncakeDirectLinker | not measured: MooncakeDirectLinker's offloads" in table
