@@ -20,14 +20,16 @@ import re
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from layerlift.testing.netns import NetnsHosts
 
 __all__ = [
-    "RPC_PORT", "emulated_twin", "is_netns", "netns_cluster", "rate_gbps", "run_in_engine_host",
+    "RPC_PORT", "emulated_twin", "engine_host_json", "is_netns", "netns_cluster", "per_link",
+    "rate_gbps", "run_in_engine_host",
     "run_netns_link",
 ]  # fmt: skip
 
@@ -121,6 +123,34 @@ def run_in_engine_host(hosts: NetnsHosts, argv: list[str], workdir: str) -> int:
     return hosts.popen("engine", argv, env=env, stdout=subprocess.DEVNULL, cwd=workdir).wait()
 
 
+def per_link(loopback: Callable[[], Any] | None, rates: Sequence[str],
+             over: Callable[[str], Any]) -> dict[str, Any]:
+    """A benchmark's result per link, labelled as its record names them:
+    ``mooncake-tcp-loopback`` (``loopback()``, unless None), then
+    ``mooncake-tcp-netns RATE`` (``over(RATE)``) for each of ``rates``; each
+    label printed as its link starts."""
+    links: dict[str, Any] = {}
+    runs = ([("mooncake-tcp-loopback", loopback)] if loopback is not None else []) + [
+        (f"mooncake-tcp-netns {rate}", partial(over, rate)) for rate in rates]
+    for label, run in runs:
+        print(label, flush=True)
+        links[label] = run()
+    return links
+
+
+def engine_host_json(hosts: NetnsHosts, argv: list[str], workdir: str, out: Path) -> Any:
+    """Run `argv` (a benchmark that writes its JSON to `out`) on the engine
+    host; what it wrote. RuntimeError with its exit status and the tail of the
+    servers' log (`workdir`/servers.log) when it wrote nothing."""
+    status = run_in_engine_host(hosts, argv, workdir)
+    if not out.exists():
+        log_path = Path(workdir) / "servers.log"
+        log = log_path.read_text(errors="replace")[-2000:] if log_path.exists() else ""
+        raise RuntimeError(f"the benchmark on the engine host exited with {status}; "
+                           f"servers' log: {log}")
+    return json.loads(out.read_text())
+
+
 def run_netns_link(link: str, args: argparse.Namespace, segment_bytes: int) -> list[dict[str, Any]]:
     """Run the grid of `args` over ``netns:RATE``; the points, labelled with the link."""
     rate = link.removeprefix("netns:")
@@ -130,10 +160,8 @@ def run_netns_link(link: str, args: argparse.Namespace, segment_bytes: int) -> l
         netns_cluster(rate, segment_bytes, tmp) as (hosts, master),
     ):
         out = Path(tmp) / "points.json"
-        status = run_in_engine_host(hosts, _child_argv(args, master, out), tmp)
-        if not out.exists():
-            raise RuntimeError(f"the benchmark on the engine host exited with {status}")
-        points: list[dict[str, Any]] = json.loads(out.read_text())["points"]
+        points: list[dict[str, Any]] = engine_host_json(
+            hosts, _child_argv(args, master, out), tmp, out)["points"]
     label = f"mooncake-tcp-netns {rate}"
     for p in points:
         p["link"] = label

@@ -307,7 +307,7 @@ def _netem(hosts: Any, label: str, rate: str, delay_ms: float) -> None:
 
 def netns_points(link: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     """The timing points over ``netns:RATE[+DELAYms]`` (see the module docstring)."""
-    from layerlift.bench.netns_link import netns_cluster, run_in_engine_host
+    from layerlift.bench.netns_link import engine_host_json, netns_cluster
 
     _, rate, delay_ms = parse_link(link)
     assert rate is not None
@@ -321,12 +321,7 @@ def netns_points(link: str, args: argparse.Namespace) -> list[dict[str, Any]]:
                 "--layout", args.layout, "--prompt-tokens", str(args.prompt_tokens),
                 "--compute-ms", str(args.compute_ms),
                 "--child-master", master, "--child-json", str(out)]
-        status = run_in_engine_host(hosts, argv, tmp)
-        if not out.exists():
-            log = (Path(tmp) / "servers.log").read_text(errors="replace")[-2000:]
-            raise RuntimeError(f"the benchmark on the engine host exited with {status}; "
-                               f"servers' log: {log}")
-        points: list[dict[str, Any]] = json.loads(out.read_text())["timing"]
+        points: list[dict[str, Any]] = engine_host_json(hosts, argv, tmp, out)["timing"]
     for p in points:
         p["link"] = link
     return points

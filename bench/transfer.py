@@ -65,7 +65,7 @@ import numpy as np
 import torch
 
 from layerlift.bench.args import BenchParser, int_at_least, int_list
-from layerlift.bench.netns_link import rate_arg
+from layerlift.bench.netns_link import per_link, rate_arg
 from layerlift.bench.output import add_output_options, write_outputs
 from layerlift.bench.results import plot, render
 from layerlift.bench.transfer_profile import PARTS as PROFILE_PARTS
@@ -499,17 +499,14 @@ def run_cluster(master: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_netns(rate: str, args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
-    from layerlift.bench.netns_link import netns_cluster, run_in_engine_host
+    from layerlift.bench.netns_link import engine_host_json, netns_cluster
 
     with tempfile.TemporaryDirectory(prefix="layerlift-transfer-") as tmp, netns_cluster(
             rate, _segment(args), tmp) as (hosts, master):
         out = Path(tmp) / "transfer.json"
         child = [sys.executable, "-m", "layerlift.bench.transfer", *_child_args(argv),
                  "--cluster", master, "--json", str(out)]
-        status = run_in_engine_host(hosts, child, tmp)
-        if not out.exists():
-            raise RuntimeError(f"the transfer benchmark on the engine host exited with {status}")
-        cases: dict[str, Any] = json.loads(out.read_text())["cases"]
+        cases: dict[str, Any] = engine_host_json(hosts, child, tmp, out)["cases"]
         return cases
 
 
@@ -636,14 +633,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.json is not None:
             Path(args.json).write_text(json.dumps({"cases": cases}))
         return 0
-    links: dict[str, Any] = {}
-    if not args.no_loopback:
-        print("mooncake-tcp-loopback", flush=True)
-        links["mooncake-tcp-loopback"] = run_loopback(args)
-    for rate in args.netns:
-        label = f"mooncake-tcp-netns {rate}"
-        print(label, flush=True)
-        links[label] = run_netns(rate, args, raw)
+    links = per_link(None if args.no_loopback else partial(run_loopback, args), args.netns,
+                     partial(run_netns, args=args, argv=raw))
     report: dict[str, Any] = {
         "links": links,
         "layout": f"{args.layers} layers x {args.kv_heads} KV heads x {args.head_dim}, bf16, "

@@ -67,7 +67,7 @@ from pathlib import Path
 from typing import Any
 
 from layerlift.bench.args import BenchParser, int_at_least, int_list
-from layerlift.bench.netns_link import rate_arg
+from layerlift.bench.netns_link import per_link, rate_arg
 from layerlift.bench.output import add_output_options, write_outputs
 from layerlift.bench.results import plot, render
 from layerlift.bench.sglang_setup import (
@@ -348,7 +348,7 @@ def run_cluster(master: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_netns(rate: str, args: argparse.Namespace) -> dict[str, Any]:
-    from layerlift.bench.netns_link import netns_cluster, run_in_engine_host
+    from layerlift.bench.netns_link import engine_host_json, netns_cluster
 
     segment = SEGMENT_CAP_MIB << 20
     with tempfile.TemporaryDirectory(prefix="layerlift-transfer-sglang-") as tmp, netns_cluster(
@@ -359,12 +359,7 @@ def run_netns(rate: str, args: argparse.Namespace) -> dict[str, Any]:
                  "--page-sizes", ",".join(map(str, args.page_sizes)),
                  "--repeats", str(args.repeats), "--timeout", str(args.timeout),
                  "--cluster", master, "--json", str(out)]
-        status = run_in_engine_host(hosts, child, tmp)
-        if not out.exists():
-            log = (Path(tmp) / "servers.log").read_text(errors="replace")[-2000:]
-            raise RuntimeError(f"the benchmark on the engine host exited with {status}; "
-                               f"servers' log: {log}")
-        cases: dict[str, Any] = json.loads(out.read_text())["cases"]
+        cases: dict[str, Any] = engine_host_json(hosts, child, tmp, out)["cases"]
         return cases
 
 
@@ -449,14 +444,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.json is not None:
             Path(args.json).write_text(json.dumps({"cases": cases}))
         return 0
-    links: dict[str, Any] = {}
-    if not args.no_loopback:
-        print("mooncake-tcp-loopback", flush=True)
-        links["mooncake-tcp-loopback"] = run_loopback(args)
-    for rate in args.netns:
-        label = f"mooncake-tcp-netns {rate}"
-        print(label, flush=True)
-        links[label] = run_netns(rate, args)
+    links = per_link(None if args.no_loopback else partial(run_loopback, args), args.netns,
+                     partial(run_netns, args=args))
     report: dict[str, Any] = {
         "links": links,
         "layout": "SGLang 0.5.23's real cache on CPU: 32 layers (30 full attention, one "
