@@ -28,7 +28,7 @@ from typing import Any
 from layerlift.testing.netns import NetnsHosts
 
 __all__ = [
-    "RPC_PORT", "emulated_twin", "engine_host_json", "is_netns", "netns_cluster", "per_link",
+    "RPC_PORT", "add_link_options", "emulated_twin", "engine_host_json", "is_netns", "netns_cluster", "per_link",
     "rate_gbps", "run_in_engine_host",
     "run_netns_link",
 ]  # fmt: skip
@@ -121,6 +121,18 @@ def run_in_engine_host(hosts: NetnsHosts, argv: list[str], workdir: str) -> int:
     """Run `argv` on the engine host to completion; its exit status."""
     env = {**os.environ, "MC_LOG_LEVEL": "ERROR", "GLOG_minloglevel": "2"}
     return hosts.popen("engine", argv, env=env, stdout=subprocess.DEVNULL, cwd=workdir).wait()
+
+
+def add_link_options(parser: argparse.ArgumentParser) -> None:
+    """The link options of a benchmark run on loopback and namespace links
+    (read back by :func:`per_link`): ``--netns RATE`` (repeatable),
+    ``--no-loopback``, and the hidden ``--cluster`` its child on the engine
+    host takes."""
+    parser.add_argument("--netns", type=rate_arg, action="append", default=[], metavar="RATE",
+                        help="also over a namespace link throttled to RATE (e.g. 10gbit, "
+                             "1gbit; repeatable; needs root)")
+    parser.add_argument("--no-loopback", action="store_true", help="only the --netns links")
+    parser.add_argument("--cluster", default=None, help=argparse.SUPPRESS)  # on the engine host
 
 
 def per_link(loopback: Callable[[], Any] | None, rates: Sequence[str],

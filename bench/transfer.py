@@ -65,7 +65,7 @@ import numpy as np
 import torch
 
 from layerlift.bench.args import BenchParser, int_at_least, int_list
-from layerlift.bench.netns_link import per_link, rate_arg
+from layerlift.bench.netns_link import add_link_options, per_link
 from layerlift.bench.output import add_output_options, write_outputs
 from layerlift.bench.results import plot, render
 from layerlift.bench.transfer_profile import PARTS as PROFILE_PARTS
@@ -616,12 +616,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int_at_least(1), default=5, help="repeats per mode")
     parser.add_argument("--timeout", type=float, default=120.0,
                         help="the store's timeout per call (s)")
-    parser.add_argument("--netns", type=rate_arg, action="append", default=[], metavar="RATE",
-                        help="also over a namespace link throttled to RATE (e.g. 10gbit, "
-                             "1gbit; repeatable; needs root)")
-    parser.add_argument("--no-loopback", action="store_true",
-                        help="only the --netns links")
-    parser.add_argument("--cluster", default=None, help=argparse.SUPPRESS)  # on the engine host
+    add_link_options(parser)
     return parser
 
 

@@ -67,7 +67,7 @@ from pathlib import Path
 from typing import Any
 
 from layerlift.bench.args import BenchParser, int_at_least, int_list
-from layerlift.bench.netns_link import per_link, rate_arg
+from layerlift.bench.netns_link import add_link_options, per_link
 from layerlift.bench.output import add_output_options, write_outputs
 from layerlift.bench.results import plot, render
 from layerlift.bench.sglang_setup import (
@@ -428,11 +428,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int_at_least(1), default=5, help="rounds per case")
     parser.add_argument("--timeout", type=float, default=60.0,
                         help="the stores' timeout per call (s)")
-    parser.add_argument("--netns", type=rate_arg, action="append", default=[], metavar="RATE",
-                        help="also over a namespace link throttled to RATE (e.g. 10gbit; "
-                             "repeatable; needs root)")
-    parser.add_argument("--no-loopback", action="store_true", help="only the --netns links")
-    parser.add_argument("--cluster", default=None, help=argparse.SUPPRESS)  # on the engine host
+    add_link_options(parser)
     return parser
 
 
