@@ -577,6 +577,24 @@ def render_table(record: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def bar_groups(ax: Any, record: dict[str, Any], kind: str) -> None:
+    """On ``ax``, the median GB/s of every row of ``kind`` (``loads`` or
+    ``offloads``), one group of bars per link and case of ``record``; a row a
+    case did not measure has no bar there."""
+    groups = [(link, case, c) for link, cases in record["links"].items()
+              for case, c in cases.items()]
+    rows = list(dict.fromkeys(row for _, _, c in groups for row in c[kind]))
+    width = 0.8 / len(rows)
+    for k, row in enumerate(rows):
+        ax.bar([i + k * width for i in range(len(groups))],
+               [c[kind][row]["median"] if row in c[kind] else 0.0 for _, _, c in groups],
+               width, label=row)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))],
+                  [f"{link.replace('mooncake-tcp-', '')}\n{case}" for link, case, _ in groups],
+                  fontsize=7)
+    ax.set_ylabel("GB/s (median)")
+
+
 def plot_record(record: dict[str, Any], path: str) -> None:
     """Median GB/s of every load mode, one group per link and case."""
     import matplotlib
@@ -584,18 +602,9 @@ def plot_record(record: dict[str, Any], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups = [(link, case, c) for link, cases in record["links"].items()
-              for case, c in cases.items()]
-    modes = list(groups[0][2]["loads"])
-    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(groups)), 4))
-    width = 0.8 / len(modes)
-    for k, mode in enumerate(modes):
-        ax.bar([i + k * width for i in range(len(groups))],
-               [c["loads"][mode]["median"] for _, _, c in groups], width, label=mode)
-    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))],
-                  [f"{link.replace('mooncake-tcp-', '')}\n{case}" for link, case, _ in groups],
-                  fontsize=7)
-    ax.set_ylabel("GB/s (median)")
+    groups = sum(len(cases) for cases in record["links"].values())
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * groups), 4))
+    bar_groups(ax, record, "loads")
     ax.set_title("Loads: LayerLift's staged transfer against raw Mooncake reads")
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()

@@ -83,7 +83,7 @@ from layerlift.bench.sglang_setup import (
     segment_mib,
     shape_for,
 )
-from layerlift.bench.transfer import Bench, Layout
+from layerlift.bench.transfer import Bench, Layout, bar_groups
 from layerlift.linker.master import EmbeddedMaster
 from layerlift.linker.mooncake_config import MooncakeConfig
 from layerlift.linker.mooncake_store import MooncakeStore
@@ -397,20 +397,10 @@ def plot_record(record: dict[str, Any], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups = [(link, case, c) for link, cases in record["links"].items()
-              for case, c in cases.items()]
-    fig, axes = plt.subplots(1, 2, figsize=(max(8, 2.4 * len(groups)), 4))
+    groups = sum(len(cases) for cases in record["links"].values())
+    fig, axes = plt.subplots(1, 2, figsize=(max(8, 2.4 * groups), 4))
     for ax, kind in zip(axes, ("loads", "offloads"), strict=True):
-        rows = list(dict.fromkeys(row for _, _, c in groups for row in c[kind]))
-        width = 0.8 / len(rows)
-        for k, row in enumerate(rows):  # a row not measured in a case: no bar there
-            ax.bar([i + k * width for i in range(len(groups))],
-                   [c[kind][row]["median"] if row in c[kind] else 0.0 for _, _, c in groups],
-                   width, label=row)
-        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))],
-                      [f"{link.replace('mooncake-tcp-', '')}\n{case}" for link, case, _ in groups],
-                      fontsize=7)
-        ax.set_ylabel("GB/s (median)")
+        bar_groups(ax, record, kind)
         ax.set_title(f"SGLang's linkers: {kind}")
         ax.legend(fontsize=7)
     fig.tight_layout()
