@@ -9,6 +9,7 @@ and never less than ``max(Σa + c_last, a_0 + Σc)`` (the bound). The fixed over
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,7 +20,7 @@ from layerlift.bench.report import STRATEGIES
 from layerlift.bench.stores import Point
 
 __all__ = ["KL_TOL", "Samples", "efficiency", "lower_bound", "paired_ratio_ci", "percentile_ci",
-           "recurrence", "summarize", "verdict"]
+           "recurrence", "spread", "summarize", "verdict"]
 
 KL_TOL = 1e-9
 
@@ -44,6 +45,13 @@ class Samples:
 
 def pct(xs: Sequence[float], q: float) -> float:
     return float(np.percentile(np.asarray(xs, dtype=np.float64), q))
+
+
+def spread(xs: Sequence[float]) -> dict[str, float]:
+    """``min``, ``median`` and ``max`` of ``xs``, to three decimals (the
+    transfer benchmarks' cells)."""
+    return {"min": round(min(xs), 3), "median": round(statistics.median(xs), 3),
+            "max": round(max(xs), 3)}  # fmt: skip
 
 
 def ratio(num: float, den: float) -> float | None:

@@ -26,11 +26,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -41,6 +40,7 @@ from layerlift.bench.args import BenchParser, int_at_least
 from layerlift.bench.netns_link import rate_arg
 from layerlift.bench.output import add_output_options, write_outputs
 from layerlift.bench.results import plot, render
+from layerlift.bench.stats import spread
 from layerlift.linker.master import EmbeddedMaster
 from layerlift.linker.mooncake_config import MooncakeConfig
 from layerlift.linker.mooncake_store import MooncakeStore
@@ -56,11 +56,6 @@ MODES = ("whole", "ranged d1", f"ranged d{DEPTH}")
 def layer_bytes(page_size: int) -> int:
     """K+V bytes of one layer of one page."""
     return 2 * page_size * KV_HEADS * HEAD_DIM * DTYPE_BYTES
-
-
-def _spread(xs: Sequence[float]) -> dict[str, float]:
-    return {"min": round(min(xs), 3), "median": round(statistics.median(xs), 3),
-            "max": round(max(xs), 3)}  # fmt: skip
 
 
 class _Reads:
@@ -139,11 +134,11 @@ def measure(
     gbps = {m: [nbytes / s / 1e9 for s in seconds[m]] for m in MODES}
     out: dict[str, Any] = {
         "objects": n, "object_bytes": obj, "layer_piece_bytes": piece, "total_bytes": nbytes,
-        "repeats": repeats, "gbps": {m: _spread(gbps[m]) for m in MODES},
+        "repeats": repeats, "gbps": {m: spread(gbps[m]) for m in MODES},
     }  # fmt: skip
     for mode in MODES[1:]:
         paired = [r / w for r, w in zip(gbps[mode], gbps[MODES[0]], strict=True)]
-        out[f"{mode} / whole"] = _spread(paired)
+        out[f"{mode} / whole"] = spread(paired)
     return out
 
 

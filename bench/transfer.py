@@ -50,7 +50,6 @@ import argparse
 import asyncio
 import ctypes
 import json
-import statistics
 import sys
 import tempfile
 import time
@@ -68,6 +67,7 @@ from layerlift.bench.args import BenchParser, int_at_least, int_list
 from layerlift.bench.netns_link import add_link_options, per_link
 from layerlift.bench.output import add_output_options, write_outputs
 from layerlift.bench.results import plot, render
+from layerlift.bench.stats import spread
 from layerlift.bench.transfer_profile import PARTS as PROFILE_PARTS
 from layerlift.bench.transfer_profile import profiled
 from layerlift.linker import staged_load
@@ -124,11 +124,6 @@ def _require(ok: object, what: str) -> None:
     """A measured run that did not do its job ends the benchmark (also under ``-O``)."""
     if not ok:
         raise RuntimeError(f"bench transfer: {what}")
-
-
-def _spread(xs: Sequence[float]) -> dict[str, float]:
-    return {"min": round(min(xs), 3), "median": round(statistics.median(xs), 3),
-            "max": round(max(xs), 3)}  # fmt: skip
 
 
 class _Rows:
@@ -415,7 +410,7 @@ def _timed(modes: dict[str, Callable[[], None]], repeats: int, after: Callable[[
 
 
 def _ratios(gbps: dict[str, list[float]], base: Callable[[str], str]) -> dict[str, Any]:
-    return {m: _spread([x / y for x, y in zip(v, gbps[base(m)], strict=True)])
+    return {m: spread([x / y for x, y in zip(v, gbps[base(m)], strict=True)])
             for m, v in gbps.items()}
 
 
@@ -449,13 +444,13 @@ def measure(store: Store, layout: Layout, tokens: int, repeats: int,
     return {
         "objects": b.n, "object_bytes": layout.object_bytes, "slice_bytes": layout.slice,
         "payload_bytes": b.payload, "repeats": repeats,
-        "loads": {m: _spread(v) for m, v in load_gbps.items()},
+        "loads": {m: spread(v) for m, v in load_gbps.items()},
         "loads / ranged": _ratios(load_gbps, _ranged_of),
         "loads / whole": _ratios(load_gbps, lambda m: "raw whole"),
-        "loads cores": {m: _spread(v) for m, v in load_cores.items()},
-        "offloads": {m: _spread(v) for m, v in off_gbps.items()},
+        "loads cores": {m: spread(v) for m, v in load_cores.items()},
+        "offloads": {m: spread(v) for m, v in off_gbps.items()},
         "offloads / raw put": _ratios(off_gbps, lambda m: "raw put"),
-        "offloads cores": {m: _spread(v) for m, v in off_cores.items()},
+        "offloads cores": {m: spread(v) for m, v in off_cores.items()},
         "profile": profile,
     }  # fmt: skip
 

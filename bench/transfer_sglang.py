@@ -55,12 +55,11 @@ import gc
 import json
 import os
 import random
-import statistics
 import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from functools import partial
 from pathlib import Path
@@ -83,12 +82,13 @@ from layerlift.bench.sglang_setup import (
     segment_mib,
     shape_for,
 )
+from layerlift.bench.stats import spread
 from layerlift.bench.transfer import Bench, Layout, bar_groups
 from layerlift.linker.master import EmbeddedMaster
 from layerlift.linker.mooncake_config import MooncakeConfig
 from layerlift.linker.mooncake_store import MooncakeStore
 from layerlift.linker.store_base import Store
-from layerlift.testing.sglang_harness import SGLangHost, same_bytes
+from layerlift.testing.sglang_harness import HybridShape, SGLangHost, same_bytes
 
 __all__ = ["build_parser", "main", "render_table"]
 
@@ -106,11 +106,6 @@ class OffloadsStalled(RuntimeError):
     is nothing of its to restore, and its rows of the case are not measured."""
 
 
-def _spread(xs: Sequence[float]) -> dict[str, float]:
-    return {"min": round(min(xs), 3), "median": round(statistics.median(xs), 3),
-            "max": round(max(xs), 3)}  # fmt: skip
-
-
 class _Clock:
     """Wall and CPU time of one step: ``(gbps, cores)`` for ``nbytes``."""
 
@@ -118,9 +113,13 @@ class _Clock:
         self.wall = time.perf_counter() if wall is None else wall
         self.cpu = time.process_time() if cpu is None else cpu
 
+    def elapsed(self) -> tuple[float, float]:
+        """Wall and CPU seconds since the start."""
+        return time.perf_counter() - self.wall, time.process_time() - self.cpu
+
     def stop(self, nbytes: int) -> tuple[float, float]:
-        wall = time.perf_counter() - self.wall
-        return nbytes / wall / 1e9, (time.process_time() - self.cpu) / wall
+        wall, cpu = self.elapsed()
+        return nbytes / wall / 1e9, cpu / wall
 
 
 class Case:
@@ -138,8 +137,7 @@ class Case:
         self.load_bytes = 0  # what one restore landed: counted by the first check
         self.put_store = put_store
         with ExitStack() as stack:
-            self.raw = Bench(raw_store, Layout(len(self.shape.kinds), self.shape.head_num,
-                                               self.shape.head_dim, 2, page), self.n, timeout_s)
+            self.raw = Bench(raw_store, _raw_layout(self.shape), self.n, timeout_s)
             stack.callback(self.raw.close)
             if shared_master:
                 self.raw.remove_objects()  # put again by each raw unit
@@ -205,8 +203,7 @@ class Case:
             consumer.start_loads()
             consumer.forward(adm, read=False)
             consumer.finish([adm])
-            wall = time.perf_counter() - clock.wall
-            cpu = time.process_time() - clock.cpu
+            wall, cpu = clock.elapsed()  # its bytes are counted by the check, after
             _require(adm.restore.ok, f"{NAMES[name]}'s load failed")
             self.load_bytes = self._check(consumer, adm.restore.tail, adm.restore.mamba_slot,
                                           tokens, name)
@@ -263,18 +260,18 @@ def measure(case: Case, repeats: int) -> dict[str, Any]:
     offloads = {RAW_PUT: RAW_PUT, **{NAMES[n]: f"{n} offload" for n in measured}}
 
     def ratio(a: str, b: str) -> dict[str, float]:
-        return _spread([x / y for x, y in zip(of(a), of(b), strict=True)])
+        return spread([x / y for x, y in zip(of(a), of(b), strict=True)])
 
     out: dict[str, Any] = {
         "tokens": case.n, "page": case.shape.page_size, "repeats": repeats,
         "load_bytes": case.load_bytes, "offload_bytes": case.offload_bytes,
         "raw_bytes": case.raw.payload,
-        "loads": {label: _spread(of(k)) for label, k in loads.items()},
+        "loads": {label: spread(of(k)) for label, k in loads.items()},
         "loads / raw": {label: ratio(k, RAW_LOAD) for label, k in loads.items()},
-        "loads cores": {label: _spread(of(k, 1)) for label, k in loads.items()},
-        "offloads": {label: _spread(of(k)) for label, k in offloads.items()},
+        "loads cores": {label: spread(of(k, 1)) for label, k in loads.items()},
+        "offloads": {label: spread(of(k)) for label, k in offloads.items()},
         "offloads / raw": {label: ratio(k, RAW_PUT) for label, k in offloads.items()},
-        "offloads cores": {label: _spread(of(k, 1)) for label, k in offloads.items()},
+        "offloads cores": {label: spread(of(k, 1)) for label, k in offloads.items()},
         "not measured": {NAMES[n]: why for n, why in stalled.items()},
     }  # fmt: skip
     if not stalled:
@@ -304,9 +301,17 @@ def run_cases(raw_store: Store, args: argparse.Namespace,
     return out
 
 
+def _raw_layout(shape: HybridShape) -> Layout:
+    """The raw rows' objects: every layer of a page, bf16, as ``bench transfer`` lays them."""
+    return Layout(len(shape.kinds), shape.head_num, shape.head_dim, 2, shape.page_size)
+
+
 def _raw_segment(args: argparse.Namespace) -> int:
-    biggest = max(args.tokens) * 32 * 2 * 8 * 128 * 2
-    return int(2.5 * biggest) + (256 << 20)  # the raw objects, a raw put in flight, slack
+    """The raw client's segment: its objects and a raw put in flight of the
+    biggest case, with slack."""
+    biggest = max(_raw_layout(shape_for(page, "real", tokens)).object_bytes * (tokens // page)
+                  for tokens in args.tokens for page in args.page_sizes)
+    return int(2.5 * biggest) + (256 << 20)
 
 
 @contextmanager
