@@ -21,6 +21,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                  "LayerLift's staged transfer vs raw Mooncake reads and puts at a real size"),
     "transfer-sglang": ("layerlift.bench.transfer_sglang",
                         "SGLang's two linkers' loads and offloads beside raw Mooncake (.venv-sglang)"),
+    "transfer-vllm": ("layerlift.bench.transfer_vllm",
+                      "LayerLift's vLLM worker's restores and saves beside raw Mooncake"),
     "sched": ("layerlift.bench.sched", "the load scheduler alone, loads and computes that use no CPU"),
     "overhead": ("layerlift.bench.overhead", "per-layer scheduling overhead of the overlap machinery"),
     "pools": ("layerlift.bench.pools", "tri-pool admission against static splits (equal bytes)"),

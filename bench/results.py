@@ -299,6 +299,10 @@ KINDS: dict[str, tuple[str, Callable[[Record], list[str]], Callable[[Record, str
     "transfer-sglang": ("SGLang's two linkers' loads and offloads beside raw Mooncake at a real size",
                         lambda r: _host_bench("transfer_sglang").render_table(r).splitlines(),
                         lambda r, p: _host_bench("transfer_sglang").plot_record(r, p)),
+    "transfer-vllm": ("LayerLift's vLLM worker's restores and saves beside raw Mooncake at a "
+                      "real size",
+                      lambda r: _host_bench("transfer_vllm").render_table(r).splitlines(),
+                      lambda r, p: _host_bench("transfer_vllm").plot_record(r, p)),
     "vllm": ("TTFT inside vLLM: no connector, vLLM's MooncakeStoreConnector, LayerLiftConnector",
              lambda r: _host_bench("vllm_bench").render(r).splitlines(),
              lambda r, p: _host_bench("vllm_bench").plot(r, p)),

@@ -85,14 +85,22 @@ class BlockWorker(LoadSide, SaveSide):
     the loads: `LoadSide` (``worker_load.py``); the saves: `SaveSide`
     (``worker_save.py``)."""
 
-    def close(self, timeout_s: float = 10.0) -> None:
-        """Wait (bounded) for loads and puts in flight, then stop the loop."""
+    def settle(self, timeout_s: float) -> bool:
+        """Wait (at most ``timeout_s`` in all) for the loads and puts in
+        flight now to end; True when none is left. A transfer that failed
+        has ended (it logged why); what it was is not reported here."""
         deadline = time.monotonic() + timeout_s
         for fut in list(self._tasks):
             try:
                 fut.result(max(0.0, deadline - time.monotonic()))
             except Exception:
                 continue
+        return not any(not fut.done() for fut in list(self._tasks))
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Wait (bounded) for loads and puts in flight, then stop the loop."""
+        deadline = time.monotonic() + timeout_s
+        self.settle(timeout_s)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(max(0.0, deadline - time.monotonic()))
         self._lane.close()

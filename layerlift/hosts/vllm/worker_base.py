@@ -23,7 +23,7 @@ import torch
 
 from layerlift.hosts.vllm.layout import GroupKind, GroupLayout, Layout
 from layerlift.hosts.vllm.meta import Item, LoadSpec, WorkerReport
-from layerlift.hosts.vllm.objects import BlockSink, KeyedItem
+from layerlift.hosts.vllm.objects import BlockSink, KeyedItem, host_blocks
 from layerlift.linker.keys import KeySchema
 from layerlift.linker.ring import StagingRing
 from layerlift.linker.staged import Gate, ObjectLayout, StagedLoad
@@ -97,6 +97,10 @@ class WorkerBase:
         self._objects = {g.index: ObjectLayout(tuple(layout.slices(g)),
                                                sum(size for _, size in layout.slices(g)))
                          for g in layout.groups}
+        # The host path's blocks as addresses (memmove copies; `HostBlocks`).
+        self._host_blocks = {} if self.device is not None else {
+            name: host_blocks(kv_caches[name])
+            for g in layout.groups for name in g.layer_names if name in kv_caches}
         self._ring = StagingRing(store, staging_bytes, timeout_s=load_timeout_s,
                                  alloc=None if self.device is None else self.device.pinned)
         self._lock = threading.Lock()

@@ -8,6 +8,7 @@ objects found corrupt. The overview is ``worker.py``'s docstring.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import json
 import time
 from collections.abc import Coroutine, Sequence
@@ -230,9 +231,19 @@ class LoadSide(WorkerBase):
                           on_layer=landed)
 
     def _scatter(self, seg: LoadSegment, part: LoadPart, rows: torch.Tensor) -> None:
-        """Lane thread, under the load's gate: verified rows into vLLM's blocks."""
+        """Lane thread, under the load's gate: verified rows into vLLM's
+        blocks, one ``memmove`` a block (`HostBlocks`; torch's copy where the
+        blocks are not plain rows)."""
         g, blocks = part.target
-        kv = self.kv[self._groups[g].layer_names[seg.local]]
+        name = self._groups[g].layer_names[seg.local]
+        host = self._host_blocks.get(name)
+        if host is not None:
+            size = int(rows.shape[1])
+            src, stride = int(rows.data_ptr()), int(rows.stride(0))
+            for i, block in enumerate(blocks[seg.lo:seg.hi]):
+                ctypes.memmove(host.address(block, size), src + i * stride, size)
+            return
+        kv = self.kv[name]
         with torch.inference_mode():  # vLLM's caches may be inference tensors
             for i, block in enumerate(blocks[seg.lo:seg.hi]):
                 block_bytes(kv, block).copy_(rows[i])

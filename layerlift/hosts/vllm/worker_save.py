@@ -86,7 +86,7 @@ class SaveSide(WorkerBase):
             return False
         try:
             if read is None:
-                ptrs, sizes = stage_objects(self.layout, self.kv, items, region)
+                ptrs, sizes = stage_objects(self.layout, self.kv, items, region, self._host_blocks)
             else:
                 ptrs, sizes = stage_pages(self.layout, items, region, read)
         except BaseException:

@@ -1,0 +1,399 @@
+"""vLLM's worker as rows of the transfer benchmark, beside raw Mooncake calls, one run.
+
+    layerlift bench transfer-vllm [--tokens 8192] [--block-sizes 16,128] [--repeats 5]
+        [--netns RATE ...] [--no-loopback] [--json PATH] [--markdown PATH]
+
+``layerlift bench transfer`` times the engine's transfer against raw
+Mooncake; this is the same for LayerLift's vLLM worker (``BlockWorker``,
+what ``LayerLiftConnector`` runs on each vLLM worker) over vLLM's KV cache
+tensors at a real model's layout (32 attention layers, 8 KV heads x 128,
+bf16; vLLM's CPU attention backend's tensor per layer,
+``[num_blocks, kv_heads, block_size, 2 * head_dim]``), with no forward:
+how fast one prompt moves between vLLM's blocks and the store.
+
+Each repeat runs two units, their order rotated per repeat:
+
+* ``raw``: ``raw ranged d4`` (``bench transfer``'s: one ``get_ranges`` per
+  layer of every page object, four layers in flight, inside one read
+  session, no checksum) and ``raw put`` (one ``put`` of every object), the
+  same payload in LayerLift's object layout;
+* ``layerlift``: one worker offloads the prompt (a ``save`` of every block
+  under new page hashes, timed from the call until the last put ended;
+  ``save call`` is the part vLLM's thread waits in, the copy into
+  staging), then a second worker, over its own store client and its own
+  zeroed tensors, restores it twice: ``per layer`` (a synchronous load, as
+  vLLM runs a single-group model: ``start_loads``, then ``wait_layer`` for
+  every layer in order as the forward calls it, then ``step_errors``) and
+  ``whole request`` (an asynchronous load, as hybrids run: ``start_loads``
+  until ``results`` reports it). After each restore, not timed, every block
+  is compared with the source as integers: a restore that is not exact ends
+  the benchmark.
+
+Both workers run as the connector builds them: the default 64 MiB staging
+ring (``client_buffer_bytes``), ``max_in_flight`` 8. GB/s is of page bytes
+(footers not counted); ``/ raw`` is the median of the per-repeat ratios of a
+load to ``raw ranged d4`` and of an offload to ``raw put``; ``cores`` the
+process's CPU time over the wall time. On loopback the saving client holds
+the store's segment (as a vLLM instance that contributes memory) and the
+restoring one has none (it reads over TCP, as the raw reader does);
+``--netns RATE``: a master and a storage node holding the only segment on
+namespace hosts of their own, both workers and the raw client on a third
+host behind a ``tbf`` link of RATE.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from contextlib import ExitStack
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from layerlift.bench.args import BenchParser, int_at_least, int_list
+from layerlift.bench.netns_link import add_link_options, per_link
+from layerlift.bench.output import add_output_options, write_outputs
+from layerlift.bench.results import plot, render
+from layerlift.bench.stats import spread
+from layerlift.bench.transfer import Bench, bar_groups
+from layerlift.bench.transfer import Layout as RawLayout
+from layerlift.engine.config import EngineConfig
+from layerlift.hosts.vllm.layout import GroupKind, GroupLayout, Layout
+from layerlift.hosts.vllm.meta import LoadSpec, SaveSpec
+from layerlift.hosts.vllm.worker import BlockWorker
+from layerlift.linker.master import EmbeddedMaster
+from layerlift.linker.mooncake_config import MooncakeConfig
+from layerlift.linker.mooncake_store import MooncakeStore
+from layerlift.linker.store_base import Store
+
+__all__ = ["build_parser", "main", "render_table"]
+
+LAYERS, KV_HEADS, HEAD_DIM, DTYPE = 32, 8, 128, torch.bfloat16
+RAW_LOAD, RAW_PUT = "raw ranged d4", "raw put"
+SAVE, SAVE_CALL = "LayerLift save", "LayerLift save call"
+PER_LAYER, WHOLE = "LayerLift per layer", "LayerLift whole request"
+LEASE_MS = 5000  # the loopback master's read lease, `layerlift master`'s: a raw read's
+# session must outlive one layer's read of every object (1.4 s at block 16)
+
+
+def _require(ok: object, what: str) -> None:
+    if not ok:
+        raise RuntimeError(f"bench transfer-vllm: {what}")
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+
+    def stop(self, nbytes: int) -> tuple[float, float]:
+        wall = time.perf_counter() - self.wall
+        return nbytes / wall / 1e9, (time.process_time() - self.cpu) / wall
+
+
+def vllm_layout(block: int) -> Layout:
+    """One full-attention group of ``LAYERS`` layers, vLLM's layer names."""
+    names = tuple(f"model.layers.{i}.self_attn.attn" for i in range(LAYERS))
+    block_bytes = 2 * block * KV_HEADS * HEAD_DIM * torch.finfo(DTYPE).bits // 8
+    return Layout((GroupLayout(0, GroupKind.FULL, names),), block,
+                  dict.fromkeys(names, block_bytes), "bench-transfer-vllm", "bfloat16")
+
+
+def kv_caches(layout: Layout, blocks: int, seed: int | None) -> dict[str, torch.Tensor]:
+    """vLLM's CPU KV tensors, random bits (``seed``) or zeros (None)."""
+    shape = (blocks, KV_HEADS, layout.page_size, 2 * HEAD_DIM)
+    names = layout.groups[0].layer_names
+    if seed is None:
+        return {n: torch.zeros(shape, dtype=DTYPE) for n in names}
+    gen = torch.Generator().manual_seed(seed)
+    return {n: torch.randint(-(1 << 15), 1 << 15, shape, dtype=torch.int16,
+                             generator=gen).view(DTYPE) for n in names}
+
+
+class Case:
+    """One prompt length and block size: the raw client's objects, a saving
+    and a restoring worker over vLLM-shaped tensors."""
+
+    def __init__(self, tokens: int, block: int, reader: Store, writer: Store,
+                 timeout_s: float) -> None:
+        self.blocks = tokens // block
+        self.n = self.blocks * block
+        self.timeout_s = timeout_s
+        self.writer = writer
+        self.layout = vllm_layout(block)
+        self.names = self.layout.groups[0].layer_names
+        self.payload = self.blocks * sum(self.layout.layer_bytes.values())
+        config = EngineConfig(store="memory")
+        with ExitStack() as stack:
+            self.raw = Bench(reader, RawLayout(LAYERS, KV_HEADS, HEAD_DIM, 2, block), self.n,
+                             timeout_s)
+            stack.callback(self.raw.close)
+            _require(self.raw.payload == self.payload, "raw rows of another size")
+            if writer is not reader:
+                writer.register(self.raw.src)
+                stack.callback(writer.unregister, int(self.raw.src.data_ptr()))
+            self._restored: list[str] = []
+            stack.callback(self._remove_restored)
+            self.src = kv_caches(self.layout, self.blocks, seed=block)
+            self.dst = kv_caches(self.layout, self.blocks, seed=None)
+            namespace = f"bench-transfer-vllm-{uuid.uuid4().hex[:8]}"
+
+            def worker(store: Store, kv: dict[str, torch.Tensor]) -> BlockWorker:
+                w = BlockWorker(store, self.layout, kv, schema=self.layout.schema(namespace),
+                                staging_bytes=config.client_buffer_bytes,
+                                max_in_flight=config.max_in_flight, load_timeout_s=timeout_s)
+                stack.callback(w.close, timeout_s)
+                return w
+
+            self.saver = worker(writer, self.src)
+            self.loader = worker(reader, self.dst)
+            self._closing = stack.pop_all()
+
+    def close(self) -> None:
+        self._closing.close()
+
+    def raw_unit(self) -> dict[str, tuple[float, float]]:
+        """``raw ranged d4`` then ``raw put`` (the read checked, then cleared)."""
+        b = self.raw
+        clock = _Clock()
+        b.raw_ranged(4)
+        load = clock.stop(b.payload)
+        b.check()
+        b.dst[:, : b.layout.page_bytes].zero_()
+        keys = [f"bench-transfer-vllm-put-{uuid.uuid4().hex[:8]}/{i}" for i in range(b.n)]
+        ob = b.layout.object_bytes
+        clock = _Clock()
+        self.writer.put(keys, [b.src_rows.ptr(i) for i in range(b.n)], [ob] * b.n)
+        put = clock.stop(b.payload)
+        self.writer.remove(keys)  # never read: no lease
+        return {RAW_LOAD: load, RAW_PUT: put}
+
+    def layerlift_unit(self) -> dict[str, tuple[float, float]]:
+        """A save of every block under new hashes, then both restores, each checked."""
+        self._remove_restored()  # the last unit's objects: their read lease ran out meanwhile
+        hashes = [uuid.uuid4().bytes for _ in range(self.blocks)]
+        items = [(0, h, b) for b, h in enumerate(hashes)]
+        keys = [key for _, key, _ in self.saver.keyed(items)]
+        out: dict[str, tuple[float, float]] = {}
+        clock = _Clock()
+        self.saver.begin_step()
+        self.saver.save([SaveSpec("bench", items)])
+        out[SAVE_CALL] = clock.stop(self.payload)
+        _require(self.saver.settle(self.timeout_s), "a save did not end in time")
+        out[SAVE] = clock.stop(self.payload)
+        _require(all(self.writer.exists(keys)), "a save stored fewer objects than it was given")
+        self._restored = keys
+        out[PER_LAYER] = self._restore(items, sync=True)
+        out[WHOLE] = self._restore(items, sync=False)
+        return out
+
+    def _remove_restored(self) -> None:
+        """Remove the objects the last unit saved (waiting out what is left
+        of their read lease)."""
+        keys, self._restored = self._restored, []
+        self.raw._remove(keys)
+
+    def _restore(self, items: list[tuple[int, bytes, int]], *, sync: bool) -> tuple[float, float]:
+        for t in self.dst.values():
+            t.zero_()
+        w = self.loader
+        clock = _Clock()
+        w.begin_step()
+        w.start_loads([LoadSpec("bench", items, sync=sync)])
+        if sync:
+            for name in self.names:
+                w.wait_layer(name)
+            _require(w.step_errors() == set(), "a per-layer restore failed")
+        else:
+            done, failed = w.results(wait_s=self.timeout_s)
+            _require(done == {"bench"} and not failed, f"a whole-request restore failed "
+                     f"(finished {sorted(done)}, failed {sorted(failed)})")
+        took = clock.stop(self.payload)
+        _require(all(torch.equal(self.dst[n].view(torch.int16), self.src[n].view(torch.int16))
+                     for n in self.names), "a restore wrote wrong bytes")
+        return took
+
+
+def measure(case: Case, repeats: int) -> dict[str, Any]:
+    """Round -1 warms up (checked, not timed); then ``repeats`` rounds of the
+    rotated units."""
+    units: dict[str, Callable[[], dict[str, tuple[float, float]]]] = {
+        "raw": case.raw_unit, "layerlift": case.layerlift_unit}
+    order = list(units)
+    runs: list[dict[str, tuple[float, float]]] = []
+    for rep in range(-1, repeats):
+        got: dict[str, tuple[float, float]] = {}
+        for unit in order[rep % len(order):] + order[: rep % len(order)]:
+            got.update(units[unit]())
+        if rep >= 0:
+            runs.append(got)
+
+    def of(key: str, i: int = 0) -> list[float]:
+        return [r[key][i] for r in runs]
+
+    def ratio(a: str, b: str) -> dict[str, float]:
+        return spread([x / y for x, y in zip(of(a), of(b), strict=True)])
+
+    loads, offloads = (RAW_LOAD, PER_LAYER, WHOLE), (RAW_PUT, SAVE, SAVE_CALL)
+    return {
+        "tokens": case.n, "block": case.layout.page_size, "repeats": repeats,
+        "payload_bytes": case.payload,
+        "loads": {k: spread(of(k)) for k in loads},
+        "loads / raw": {k: ratio(k, RAW_LOAD) for k in loads},
+        "loads cores": {k: spread(of(k, 1)) for k in loads},
+        "offloads": {k: spread(of(k)) for k in offloads},
+        "offloads / raw": {k: ratio(k, RAW_PUT) for k in offloads},
+        "offloads cores": {k: spread(of(k, 1)) for k in offloads},
+    }  # fmt: skip
+
+
+def run_cases(reader: Store, writer: Store, args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for tokens in args.tokens:
+        for block in args.block_sizes:
+            label = f"{tokens} tokens, block {block}"
+            print(f"  {label}", flush=True)
+            case = Case(tokens, block, reader, writer, args.timeout)
+            try:
+                out[label] = measure(case, args.repeats)
+            finally:
+                case.close()
+    return out
+
+
+def _segment(args: argparse.Namespace) -> int:
+    """The store's segment: the raw objects, a raw put and two saved prompts
+    (the last unit's, removed once its read lease ran out) at once for the
+    biggest case, with slack."""
+    biggest = max(RawLayout(LAYERS, KV_HEADS, HEAD_DIM, 2, block).object_bytes * (tokens // block)
+                  for tokens in args.tokens for block in args.block_sizes)
+    return int(4.5 * biggest) + (256 << 20)
+
+
+def run_loopback(args: argparse.Namespace) -> dict[str, Any]:
+    with ExitStack() as stack:
+        master = stack.enter_context(EmbeddedMaster(lease_ttl_ms=LEASE_MS, http_metadata=False))
+        writer = stack.enter_context(MooncakeStore(master.config(
+            global_segment_size=_segment(args), timeout_s=args.timeout)))
+        reader = stack.enter_context(MooncakeStore(master.config(
+            global_segment_size=0, local_buffer_size=16 << 20, timeout_s=args.timeout)))
+        return run_cases(reader, writer, args)
+
+
+def run_cluster(master: str, args: argparse.Namespace) -> dict[str, Any]:
+    """On a namespace link's engine host: two clients of the one master, no segment."""
+    from layerlift.engine.stores import route_source
+
+    local = route_source(master)
+
+    def client() -> MooncakeStore:
+        return MooncakeStore(MooncakeConfig(
+            master_address=master, local_hostname=local, global_segment_size=0,
+            local_buffer_size=16 << 20, timeout_s=args.timeout))
+
+    with client() as reader, client() as writer:
+        return run_cases(reader, writer, args)
+
+
+def run_netns(rate: str, args: argparse.Namespace) -> dict[str, Any]:
+    from layerlift.bench.netns_link import engine_host_json, netns_cluster
+
+    with tempfile.TemporaryDirectory(prefix="layerlift-transfer-vllm-") as tmp, netns_cluster(
+            rate, _segment(args), tmp) as (hosts, master):
+        out = Path(tmp) / "cases.json"
+        child = [sys.executable, "-m", "layerlift.cli", "bench", "transfer-vllm",
+                 "--tokens", ",".join(map(str, args.tokens)),
+                 "--block-sizes", ",".join(map(str, args.block_sizes)),
+                 "--repeats", str(args.repeats), "--timeout", str(args.timeout),
+                 "--cluster", master, "--json", str(out)]
+        cases: dict[str, Any] = engine_host_json(hosts, child, tmp, out)["cases"]
+        return cases
+
+
+def _q(x: dict[str, float]) -> str:
+    return f"{x['min']:.2f}/{x['median']:.2f}/{x['max']:.2f}"
+
+
+def render_table(record: dict[str, Any]) -> str:
+    """The results page's tables: loads, then offloads, per link and case."""
+    lines: list[str] = []
+    for kind, ratio in (("loads", "loads / raw"), ("offloads", "offloads / raw")):
+        base = RAW_LOAD if kind == "loads" else RAW_PUT
+        lines += [f"{kind.capitalize()} (GB/s min/median/max; `/ raw`: to `{base}` of the "
+                  "same round, per-repeat ratios)", "",
+                  "| link | case | row | GB/s | / raw | cores |", "|---|---|---|---|---|---|"]
+        for link, cases in record["links"].items():
+            for case, c in cases.items():
+                for row, g in c[kind].items():
+                    lines.append(f"| {link} | {case} | {row} | {_q(g)} | {_q(c[ratio][row])} | "
+                                 f"{c[kind + ' cores'][row]['median']:.2f} |")
+        lines.append("")
+    lines.append(f"{record.get('layout', '')}; {record.get('timing', '')}.")
+    return "\n".join(lines)
+
+
+def plot_record(record: dict[str, Any], path: str) -> None:
+    """Median GB/s of every row, loads and offloads, one group per link and case."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = sum(len(cases) for cases in record["links"].values())
+    fig, axes = plt.subplots(1, 2, figsize=(max(8, 2.4 * groups), 4))
+    for ax, kind in zip(axes, ("loads", "offloads"), strict=True):
+        bar_groups(ax, record, kind)
+        ax.set_title(f"vLLM's worker: {kind}")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = BenchParser("layerlift bench transfer-vllm", __doc__.splitlines()[0])
+    add_output_options(parser)
+    parser.add_argument("--tokens", type=int_list(256, "8192"), default=[8192],
+                        help="prompt lengths in tokens, comma-separated")
+    parser.add_argument("--block-sizes", type=int_list(16, "16,128"), default=[16, 128],
+                        help="vLLM's tokens per block, comma-separated")
+    parser.add_argument("--repeats", type=int_at_least(1), default=5, help="rounds per case")
+    parser.add_argument("--timeout", type=float, default=60.0,
+                        help="the stores' timeout per call and the restores' bound (s)")
+    add_link_options(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    if args.cluster:
+        cases = run_cluster(args.cluster, args)
+        if args.json is not None:
+            Path(args.json).write_text(json.dumps({"cases": cases}))
+        return 0
+    links = per_link(None if args.no_loopback else partial(run_loopback, args), args.netns,
+                     partial(run_netns, args=args))
+    report: dict[str, Any] = {
+        "links": links,
+        "layout": f"vLLM's CPU KV tensors, {LAYERS} attention layers, {KV_HEADS} KV heads x "
+                  f"{HEAD_DIM}, bf16, one KV cache group; raw rows: {LAYERS}-layer page "
+                  "objects of the same pages",
+        "timing": "per repeat the raw client and LayerLift's worker in rotated order; ratios "
+                  "per repeat; every restore checked byte-exact",
+        "meta": {"loadavg": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count()},
+    }
+    record = write_outputs("transfer-vllm", report, args, argv, render, plot)
+    print(render(record))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
