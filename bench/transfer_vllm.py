@@ -11,7 +11,7 @@ bf16; vLLM's CPU attention backend's tensor per layer,
 ``[num_blocks, kv_heads, block_size, 2 * head_dim]``), with no forward:
 how fast one prompt moves between vLLM's blocks and the store.
 
-Each repeat runs two units, their order rotated per repeat:
+Each repeat runs three units, their order rotated per repeat:
 
 * ``raw``: ``raw ranged d4`` (``bench transfer``'s: one ``get_ranges`` per
   layer of every page object, four layers in flight, inside one read
@@ -19,33 +19,44 @@ Each repeat runs two units, their order rotated per repeat:
   same payload in LayerLift's object layout;
 * ``layerlift``: one worker offloads the prompt (a ``save`` of every block
   under new page hashes, timed from the call until the last put ended;
-  ``save call`` is the part vLLM's thread waits in, the copy into
-  staging), then a second worker, over its own store client and its own
-  zeroed tensors, restores it twice: ``per layer`` (a synchronous load, as
-  vLLM runs a single-group model: ``start_loads``, then ``wait_layer`` for
-  every layer in order as the forward calls it, then ``step_errors``) and
-  ``whole request`` (an asynchronous load, as hybrids run: ``start_loads``
-  until ``results`` reports it). After each restore, not timed, every block
-  is compared with the source as integers: a restore that is not exact ends
-  the benchmark.
+  ``save call`` is the part vLLM's thread waits in: the copies into
+  staging, and the puts whose staging a later copy waits for), then a
+  second worker, over its own zeroed tensors, restores it twice: ``per
+  layer`` (a synchronous load, as vLLM runs a single-group model:
+  ``start_loads``, then ``wait_layer`` for every layer in order as the
+  forward calls it, then ``step_errors``) and ``whole request`` (an
+  asynchronous load, as hybrids run: ``start_loads`` until ``results``
+  reports it). After each restore, not timed, every block is compared with
+  the source as integers: a restore that is not exact ends the benchmark;
+* ``vllm``: vLLM 0.32's own ``MooncakeStoreConnector``, both of its roles
+  under vLLM's ``Scheduler``, in a child process (``transfer_vllm_msc``:
+  only where vLLM is importable, ``.venv-vllm``; else, or with
+  ``--no-msc``, its rows are left out): a save and a load of a new prompt
+  of the same size and layout, checked byte-exact there. It empties the
+  store before each round (its own reset), so ``raw`` puts its objects
+  again first, not timed.
 
-Both workers run as the connector builds them: the default 64 MiB staging
-ring (``client_buffer_bytes``), ``max_in_flight`` 8. GB/s is of page bytes
-(footers not counted); ``/ raw`` is the median of the per-repeat ratios of a
-load to ``raw ranged d4`` and of an offload to ``raw put``; ``cores`` the
-process's CPU time over the wall time. On loopback the saving client holds
-the store's segment (as a vLLM instance that contributes memory) and the
-restoring one has none (it reads over TCP, as the raw reader does);
-``--netns RATE``: a master and a storage node holding the only segment on
-namespace hosts of their own, both workers and the raw client on a third
-host behind a ``tbf`` link of RATE.
+Both LayerLift workers run as the connector builds them: the default 64 MiB
+staging ring (``client_buffer_bytes``), ``max_in_flight`` 8; vLLM's
+connector with its defaults. GB/s is of page bytes (footers not counted);
+``/ raw`` is the median of the per-repeat ratios of a load to ``raw ranged
+d4`` and of an offload to ``raw put``, ``/ MooncakeStoreConnector`` of a
+LayerLift row to vLLM's connector's load or save; ``cores`` the process's
+CPU time over the wall time. Every row's client has no segment of its own:
+on loopback the store's one segment is in a client of its own in this
+process (a storage node), so every put and read crosses TCP; ``--netns
+RATE``: a master and a storage node holding the only segment on namespace
+hosts of their own, the rows' clients on a third host behind a ``tbf`` link
+of RATE.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -80,6 +91,7 @@ LAYERS, KV_HEADS, HEAD_DIM, DTYPE = 32, 8, 128, torch.bfloat16
 RAW_LOAD, RAW_PUT = "raw ranged d4", "raw put"
 SAVE, SAVE_CALL = "LayerLift save", "LayerLift save call"
 PER_LAYER, WHOLE = "LayerLift per layer", "LayerLift whole request"
+MSC_LOAD, MSC_SAVE = "MooncakeStoreConnector load", "MooncakeStoreConnector save"
 LEASE_MS = 5000  # the loopback master's read lease, `layerlift master`'s: a raw read's
 # session must outlive one layer's read of every object (1.4 s at block 16)
 
@@ -117,28 +129,78 @@ def kv_caches(layout: Layout, blocks: int, seed: int | None) -> dict[str, torch.
                              generator=gen).view(DTYPE) for n in names}
 
 
+class NotMeasured(RuntimeError):
+    """vLLM's connector did not complete a round (a save that stored fewer
+    objects than the prompt's, a transfer past the bound): its rows of the
+    case are ``not measured``, with the reason."""
+
+
+class _Child:
+    """``transfer_vllm_msc`` in a child process: one JSON line a command."""
+
+    def __init__(self, argv: list[str], timeout_s: float) -> None:
+        # Its log (vLLM's, Mooncake's) to a file: a pipe nobody reads would fill and stop it.
+        self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115 (closed in __exit__)
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.log, text=True)
+        self.timeout_s = timeout_s
+        ready = self._line()
+        _require(ready.get("ready"), f"vLLM's connector did not start: {ready}")
+
+    def _line(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            self.proc.wait(self.timeout_s)
+            self.log.seek(0)
+            tail = "\n".join(self.log.read().splitlines()[-15:])
+            raise RuntimeError(f"bench transfer-vllm: vLLM's connector's process exited with "
+                               f"{self.proc.returncode}:\n{tail}")
+        got: dict[str, Any] = json.loads(line)
+        return got
+
+    def ask(self, command: str) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        return self._line()
+
+    def __enter__(self) -> _Child:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            if self.proc.poll() is None:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write("quit\n")
+                self.proc.stdin.flush()
+            self.proc.communicate(timeout=self.timeout_s)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait()
+        finally:
+            self.log.close()
+
+
 class Case:
     """One prompt length and block size: the raw client's objects, a saving
     and a restoring worker over vLLM-shaped tensors."""
 
-    def __init__(self, tokens: int, block: int, reader: Store, writer: Store,
-                 timeout_s: float) -> None:
+    def __init__(self, tokens: int, block: int, client: Store, timeout_s: float,
+                 msc: list[str] | None) -> None:
         self.blocks = tokens // block
         self.n = self.blocks * block
         self.timeout_s = timeout_s
-        self.writer = writer
+        self.client = client
         self.layout = vllm_layout(block)
         self.names = self.layout.groups[0].layer_names
         self.payload = self.blocks * sum(self.layout.layer_bytes.values())
         config = EngineConfig(store="memory")
         with ExitStack() as stack:
-            self.raw = Bench(reader, RawLayout(LAYERS, KV_HEADS, HEAD_DIM, 2, block), self.n,
+            self.raw = Bench(client, RawLayout(LAYERS, KV_HEADS, HEAD_DIM, 2, block), self.n,
                              timeout_s)
             stack.callback(self.raw.close)
             _require(self.raw.payload == self.payload, "raw rows of another size")
-            if writer is not reader:
-                writer.register(self.raw.src)
-                stack.callback(writer.unregister, int(self.raw.src.data_ptr()))
             self._restored: list[str] = []
             stack.callback(self._remove_restored)
             self.src = kv_caches(self.layout, self.blocks, seed=block)
@@ -152,16 +214,23 @@ class Case:
                 stack.callback(w.close, timeout_s)
                 return w
 
-            self.saver = worker(writer, self.src)
-            self.loader = worker(reader, self.dst)
+            self.saver = worker(client, self.src)
+            self.loader = worker(client, self.dst)
+            self.msc = None if msc is None else stack.enter_context(_Child(
+                [*msc, "--tokens", str(self.n), "--block", str(block), "--layers", str(LAYERS),
+                 "--kv-heads", str(KV_HEADS), "--head-dim", str(HEAD_DIM),
+                 "--timeout", str(timeout_s)], timeout_s))
             self._closing = stack.pop_all()
 
     def close(self) -> None:
         self._closing.close()
 
     def raw_unit(self) -> dict[str, tuple[float, float]]:
-        """``raw ranged d4`` then ``raw put`` (the read checked, then cleared)."""
+        """``raw ranged d4`` then ``raw put`` (the read checked, then cleared).
+        The objects are put again first, not timed: vLLM's connector empties
+        the store before each of its rounds."""
         b = self.raw
+        b.reput()
         clock = _Clock()
         b.raw_ranged(4)
         load = clock.stop(b.payload)
@@ -170,9 +239,9 @@ class Case:
         keys = [f"bench-transfer-vllm-put-{uuid.uuid4().hex[:8]}/{i}" for i in range(b.n)]
         ob = b.layout.object_bytes
         clock = _Clock()
-        self.writer.put(keys, [b.src_rows.ptr(i) for i in range(b.n)], [ob] * b.n)
+        self.client.put(keys, [b.src_rows.ptr(i) for i in range(b.n)], [ob] * b.n)
         put = clock.stop(b.payload)
-        self.writer.remove(keys)  # never read: no lease
+        self.client.remove(keys)  # never read: no lease
         return {RAW_LOAD: load, RAW_PUT: put}
 
     def layerlift_unit(self) -> dict[str, tuple[float, float]]:
@@ -188,11 +257,26 @@ class Case:
         out[SAVE_CALL] = clock.stop(self.payload)
         _require(self.saver.settle(self.timeout_s), "a save did not end in time")
         out[SAVE] = clock.stop(self.payload)
-        _require(all(self.writer.exists(keys)), "a save stored fewer objects than it was given")
+        _require(all(self.client.exists(keys)), "a save stored fewer objects than it was given")
         self._restored = keys
         out[PER_LAYER] = self._restore(items, sync=True)
         out[WHOLE] = self._restore(items, sync=False)
         return out
+
+    def msc_unit(self) -> dict[str, tuple[float, float]]:
+        """One round of vLLM's own connector in its child: a save and a load
+        of a new prompt, checked there (``transfer_vllm_msc``)."""
+        assert self.msc is not None
+        got = self.msc.ask("round")
+        if "error" in got:
+            raise NotMeasured(f"vLLM's MooncakeStoreConnector: {got['error']}")
+        _require(got["exact"], "vLLM's MooncakeStoreConnector restored wrong bytes "
+                               f"({got['load_errors']} blocks reported failed)")
+        nbytes = int(got["bytes"])
+        _require(nbytes == self.payload, f"vLLM's connector moved {nbytes} bytes a prompt, "
+                                         f"LayerLift {self.payload}")
+        return {MSC_SAVE: (nbytes / got["save_s"] / 1e9, got["save_cpu"] / got["save_s"]),
+                MSC_LOAD: (nbytes / got["load_s"] / 1e9, got["load_cpu"] / got["load_s"])}
 
     def _remove_restored(self) -> None:
         """Remove the objects the last unit saved (waiting out what is left
@@ -223,15 +307,26 @@ class Case:
 
 def measure(case: Case, repeats: int) -> dict[str, Any]:
     """Round -1 warms up (checked, not timed); then ``repeats`` rounds of the
-    rotated units."""
+    rotated units. A unit that raises :class:`NotMeasured` leaves the case:
+    its rows are ``not measured`` with the reason, in every round (ratios
+    stay paired over the same rounds)."""
     units: dict[str, Callable[[], dict[str, tuple[float, float]]]] = {
         "raw": case.raw_unit, "layerlift": case.layerlift_unit}
+    if case.msc is not None:
+        units["vllm"] = case.msc_unit
     order = list(units)
     runs: list[dict[str, tuple[float, float]]] = []
+    failed: dict[str, str] = {}
     for rep in range(-1, repeats):
         got: dict[str, tuple[float, float]] = {}
         for unit in order[rep % len(order):] + order[: rep % len(order)]:
-            got.update(units[unit]())
+            if unit in failed:
+                continue
+            try:
+                got.update(units[unit]())
+            except NotMeasured as exc:
+                print(f"    {exc}: not measured", flush=True)
+                failed[unit] = str(exc)
         if rep >= 0:
             runs.append(got)
 
@@ -241,26 +336,48 @@ def measure(case: Case, repeats: int) -> dict[str, Any]:
     def ratio(a: str, b: str) -> dict[str, float]:
         return spread([x / y for x, y in zip(of(a), of(b), strict=True)])
 
-    loads, offloads = (RAW_LOAD, PER_LAYER, WHOLE), (RAW_PUT, SAVE, SAVE_CALL)
+    loads, offloads = [RAW_LOAD, PER_LAYER, WHOLE], [RAW_PUT, SAVE, SAVE_CALL]
+    paired: dict[str, Any] = {}
+    if case.msc is not None and "vllm" not in failed:
+        loads.append(MSC_LOAD)
+        offloads.append(MSC_SAVE)
+        paired = {PER_LAYER: ratio(PER_LAYER, MSC_LOAD), WHOLE: ratio(WHOLE, MSC_LOAD),
+                  SAVE: ratio(SAVE, MSC_SAVE)}
     return {
         "tokens": case.n, "block": case.layout.page_size, "repeats": repeats,
-        "payload_bytes": case.payload,
+        "payload_bytes": case.payload, "LayerLift / MooncakeStoreConnector": paired,
         "loads": {k: spread(of(k)) for k in loads},
         "loads / raw": {k: ratio(k, RAW_LOAD) for k in loads},
         "loads cores": {k: spread(of(k, 1)) for k in loads},
         "offloads": {k: spread(of(k)) for k in offloads},
         "offloads / raw": {k: ratio(k, RAW_PUT) for k in offloads},
         "offloads cores": {k: spread(of(k, 1)) for k in offloads},
+        "not measured": {row: why for unit, why in failed.items()
+                         for row in ((MSC_LOAD, MSC_SAVE) if unit == "vllm" else ())},
     }  # fmt: skip
 
 
-def run_cases(reader: Store, writer: Store, args: argparse.Namespace) -> dict[str, Any]:
+def msc_command(master: str, metadata: str) -> list[str] | None:
+    """How to start vLLM's connector's child for a store, or None where
+    vLLM is not importable (the main environment: run from ``.venv-vllm``)."""
+    if importlib.util.find_spec("vllm") is None:
+        return None
+    return [sys.executable, "-m", "layerlift.bench.transfer_vllm_msc", "--master", master,
+            "--metadata", metadata]
+
+
+def run_cases(client: Store, msc: list[str] | None, args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
+    if msc is None or args.no_msc:
+        print("  vLLM's MooncakeStoreConnector: not measured ("
+              + ("--no-msc" if args.no_msc else "vLLM is not importable here: run from "
+                 ".venv-vllm") + ")", flush=True)
+        msc = None
     for tokens in args.tokens:
         for block in args.block_sizes:
             label = f"{tokens} tokens, block {block}"
             print(f"  {label}", flush=True)
-            case = Case(tokens, block, reader, writer, args.timeout)
+            case = Case(tokens, block, client, args.timeout, msc)
             try:
                 out[label] = measure(case, args.repeats)
             finally:
@@ -269,37 +386,36 @@ def run_cases(reader: Store, writer: Store, args: argparse.Namespace) -> dict[st
 
 
 def _segment(args: argparse.Namespace) -> int:
-    """The store's segment: the raw objects, a raw put and two saved prompts
-    (the last unit's, removed once its read lease ran out) at once for the
-    biggest case, with slack."""
+    """The store's segment: the raw objects, a raw put, two saved prompts
+    (the last unit's, removed once its read lease ran out) and vLLM's
+    connector's at once for the biggest case, with slack."""
     biggest = max(RawLayout(LAYERS, KV_HEADS, HEAD_DIM, 2, block).object_bytes * (tokens // block)
                   for tokens in args.tokens for block in args.block_sizes)
-    return int(4.5 * biggest) + (256 << 20)
+    return int(5.5 * biggest) + (256 << 20)
 
 
 def run_loopback(args: argparse.Namespace) -> dict[str, Any]:
+    """The segment in a client of its own (a storage node in this process);
+    every row's client has none: each put and read crosses TCP loopback."""
     with ExitStack() as stack:
         master = stack.enter_context(EmbeddedMaster(lease_ttl_ms=LEASE_MS, http_metadata=False))
-        writer = stack.enter_context(MooncakeStore(master.config(
+        stack.enter_context(MooncakeStore(master.config(
             global_segment_size=_segment(args), timeout_s=args.timeout)))
-        reader = stack.enter_context(MooncakeStore(master.config(
+        client = stack.enter_context(MooncakeStore(master.config(
             global_segment_size=0, local_buffer_size=16 << 20, timeout_s=args.timeout)))
-        return run_cases(reader, writer, args)
+        return run_cases(client, msc_command(master.master_address, master.metadata_url), args)
 
 
 def run_cluster(master: str, args: argparse.Namespace) -> dict[str, Any]:
-    """On a namespace link's engine host: two clients of the one master, no segment."""
+    """On a namespace link's engine host: a client of the one master, no segment."""
     from layerlift.engine.stores import route_source
 
     local = route_source(master)
-
-    def client() -> MooncakeStore:
-        return MooncakeStore(MooncakeConfig(
-            master_address=master, local_hostname=local, global_segment_size=0,
-            local_buffer_size=16 << 20, timeout_s=args.timeout))
-
-    with client() as reader, client() as writer:
-        return run_cases(reader, writer, args)
+    client = MooncakeStore(MooncakeConfig(
+        master_address=master, local_hostname=local, global_segment_size=0,
+        local_buffer_size=16 << 20, timeout_s=args.timeout))
+    with client:
+        return run_cases(client, msc_command(master, "P2PHANDSHAKE"), args)
 
 
 def run_netns(rate: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -312,7 +428,7 @@ def run_netns(rate: str, args: argparse.Namespace) -> dict[str, Any]:
                  "--tokens", ",".join(map(str, args.tokens)),
                  "--block-sizes", ",".join(map(str, args.block_sizes)),
                  "--repeats", str(args.repeats), "--timeout", str(args.timeout),
-                 "--cluster", master, "--json", str(out)]
+                 *(["--no-msc"] if args.no_msc else []), "--cluster", master, "--json", str(out)]
         cases: dict[str, Any] = engine_host_json(hosts, child, tmp, out)["cases"]
         return cases
 
@@ -328,12 +444,18 @@ def render_table(record: dict[str, Any]) -> str:
         base = RAW_LOAD if kind == "loads" else RAW_PUT
         lines += [f"{kind.capitalize()} (GB/s min/median/max; `/ raw`: to `{base}` of the "
                   "same round, per-repeat ratios)", "",
-                  "| link | case | row | GB/s | / raw | cores |", "|---|---|---|---|---|---|"]
+                  "| link | case | row | GB/s | / raw | / MooncakeStoreConnector | cores |",
+                  "|---|---|---|---|---|---|---|"]
         for link, cases in record["links"].items():
             for case, c in cases.items():
+                paired = c.get("LayerLift / MooncakeStoreConnector") or {}
                 for row, g in c[kind].items():
+                    vs = _q(paired[row]) if row in paired else ""
                     lines.append(f"| {link} | {case} | {row} | {_q(g)} | {_q(c[ratio][row])} | "
-                                 f"{c[kind + ' cores'][row]['median']:.2f} |")
+                                 f"{vs} | {c[kind + ' cores'][row]['median']:.2f} |")
+                for row, why in c.get("not measured", {}).items():
+                    if (row == MSC_LOAD) == (kind == "loads"):
+                        lines.append(f"| {link} | {case} | {row} | not measured: {why} | | | |")
         lines.append("")
     lines.append(f"{record.get('layout', '')}; {record.get('timing', '')}.")
     return "\n".join(lines)
@@ -367,6 +489,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int_at_least(1), default=5, help="rounds per case")
     parser.add_argument("--timeout", type=float, default=60.0,
                         help="the stores' timeout per call and the restores' bound (s)")
+    parser.add_argument("--no-msc", action="store_true",
+                        help="leave vLLM's MooncakeStoreConnector out (it needs vLLM 0.32: "
+                             "without it, it is left out anyway)")
     add_link_options(parser)
     return parser
 
@@ -386,8 +511,10 @@ def main(argv: list[str] | None = None) -> int:
         "layout": f"vLLM's CPU KV tensors, {LAYERS} attention layers, {KV_HEADS} KV heads x "
                   f"{HEAD_DIM}, bf16, one KV cache group; raw rows: {LAYERS}-layer page "
                   "objects of the same pages",
-        "timing": "per repeat the raw client and LayerLift's worker in rotated order; ratios "
-                  "per repeat; every restore checked byte-exact",
+        "timing": "per repeat the raw client, LayerLift's worker and vLLM's "
+                  "MooncakeStoreConnector (where measured) in rotated order; ratios per repeat; "
+                  "every restore checked byte-exact; cores of vLLM's connector: its own "
+                  "process's (the storage side's not counted)",
         "meta": {"loadavg": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count()},
     }
     record = write_outputs("transfer-vllm", report, args, argv, render, plot)
