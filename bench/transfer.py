@@ -50,6 +50,7 @@ import argparse
 import asyncio
 import ctypes
 import json
+import os
 import sys
 import tempfile
 import time
@@ -590,21 +591,137 @@ def bar_groups(ax: Any, record: dict[str, Any], kind: str) -> None:
     ax.set_ylabel("GB/s (median)")
 
 
-def plot_record(record: dict[str, Any], path: str) -> None:
-    """Median GB/s of every load mode, one group per link and case."""
+def plot_kinds(record: dict[str, Any], path: str, kinds: Sequence[str],
+               title: Callable[[str], str]) -> None:
+    """One axis per kind of ``kinds`` (``loads``, ``offloads``) with its
+    :func:`bar_groups`, titled ``title(kind)``, saved as a PNG at ``path``."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     groups = sum(len(cases) for cases in record["links"].values())
-    fig, ax = plt.subplots(figsize=(max(6, 1.6 * groups), 4))
-    bar_groups(ax, record, "loads")
-    ax.set_title("Loads: LayerLift's staged transfer against raw Mooncake reads")
-    ax.legend(fontsize=7, ncol=2)
+    fig, axes = plt.subplots(1, len(kinds), figsize=(max(6, 2.0 * groups) * len(kinds), 4),
+                             squeeze=False)
+    for ax, kind in zip(axes[0], kinds, strict=True):
+        bar_groups(ax, record, kind)
+        ax.set_title(title(kind))
+        ax.legend(fontsize=7, ncol=2 if len(kinds) == 1 else 1)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_record(record: dict[str, Any], path: str) -> None:
+    """Median GB/s of every load mode, one group per link and case."""
+    plot_kinds(record, path, ["loads"],
+               lambda kind: "Loads: LayerLift's staged transfer against raw Mooncake reads")
+
+
+def host_rows_table(record: dict[str, Any], *, host: str,
+                    paired: Callable[[dict[str, Any], str, str], dict[str, float] | None],
+                    not_measured_in: Callable[[str, str], bool]) -> str:
+    """The hosts' transfer tables (``transfer-sglang``, ``transfer-vllm``):
+    loads, then offloads, per link and case, each row's GB/s, its ratio to
+    the raw row and ``paired(case, kind, row)`` (its ratio to ``host``'s own
+    path, or None); a row a case did not measure is listed under ``kind``
+    where ``not_measured_in(kind, row)``, with the reason."""
+    lines: list[str] = []
+    for kind, ratio in (("loads", "loads / raw"), ("offloads", "offloads / raw")):
+        base = "raw ranged d4" if kind == "loads" else "raw put"
+        lines += [f"{kind.capitalize()} (GB/s min/median/max; `/ raw`: to `{base}` of the "
+                  "same round, per-repeat ratios)", "",
+                  f"| link | case | row | GB/s | / raw | / {host} | cores |",
+                  "|---|---|---|---|---|---|---|"]
+        for link, cases in record["links"].items():
+            for case, c in cases.items():
+                for row, g in c[kind].items():
+                    vs = paired(c, kind, row)
+                    lines.append(f"| {link} | {case} | {row} | {_q(g)} | {_q(c[ratio][row])} | "
+                                 f"{'' if vs is None else _q(vs)} | "
+                                 f"{c[kind + ' cores'][row]['median']:.2f} |")
+                for row, why in c.get("not measured", {}).items():
+                    if not_measured_in(kind, row):
+                        lines.append(f"| {link} | {case} | {row} | not measured: {why} | | | |")
+        lines.append("")
+    lines.append(f"{record.get('layout', '')}; {record.get('timing', '')}.")
+    return "\n".join(lines)
+
+
+class NotMeasured(RuntimeError):
+    """A unit of a host transfer benchmark could not do its job this time (a
+    host's offloads that never end, a host's save that stored less than it
+    was given): its rows of the case are ``not measured``, with the reason."""
+
+
+class Rounds:
+    """The host transfer benchmarks' rounds: round -1 warms up (checked,
+    not timed), then ``repeats`` rounds of ``units`` (each returns its rows'
+    ``(GB/s, cores)``) in an order rotated per round. A unit that raises
+    :class:`NotMeasured` leaves the case (``failed``: unit -> why), in every
+    round, so ratios stay paired over the same rounds."""
+
+    def __init__(self, units: dict[str, Callable[[], dict[str, tuple[float, float]]]],
+                 repeats: int) -> None:
+        order = list(units)
+        self.runs: list[dict[str, tuple[float, float]]] = []
+        self.failed: dict[str, str] = {}
+        for rep in range(-1, repeats):
+            got: dict[str, tuple[float, float]] = {}
+            for unit in order[rep % len(order):] + order[: rep % len(order)]:
+                if unit in self.failed:
+                    continue
+                try:
+                    got.update(units[unit]())
+                except NotMeasured as exc:
+                    print(f"    {exc}: not measured", flush=True)
+                    self.failed[unit] = str(exc)
+            if rep >= 0:
+                self.runs.append(got)
+
+    def of(self, row: str, i: int = 0) -> list[float]:
+        """Row ``row``'s GB/s (``i`` 0) or cores (1), per round."""
+        return [r[row][i] for r in self.runs]
+
+    def ratio(self, a: str, b: str) -> dict[str, float]:
+        """The spread of row ``a``'s GB/s over row ``b``'s, per round."""
+        return spread([x / y for x, y in zip(self.of(a), self.of(b), strict=True)])
+
+
+def add_case_options(parser: argparse.ArgumentParser, *, sizes: str, default: list[int],
+                     sizes_help: str) -> None:
+    """The host transfer benchmarks' case options: ``--tokens``, ``sizes``
+    (``--page-sizes``, ``--block-sizes``) with its ``default``,
+    ``--repeats``, ``--timeout``."""
+    parser.add_argument("--tokens", type=int_list(256, "8192"), default=[8192],
+                        help="prompt lengths in tokens, comma-separated")
+    parser.add_argument(sizes, type=int_list(16, ",".join(map(str, default))), default=default,
+                        help=sizes_help)
+    parser.add_argument("--repeats", type=int_at_least(1), default=5, help="rounds per case")
+    parser.add_argument("--timeout", type=float, default=60.0,
+                        help="the stores' timeout per call and the restores' bound (s)")
+
+
+def run_host_bench(name: str, args: argparse.Namespace, argv: list[str] | None, *,
+                   loopback: Callable[[], Any], cluster: Callable[[str], Any],
+                   netns: Callable[[str], Any], layout: str, timing: str) -> int:
+    """A host transfer benchmark's run: on a namespace link's engine host
+    (``--cluster``) ``cluster(master)``'s cases to ``--json``; else every
+    link (:func:`per_link`), the record and its table."""
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    if args.cluster:
+        cases = cluster(args.cluster)
+        if args.json is not None:
+            Path(args.json).write_text(json.dumps({"cases": cases}))
+        return 0
+    links = per_link(None if args.no_loopback else loopback, args.netns, netns)
+    report: dict[str, Any] = {
+        "links": links, "layout": layout, "timing": timing,
+        "meta": {"loadavg": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count()},
+    }
+    record = write_outputs(name, report, args, argv, render, plot)
+    print(render(record))
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -52,8 +52,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import os
 import random
 import sys
 import tempfile
@@ -65,10 +63,9 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from layerlift.bench.args import BenchParser, int_at_least, int_list
-from layerlift.bench.netns_link import add_link_options, per_link
-from layerlift.bench.output import add_output_options, write_outputs
-from layerlift.bench.results import plot, render
+from layerlift.bench.args import BenchParser
+from layerlift.bench.netns_link import add_link_options
+from layerlift.bench.output import add_output_options
 from layerlift.bench.sglang_setup import (
     LEASE_S,
     LINKERS,
@@ -83,7 +80,16 @@ from layerlift.bench.sglang_setup import (
     shape_for,
 )
 from layerlift.bench.stats import spread
-from layerlift.bench.transfer import Bench, Layout, bar_groups
+from layerlift.bench.transfer import (
+    Bench,
+    Layout,
+    NotMeasured,
+    Rounds,
+    add_case_options,
+    host_rows_table,
+    plot_kinds,
+    run_host_bench,
+)
 from layerlift.linker.master import EmbeddedMaster
 from layerlift.linker.mooncake_config import MooncakeConfig
 from layerlift.linker.mooncake_store import MooncakeStore
@@ -101,7 +107,7 @@ def _require(ok: object, what: str) -> None:
         raise RuntimeError(f"bench transfer-sglang: {what}")
 
 
-class OffloadsStalled(RuntimeError):
+class OffloadsStalled(NotMeasured):
     """A linker's offloads of a prompt did not end within ``SETTLE_S``: there
     is nothing of its to restore, and its rows of the case are not measured."""
 
@@ -236,31 +242,11 @@ def measure(case: Case, repeats: int) -> dict[str, Any]:
     round (ratios stay paired over the same rounds)."""
     units: dict[str, Callable[[], dict[str, tuple[float, float]]]] = {
         "raw": case.raw_unit, **{name: partial(case.linker_unit, name) for name in LINKERS}}
-    order = list(units)
-    runs: list[dict[str, tuple[float, float]]] = []
-    stalled: dict[str, str] = {}
-    for rep in range(-1, repeats):
-        got: dict[str, tuple[float, float]] = {}
-        for unit in order[rep % len(order):] + order[: rep % len(order)]:
-            if unit in stalled:
-                continue
-            try:
-                got.update(units[unit]())
-            except OffloadsStalled as exc:
-                print(f"    {exc}: not measured", flush=True)
-                stalled[unit] = str(exc)
-        if rep >= 0:
-            runs.append(got)
+    rounds = Rounds(units, repeats)
+    of, ratio, stalled = rounds.of, rounds.ratio, rounds.failed
     measured = [n for n in LINKERS if n not in stalled]
-
-    def of(key: str, i: int = 0) -> list[float]:
-        return [r[key][i] for r in runs]
-
     loads = {RAW_LOAD: RAW_LOAD, **{NAMES[n]: n for n in measured}}
     offloads = {RAW_PUT: RAW_PUT, **{NAMES[n]: f"{n} offload" for n in measured}}
-
-    def ratio(a: str, b: str) -> dict[str, float]:
-        return spread([x / y for x, y in zip(of(a), of(b), strict=True)])
 
     out: dict[str, Any] = {
         "tokens": case.n, "page": case.shape.page_size, "repeats": repeats,
@@ -368,87 +354,41 @@ def run_netns(rate: str, args: argparse.Namespace) -> dict[str, Any]:
         return cases
 
 
-def _q(x: dict[str, float]) -> str:
-    return f"{x['min']:.2f}/{x['median']:.2f}/{x['max']:.2f}"
-
-
 def render_table(record: dict[str, Any]) -> str:
     """The results page's tables: loads, then offloads, per link and case."""
-    lines: list[str] = []
-    for kind, ratio in (("loads", "loads / raw"), ("offloads", "offloads / raw")):
-        base = RAW_LOAD if kind == "loads" else RAW_PUT
-        lines += [f"{kind.capitalize()} (GB/s min/median/max; `/ raw`: to `{base}` of the "
-                  "same round, per-repeat ratios)", "",
-                  "| link | case | row | GB/s | / raw | / MooncakeDirectLinker | cores |",
-                  "|---|---|---|---|---|---|---|"]
-        for link, cases in record["links"].items():
-            for case, c in cases.items():
-                paired = c.get("LayerLift / MooncakeDirectLinker")
-                for row, g in c[kind].items():
-                    vs = _q(paired[kind[:-1]]) if paired and row == "LayerLiftLinker" else ""
-                    lines.append(f"| {link} | {case} | {row} | {_q(g)} | {_q(c[ratio][row])} | "
-                                 f"{vs} | {c[kind + ' cores'][row]['median']:.2f} |")
-                for row, why in c.get("not measured", {}).items():
-                    lines.append(f"| {link} | {case} | {row} | not measured: {why} | | | |")
-        lines.append("")
-    lines.append(f"{record.get('layout', '')}; {record.get('timing', '')}.")
-    return "\n".join(lines)
+
+    def paired(c: dict[str, Any], kind: str, row: str) -> dict[str, float] | None:
+        ratios = c.get("LayerLift / MooncakeDirectLinker")
+        return ratios[kind[:-1]] if ratios and row == "LayerLiftLinker" else None
+
+    return host_rows_table(record, host="MooncakeDirectLinker", paired=paired,
+                           not_measured_in=lambda kind, row: True)
 
 
 def plot_record(record: dict[str, Any], path: str) -> None:
     """Median GB/s of every row, loads and offloads, one group per link and case."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    groups = sum(len(cases) for cases in record["links"].values())
-    fig, axes = plt.subplots(1, 2, figsize=(max(8, 2.4 * groups), 4))
-    for ax, kind in zip(axes, ("loads", "offloads"), strict=True):
-        bar_groups(ax, record, kind)
-        ax.set_title(f"SGLang's linkers: {kind}")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    plot_kinds(record, path, ["loads", "offloads"], lambda kind: f"SGLang's linkers: {kind}")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = BenchParser("layerlift bench transfer-sglang", __doc__.splitlines()[0])
     add_output_options(parser)
-    parser.add_argument("--tokens", type=int_list(256, "8192"), default=[8192],
-                        help="prompt lengths in tokens, comma-separated")
-    parser.add_argument("--page-sizes", type=int_list(16, "64,128"), default=[64, 128],
-                        help="tokens per page, comma-separated")
-    parser.add_argument("--repeats", type=int_at_least(1), default=5, help="rounds per case")
-    parser.add_argument("--timeout", type=float, default=60.0,
-                        help="the stores' timeout per call (s)")
+    add_case_options(parser, sizes="--page-sizes", default=[64, 128],
+                     sizes_help="tokens per page, comma-separated")
     add_link_options(parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
-    if args.cluster:
-        cases = run_cluster(args.cluster, args)
-        if args.json is not None:
-            Path(args.json).write_text(json.dumps({"cases": cases}))
-        return 0
-    links = per_link(None if args.no_loopback else partial(run_loopback, args), args.netns,
-                     partial(run_netns, args=args))
-    report: dict[str, Any] = {
-        "links": links,
-        "layout": "SGLang 0.5.23's real cache on CPU: 32 layers (30 full attention, one "
-                  "sliding window of 128, one Mamba), 8 KV heads x 128, bf16; raw rows: "
-                  "32-layer page objects of the same pages",
-        "timing": "per repeat the raw client, LayerLiftLinker and MooncakeDirectLinker in "
-                  "rotated order; ratios per repeat; every restore checked byte-exact",
-        "meta": {"loadavg": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count()},
-    }
-    record = write_outputs("transfer-sglang", report, args, argv, render, plot)
-    print(render(record))
-    return 0
+    return run_host_bench(
+        "transfer-sglang", args, argv, loopback=partial(run_loopback, args),
+        cluster=partial(run_cluster, args=args), netns=partial(run_netns, args=args),
+        layout="SGLang 0.5.23's real cache on CPU: 32 layers (30 full attention, one sliding "
+               "window of 128, one Mamba), 8 KV heads x 128, bf16; raw rows: 32-layer page "
+               "objects of the same pages",
+        timing="per repeat the raw client, LayerLiftLinker and MooncakeDirectLinker in rotated "
+               "order; ratios per repeat; every restore checked byte-exact")
 
 
 if __name__ == "__main__":

@@ -55,7 +55,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -69,12 +68,19 @@ from typing import Any
 
 import torch
 
-from layerlift.bench.args import BenchParser, int_at_least, int_list
-from layerlift.bench.netns_link import add_link_options, per_link
-from layerlift.bench.output import add_output_options, write_outputs
-from layerlift.bench.results import plot, render
+from layerlift.bench.args import BenchParser
+from layerlift.bench.netns_link import add_link_options
+from layerlift.bench.output import add_output_options
 from layerlift.bench.stats import spread
-from layerlift.bench.transfer import Bench, bar_groups
+from layerlift.bench.transfer import (
+    Bench,
+    NotMeasured,
+    Rounds,
+    add_case_options,
+    host_rows_table,
+    plot_kinds,
+    run_host_bench,
+)
 from layerlift.bench.transfer import Layout as RawLayout
 from layerlift.engine.config import EngineConfig
 from layerlift.hosts.vllm.layout import GroupKind, GroupLayout, Layout
@@ -127,12 +133,6 @@ def kv_caches(layout: Layout, blocks: int, seed: int | None) -> dict[str, torch.
     gen = torch.Generator().manual_seed(seed)
     return {n: torch.randint(-(1 << 15), 1 << 15, shape, dtype=torch.int16,
                              generator=gen).view(DTYPE) for n in names}
-
-
-class NotMeasured(RuntimeError):
-    """vLLM's connector did not complete a round (a save that stored fewer
-    objects than the prompt's, a transfer past the bound): its rows of the
-    case are ``not measured``, with the reason."""
 
 
 class _Child:
@@ -314,27 +314,8 @@ def measure(case: Case, repeats: int) -> dict[str, Any]:
         "raw": case.raw_unit, "layerlift": case.layerlift_unit}
     if case.msc is not None:
         units["vllm"] = case.msc_unit
-    order = list(units)
-    runs: list[dict[str, tuple[float, float]]] = []
-    failed: dict[str, str] = {}
-    for rep in range(-1, repeats):
-        got: dict[str, tuple[float, float]] = {}
-        for unit in order[rep % len(order):] + order[: rep % len(order)]:
-            if unit in failed:
-                continue
-            try:
-                got.update(units[unit]())
-            except NotMeasured as exc:
-                print(f"    {exc}: not measured", flush=True)
-                failed[unit] = str(exc)
-        if rep >= 0:
-            runs.append(got)
-
-    def of(key: str, i: int = 0) -> list[float]:
-        return [r[key][i] for r in runs]
-
-    def ratio(a: str, b: str) -> dict[str, float]:
-        return spread([x / y for x, y in zip(of(a), of(b), strict=True)])
+    rounds = Rounds(units, repeats)
+    of, ratio, failed = rounds.of, rounds.ratio, rounds.failed
 
     loads, offloads = [RAW_LOAD, PER_LAYER, WHOLE], [RAW_PUT, SAVE, SAVE_CALL]
     paired: dict[str, Any] = {}
@@ -433,62 +414,27 @@ def run_netns(rate: str, args: argparse.Namespace) -> dict[str, Any]:
         return cases
 
 
-def _q(x: dict[str, float]) -> str:
-    return f"{x['min']:.2f}/{x['median']:.2f}/{x['max']:.2f}"
-
-
 def render_table(record: dict[str, Any]) -> str:
     """The results page's tables: loads, then offloads, per link and case."""
-    lines: list[str] = []
-    for kind, ratio in (("loads", "loads / raw"), ("offloads", "offloads / raw")):
-        base = RAW_LOAD if kind == "loads" else RAW_PUT
-        lines += [f"{kind.capitalize()} (GB/s min/median/max; `/ raw`: to `{base}` of the "
-                  "same round, per-repeat ratios)", "",
-                  "| link | case | row | GB/s | / raw | / MooncakeStoreConnector | cores |",
-                  "|---|---|---|---|---|---|---|"]
-        for link, cases in record["links"].items():
-            for case, c in cases.items():
-                paired = c.get("LayerLift / MooncakeStoreConnector") or {}
-                for row, g in c[kind].items():
-                    vs = _q(paired[row]) if row in paired else ""
-                    lines.append(f"| {link} | {case} | {row} | {_q(g)} | {_q(c[ratio][row])} | "
-                                 f"{vs} | {c[kind + ' cores'][row]['median']:.2f} |")
-                for row, why in c.get("not measured", {}).items():
-                    if (row == MSC_LOAD) == (kind == "loads"):
-                        lines.append(f"| {link} | {case} | {row} | not measured: {why} | | | |")
-        lines.append("")
-    lines.append(f"{record.get('layout', '')}; {record.get('timing', '')}.")
-    return "\n".join(lines)
+
+    def paired(c: dict[str, Any], kind: str, row: str) -> dict[str, float] | None:
+        ratios: dict[str, dict[str, float]] = c.get("LayerLift / MooncakeStoreConnector") or {}
+        return ratios.get(row)
+
+    return host_rows_table(record, host="MooncakeStoreConnector", paired=paired,
+                           not_measured_in=lambda kind, row: (row == MSC_LOAD) == (kind == "loads"))
 
 
 def plot_record(record: dict[str, Any], path: str) -> None:
     """Median GB/s of every row, loads and offloads, one group per link and case."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    groups = sum(len(cases) for cases in record["links"].values())
-    fig, axes = plt.subplots(1, 2, figsize=(max(8, 2.4 * groups), 4))
-    for ax, kind in zip(axes, ("loads", "offloads"), strict=True):
-        bar_groups(ax, record, kind)
-        ax.set_title(f"vLLM's worker: {kind}")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    plot_kinds(record, path, ["loads", "offloads"], lambda kind: f"vLLM's worker: {kind}")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = BenchParser("layerlift bench transfer-vllm", __doc__.splitlines()[0])
     add_output_options(parser)
-    parser.add_argument("--tokens", type=int_list(256, "8192"), default=[8192],
-                        help="prompt lengths in tokens, comma-separated")
-    parser.add_argument("--block-sizes", type=int_list(16, "16,128"), default=[16, 128],
-                        help="vLLM's tokens per block, comma-separated")
-    parser.add_argument("--repeats", type=int_at_least(1), default=5, help="rounds per case")
-    parser.add_argument("--timeout", type=float, default=60.0,
-                        help="the stores' timeout per call and the restores' bound (s)")
+    add_case_options(parser, sizes="--block-sizes", default=[16, 128],
+                     sizes_help="vLLM's tokens per block, comma-separated")
     parser.add_argument("--no-msc", action="store_true",
                         help="leave vLLM's MooncakeStoreConnector out (it needs vLLM 0.32: "
                              "without it, it is left out anyway)")
@@ -498,28 +444,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
-    if args.cluster:
-        cases = run_cluster(args.cluster, args)
-        if args.json is not None:
-            Path(args.json).write_text(json.dumps({"cases": cases}))
-        return 0
-    links = per_link(None if args.no_loopback else partial(run_loopback, args), args.netns,
-                     partial(run_netns, args=args))
-    report: dict[str, Any] = {
-        "links": links,
-        "layout": f"vLLM's CPU KV tensors, {LAYERS} attention layers, {KV_HEADS} KV heads x "
-                  f"{HEAD_DIM}, bf16, one KV cache group; raw rows: {LAYERS}-layer page "
-                  "objects of the same pages",
-        "timing": "per repeat the raw client, LayerLift's worker and vLLM's "
-                  "MooncakeStoreConnector (where measured) in rotated order; ratios per repeat; "
-                  "every restore checked byte-exact; cores of vLLM's connector: its own "
-                  "process's (the storage side's not counted)",
-        "meta": {"loadavg": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count()},
-    }
-    record = write_outputs("transfer-vllm", report, args, argv, render, plot)
-    print(render(record))
-    return 0
+    return run_host_bench(
+        "transfer-vllm", args, argv, loopback=partial(run_loopback, args),
+        cluster=partial(run_cluster, args=args), netns=partial(run_netns, args=args),
+        layout=f"vLLM's CPU KV tensors, {LAYERS} attention layers, {KV_HEADS} KV heads x "
+               f"{HEAD_DIM}, bf16, one KV cache group; raw rows: {LAYERS}-layer page objects "
+               "of the same pages",
+        timing="per repeat the raw client, LayerLift's worker and vLLM's "
+               "MooncakeStoreConnector (where measured) in rotated order; ratios per repeat; "
+               "every restore checked byte-exact; cores of vLLM's connector: its own process's "
+               "(the storage side's not counted)")
 
 
 if __name__ == "__main__":
