@@ -121,6 +121,26 @@ class Layout:
         return self.objects.object_bytes
 
 
+RAW_LOAD, RAW_PUT = "raw ranged d4", "raw put"  # the host transfer benchmarks' raw rows
+
+
+class Clock:
+    """Wall and CPU time of one step since its start (now, or the given
+    clock readings): ``stop(nbytes)`` is ``(GB/s, cores)``."""
+
+    def __init__(self, wall: float | None = None, cpu: float | None = None) -> None:
+        self.wall = time.perf_counter() if wall is None else wall
+        self.cpu = time.process_time() if cpu is None else cpu
+
+    def elapsed(self) -> tuple[float, float]:
+        """Wall and CPU seconds since the start."""
+        return time.perf_counter() - self.wall, time.process_time() - self.cpu
+
+    def stop(self, nbytes: int) -> tuple[float, float]:
+        wall, cpu = self.elapsed()
+        return nbytes / wall / 1e9, cpu / wall
+
+
 def _require(ok: object, what: str) -> None:
     """A measured run that did not do its job ends the benchmark (also under ``-O``)."""
     if not ok:
@@ -216,9 +236,9 @@ class Bench:
         self.offload_ring.close()
         for t in (self.src, self.dst):
             self.store.unregister(int(t.data_ptr()))
-        self._remove(list(self.keys) + self._keys_made)
+        self.remove_keys(list(self.keys) + self._keys_made)
 
-    def _remove(self, keys: list[str]) -> None:
+    def remove_keys(self, keys: list[str]) -> None:
         """Remove ``keys`` (the next case needs the segment), waiting out the
         read lease of those just read (``layerlift master``'s is 5 s)."""
         deadline = time.monotonic() + LEASE_WAIT_S
@@ -232,15 +252,35 @@ class Bench:
                     raise
                 time.sleep(0.25)  # the master's lease expires on its own clock
 
+    def raw_rows(self, put_store: Store, *, before_put: Callable[[], None] = lambda: None
+                 ) -> dict[str, tuple[float, float]]:
+        """The host transfer benchmarks' raw rows: ``raw ranged d4`` (its
+        destination checked, then cleared), ``before_put()``, then ``raw
+        put`` of every object from ``put_store`` under new keys (removed
+        after: never read); each ``(GB/s, cores)``."""
+        clock = Clock()
+        self.raw_ranged(4)
+        load = clock.stop(self.payload)
+        self.check()
+        self.dst[:, : self.layout.page_bytes].zero_()
+        before_put()
+        keys = [f"bench-transfer-raw-put-{uuid.uuid4().hex[:8]}/{i}" for i in range(self.n)]
+        clock = Clock()
+        put_store.put(keys, [self.src_rows.ptr(i) for i in range(self.n)],
+                      [self.layout.object_bytes] * self.n)
+        put = clock.stop(self.payload)
+        put_store.remove(keys)
+        return {RAW_LOAD: load, RAW_PUT: put}
+
     def remove_objects(self) -> None:
         """Remove the load modes' objects (waiting out their read lease)."""
-        self._remove(list(self.keys))
+        self.remove_keys(list(self.keys))
 
     def reput(self) -> None:
         """Put the load modes' objects again (after :meth:`remove_objects`,
         or a client that empties the store, as ``bench transfer-sglang``'s
         sweeps do)."""
-        self._remove(list(self.keys))
+        self.remove_keys(list(self.keys))
         ob = self.layout.object_bytes
         self.store.put(list(self.keys), [self.src_rows.ptr(i) for i in range(self.n)],
                        [ob] * self.n)
@@ -373,7 +413,7 @@ class Bench:
         return prof.split(self.layout.layers, self.n * self.layout.layers)
 
     def _forget(self, keys: Sequence[str]) -> None:
-        self._remove(list(keys))  # never read: no lease
+        self.remove_keys(list(keys))  # never read: no lease
         self._keys_made = self._keys_made[: -len(keys)]
 
 
@@ -628,7 +668,7 @@ def host_rows_table(record: dict[str, Any], *, host: str,
     where ``not_measured_in(kind, row)``, with the reason."""
     lines: list[str] = []
     for kind, ratio in (("loads", "loads / raw"), ("offloads", "offloads / raw")):
-        base = "raw ranged d4" if kind == "loads" else "raw put"
+        base = RAW_LOAD if kind == "loads" else RAW_PUT
         lines += [f"{kind.capitalize()} (GB/s min/median/max; `/ raw`: to `{base}` of the "
                   "same round, per-repeat ratios)", "",
                   f"| link | case | row | GB/s | / raw | / {host} | cores |",

@@ -55,8 +55,6 @@ import gc
 import random
 import sys
 import tempfile
-import time
-import uuid
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from functools import partial
@@ -81,7 +79,10 @@ from layerlift.bench.sglang_setup import (
 )
 from layerlift.bench.stats import spread
 from layerlift.bench.transfer import (
+    RAW_LOAD,
+    RAW_PUT,
     Bench,
+    Clock,
     Layout,
     NotMeasured,
     Rounds,
@@ -99,7 +100,6 @@ from layerlift.testing.sglang_harness import HybridShape, SGLangHost, same_bytes
 __all__ = ["build_parser", "main", "render_table"]
 
 NAMES = {"layerlift": "LayerLiftLinker", "sglang-mooncake": "MooncakeDirectLinker"}
-RAW_LOAD, RAW_PUT = "raw ranged d4", "raw put"
 
 
 def _require(ok: object, what: str) -> None:
@@ -110,22 +110,6 @@ def _require(ok: object, what: str) -> None:
 class OffloadsStalled(NotMeasured):
     """A linker's offloads of a prompt did not end within ``SETTLE_S``: there
     is nothing of its to restore, and its rows of the case are not measured."""
-
-
-class _Clock:
-    """Wall and CPU time of one step: ``(gbps, cores)`` for ``nbytes``."""
-
-    def __init__(self, wall: float | None = None, cpu: float | None = None) -> None:
-        self.wall = time.perf_counter() if wall is None else wall
-        self.cpu = time.process_time() if cpu is None else cpu
-
-    def elapsed(self) -> tuple[float, float]:
-        """Wall and CPU seconds since the start."""
-        return time.perf_counter() - self.wall, time.process_time() - self.cpu
-
-    def stop(self, nbytes: int) -> tuple[float, float]:
-        wall, cpu = self.elapsed()
-        return nbytes / wall / 1e9, cpu / wall
 
 
 class Case:
@@ -168,26 +152,13 @@ class Case:
         self._closing.close()
 
     def raw_unit(self) -> dict[str, tuple[float, float]]:
-        """``raw ranged d4`` then ``raw put`` (their destination checked, then cleared)."""
-        b, pb = self.raw, self.raw.layout.page_bytes
-        if self.shared_master:
-            # One segment for every row (under 2 GiB, as SGLang's puts need):
-            # the raw objects live only for their read.
-            b.reput()
-        clock = _Clock()
-        b.raw_ranged(4)
-        load = clock.stop(b.payload)
-        b.check()
-        b.dst[:, :pb].zero_()
-        if self.shared_master:
-            b.remove_objects()  # after their read lease
-        keys = [f"bench-transfer-sglang-put-{uuid.uuid4().hex[:8]}/{i}" for i in range(b.n)]
-        ob = b.layout.object_bytes
-        clock = _Clock()
-        self.put_store.put(keys, [b.src_rows.ptr(i) for i in range(b.n)], [ob] * b.n)
-        put = clock.stop(b.payload)
-        self.put_store.remove(keys)  # never read: no lease
-        return {RAW_LOAD: load, RAW_PUT: put}
+        """The raw rows (``Bench.raw_rows``), the put from the segment holder."""
+        if not self.shared_master:
+            return self.raw.raw_rows(self.put_store)
+        # One segment for every row (under 2 GiB, as SGLang's puts need): the
+        # raw objects live only for their read.
+        self.raw.reput()
+        return self.raw.raw_rows(self.put_store, before_put=self.raw.remove_objects)
 
     def linker_unit(self, name: str) -> dict[str, tuple[float, float]]:
         """One offload and one restore of a new prompt through ``name``'s pair."""
@@ -195,7 +166,7 @@ class Case:
         tokens = random_prompt(self.rng, self.n)
         try:
             producer.compute(tokens, [self.n])
-            offload = _Clock(*producer.insert_clock)
+            offload = Clock(*producer.insert_clock)
             try:
                 producer.settle_offloads(timeout_s=SETTLE_S)
             except RuntimeError as exc:  # the harness's "N offload(s) still pending"
@@ -205,7 +176,7 @@ class Case:
             adm = consumer.admit([*tokens, 1])
             _require(adm.restore.loaded_tokens == self.n,
                      f"{NAMES[name]} loads {adm.restore.loaded_tokens} of {self.n} tokens")
-            clock = _Clock()
+            clock = Clock()
             consumer.start_loads()
             consumer.forward(adm, read=False)
             consumer.finish([adm])

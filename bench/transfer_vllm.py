@@ -58,7 +58,6 @@ import json
 import subprocess
 import sys
 import tempfile
-import time
 import uuid
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -73,7 +72,10 @@ from layerlift.bench.netns_link import add_link_options
 from layerlift.bench.output import add_output_options
 from layerlift.bench.stats import spread
 from layerlift.bench.transfer import (
+    RAW_LOAD,
+    RAW_PUT,
     Bench,
+    Clock,
     NotMeasured,
     Rounds,
     add_case_options,
@@ -94,7 +96,6 @@ from layerlift.linker.store_base import Store
 __all__ = ["build_parser", "main", "render_table"]
 
 LAYERS, KV_HEADS, HEAD_DIM, DTYPE = 32, 8, 128, torch.bfloat16
-RAW_LOAD, RAW_PUT = "raw ranged d4", "raw put"
 SAVE, SAVE_CALL = "LayerLift save", "LayerLift save call"
 PER_LAYER, WHOLE = "LayerLift per layer", "LayerLift whole request"
 MSC_LOAD, MSC_SAVE = "MooncakeStoreConnector load", "MooncakeStoreConnector save"
@@ -105,15 +106,6 @@ LEASE_MS = 5000  # the loopback master's read lease, `layerlift master`'s: a raw
 def _require(ok: object, what: str) -> None:
     if not ok:
         raise RuntimeError(f"bench transfer-vllm: {what}")
-
-
-class _Clock:
-    def __init__(self) -> None:
-        self.wall, self.cpu = time.perf_counter(), time.process_time()
-
-    def stop(self, nbytes: int) -> tuple[float, float]:
-        wall = time.perf_counter() - self.wall
-        return nbytes / wall / 1e9, (time.process_time() - self.cpu) / wall
 
 
 def vllm_layout(block: int) -> Layout:
@@ -226,23 +218,11 @@ class Case:
         self._closing.close()
 
     def raw_unit(self) -> dict[str, tuple[float, float]]:
-        """``raw ranged d4`` then ``raw put`` (the read checked, then cleared).
-        The objects are put again first, not timed: vLLM's connector empties
-        the store before each of its rounds."""
-        b = self.raw
-        b.reput()
-        clock = _Clock()
-        b.raw_ranged(4)
-        load = clock.stop(b.payload)
-        b.check()
-        b.dst[:, : b.layout.page_bytes].zero_()
-        keys = [f"bench-transfer-vllm-put-{uuid.uuid4().hex[:8]}/{i}" for i in range(b.n)]
-        ob = b.layout.object_bytes
-        clock = _Clock()
-        self.client.put(keys, [b.src_rows.ptr(i) for i in range(b.n)], [ob] * b.n)
-        put = clock.stop(b.payload)
-        self.client.remove(keys)  # never read: no lease
-        return {RAW_LOAD: load, RAW_PUT: put}
+        """The raw rows (``Bench.raw_rows``). The objects are put again
+        first, not timed: vLLM's connector empties the store before each of
+        its rounds."""
+        self.raw.reput()
+        return self.raw.raw_rows(self.client)
 
     def layerlift_unit(self) -> dict[str, tuple[float, float]]:
         """A save of every block under new hashes, then both restores, each checked."""
@@ -251,7 +231,7 @@ class Case:
         items = [(0, h, b) for b, h in enumerate(hashes)]
         keys = [key for _, key, _ in self.saver.keyed(items)]
         out: dict[str, tuple[float, float]] = {}
-        clock = _Clock()
+        clock = Clock()
         self.saver.begin_step()
         self.saver.save([SaveSpec("bench", items)])
         out[SAVE_CALL] = clock.stop(self.payload)
@@ -282,13 +262,13 @@ class Case:
         """Remove the objects the last unit saved (waiting out what is left
         of their read lease)."""
         keys, self._restored = self._restored, []
-        self.raw._remove(keys)
+        self.raw.remove_keys(keys)
 
     def _restore(self, items: list[tuple[int, bytes, int]], *, sync: bool) -> tuple[float, float]:
         for t in self.dst.values():
             t.zero_()
         w = self.loader
-        clock = _Clock()
+        clock = Clock()
         w.begin_step()
         w.start_loads([LoadSpec("bench", items, sync=sync)])
         if sync:

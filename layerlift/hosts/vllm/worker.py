@@ -95,7 +95,7 @@ class BlockWorker(LoadSide, SaveSide):
                 fut.result(max(0.0, deadline - time.monotonic()))
             except Exception:
                 continue
-        return not any(not fut.done() for fut in list(self._tasks))
+        return all(fut.done() for fut in list(self._tasks))
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Wait (bounded) for loads and puts in flight, then stop the loop."""
