@@ -18,9 +18,10 @@ Each repeat runs three units, their order rotated per repeat:
   session, no checksum) and ``raw put`` (one ``put`` of every object), the
   same payload in LayerLift's object layout;
 * ``layerlift``: one worker offloads the prompt (a ``save`` of every block
-  under new page hashes, timed from the call until the last put ended;
-  ``save call`` is the part vLLM's thread waits in: the copies into
-  staging, and the puts whose staging a later copy waits for), then a
+  under new page hashes as one job whose blocks the scheduler holds, as
+  ``LayerLiftConnector`` runs with vLLM's block pool bound; timed from the
+  call until the last put ended; ``save call`` is the part vLLM's thread
+  waits in: handing the job over, the copies run after it), then a
   second worker, over its own zeroed tensors, restores it twice: ``per
   layer`` (a synchronous load, as vLLM runs a single-group model:
   ``start_loads``, then ``wait_layer`` for every layer in order as the
@@ -194,6 +195,7 @@ class Case:
             stack.callback(self.raw.close)
             _require(self.raw.payload == self.payload, "raw rows of another size")
             self._restored: list[str] = []
+            self._job = 0
             stack.callback(self._remove_restored)
             self.src = kv_caches(self.layout, self.blocks, seed=block)
             self.dst = kv_caches(self.layout, self.blocks, seed=None)
@@ -231,12 +233,16 @@ class Case:
         items = [(0, h, b) for b, h in enumerate(hashes)]
         keys = [key for _, key, _ in self.saver.keyed(items)]
         out: dict[str, tuple[float, float]] = {}
+        self._job += 1  # as vLLM's scheduler: the blocks held until the job is reported
         clock = Clock()
         self.saver.begin_step()
-        self.saver.save([SaveSpec("bench", items)])
+        self.saver.save([SaveSpec("bench", items, self._job)])
         out[SAVE_CALL] = clock.stop(self.payload)
         _require(self.saver.settle(self.timeout_s), "a save did not end in time")
         out[SAVE] = clock.stop(self.payload)
+        report = self.saver.report()
+        _require(report is not None and report.saved == {self._job: 1},
+                 f"the save job was not reported done once ({report})")
         _require(all(self.client.exists(keys)), "a save stored fewer objects than it was given")
         self._restored = keys
         out[PER_LAYER] = self._restore(items, sync=True)

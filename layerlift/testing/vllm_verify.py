@@ -183,8 +183,14 @@ class Instance:
         return results
 
     def reset_prefix_cache(self, timeout_s: float = 60.0) -> None:
-        """Empty vLLM's local prefix cache (the next lookups go to the store)."""
-        self._command({"op": "reset_prefix_cache"}, timeout_s)
+        """Empty vLLM's local prefix cache (the next lookups go to the store);
+        RuntimeError when vLLM still refused after ``timeout_s`` (a block
+        still referenced: the next request would hit locally, not restore)."""
+        reply = self._command({"op": "reset_prefix_cache", "timeout_s": timeout_s},
+                              timeout_s + 30.0)
+        if not reply.get("reset"):
+            raise RuntimeError(f"vLLM did not empty its prefix cache within {timeout_s} s "
+                               f"({reply}); log tail:\n{self.log_tail()}")
 
     def _command(self, cmd: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         self.wait_ready()
@@ -240,6 +246,22 @@ def _generate(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
     return {"results": out}
 
 
+def _reset_prefix_cache(llm: Any, timeout_s: float) -> bool:
+    """Empty vLLM's local prefix cache; True once it is. vLLM refuses while
+    any block is referenced: a connector's save still holding its blocks
+    (LayerLift's and vLLM's MooncakeStoreConnector's both do, until their
+    workers report the put). The in-process engine steps only when asked,
+    so steps run here (vLLM's own loop would, with ``has_pending_push_work``)
+    until the reports released them, at most ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not llm.reset_prefix_cache():
+        if time.monotonic() > deadline:
+            return False
+        llm.llm_engine.step()  # an empty step: the workers' reports come with it
+        time.sleep(0.01)  # the puts run on the same two cores
+    return True
+
+
 def _serve(args: argparse.Namespace) -> int:
     from vllm import LLM
 
@@ -259,7 +281,7 @@ def _serve(args: argparse.Namespace) -> int:
         try:
             reply: dict[str, Any]
             if cmd["op"] == "reset_prefix_cache":
-                reply = {"reset": bool(llm.reset_prefix_cache())}
+                reply = {"reset": _reset_prefix_cache(llm, float(cmd.get("timeout_s", 60.0)))}
             else:
                 reply = _generate(llm, cmd)
         except Exception as exc:

@@ -322,6 +322,18 @@ class LayerLiftConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,
         assert self._planner is not None
         return LayerLiftMetadata(self._planner.step_meta(scheduler_output))
 
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        """vLLM's block pool (scheduler side): saves hold their attention
+        blocks through it until every worker reported them done, so the
+        workers put them after the step (`BlockHolds`)."""
+        if self._planner is not None:
+            self._planner.bind_block_pool(gpu_block_pool)
+
+    def has_pending_push_work(self) -> bool:
+        """True while a save still holds blocks: vLLM keeps stepping, and the
+        workers' reports that release them arrive with a step's output."""
+        return self._planner is not None and self._planner.pending_saves()
+
     def update_connector_output(self, connector_output: Any) -> None:
         if self._planner is not None:
             self._planner.loads_reported(
@@ -348,10 +360,10 @@ class LayerLiftConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,
         return set(meta.report.failed) if isinstance(meta, LayerLiftWorkerMeta) else set()
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Offloads never hold blocks (every completed page was staged in the
-        step that computed it); a request finished (aborted) while its
-        asynchronous restore runs keeps its blocks until that restore is
-        reported (vLLM frees them then)."""
+        """Offloads do not delay the free: their save jobs hold references of
+        their own on the blocks (`bind_gpu_block_pool`); a request finished
+        (aborted) while its asynchronous restore runs keeps its blocks until
+        that restore is reported (vLLM frees them then)."""
         loading = self._planner.finished(request) if self._planner is not None else False
         return loading, None
 

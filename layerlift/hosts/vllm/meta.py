@@ -35,10 +35,17 @@ class LoadSpec:
 @dataclass(slots=True)
 class SaveSpec:
     """Offload ``items`` (pages completed this step, or a recurrent checkpoint
-    taken at the step's end) of one request."""
+    taken at the step's end) of one request.
+
+    ``job``: the scheduler holds a reference on every block of ``items``
+    (vLLM's block pool) until each worker reported this job done
+    (`WorkerReport.saved`): the worker may read the blocks after the step,
+    in the background. None: nothing holds them past the step; the worker
+    copies them before ``save`` returns."""
 
     req_id: str
     items: list[Item]
+    job: int | None = None
 
 
 @dataclass(slots=True)
@@ -58,15 +65,22 @@ class WorkerReport:
     a computed copy, as ``(TP rank, group index, page hash)``; ``failed``:
     requests whose synchronous restore of a multi-group model did not land
     verified this step (`LayerLiftScheduler` recomputes or fails them; vLLM's
-    own scheduler cannot map block ids of several groups back to requests)."""
+    own scheduler cannot map block ids of several groups back to requests);
+    ``saved``: save jobs (`SaveSpec.job`) whose blocks these workers read no
+    more, each with how many workers say so (one each: merged, the counts add
+    up; the scheduler drops its block references once every worker did)."""
 
     corrupt: set[tuple[int, bytes]] = field(default_factory=set)
     replaced: set[tuple[int, int, bytes]] = field(default_factory=set)
     failed: set[str] = field(default_factory=set)
+    saved: dict[int, int] = field(default_factory=dict)
 
     def merge(self, other: WorkerReport) -> WorkerReport:
+        saved = dict(self.saved)
+        for job, count in other.saved.items():
+            saved[job] = saved.get(job, 0) + count
         return WorkerReport(self.corrupt | other.corrupt, self.replaced | other.replaced,
-                            self.failed | other.failed)
+                            self.failed | other.failed, saved)
 
     def __bool__(self) -> bool:
-        return bool(self.corrupt or self.replaced or self.failed)
+        return bool(self.corrupt or self.replaced or self.failed or self.saved)

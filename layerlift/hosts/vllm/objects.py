@@ -24,14 +24,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from layerlift.hosts.vllm.layout import Layout
+from layerlift.hosts.vllm.layout import GroupLayout, Layout
 from layerlift.linker.integrity import CHECK_BYTES, checksums, copy_checksum, slice_seed
 from layerlift.linker.ring import Region
 from layerlift.linker.staged import DeviceSink, LoadPart, LoadSegment
 from layerlift.overlap.device import Device, DeviceEvent
 
-__all__ = ["BlockSink", "HostBlocks", "KeyedItem", "block_bytes", "block_table", "gather_pages",
-           "host_blocks", "scatter_rows", "stage_objects", "stage_pages"]
+__all__ = ["BlockSink", "HostBlocks", "KeyedItem", "block_bytes", "block_table", "copy_page",
+           "gather_pages", "host_blocks", "scatter_rows", "stage_objects", "stage_pages"]
 
 # (group index, store key, block id): an item with the key of this worker's rank
 KeyedItem = tuple[int, str, int]
@@ -45,32 +45,44 @@ def block_bytes(kv: torch.Tensor, block_id: int) -> torch.Tensor:
 def stage_objects(layout: Layout, kv: dict[str, torch.Tensor], items: Sequence[KeyedItem],
                   scratch: Region, blocks: Mapping[str, HostBlocks | None] | None = None
                   ) -> tuple[list[int], list[int]]:
-    """Copy each item's layer blocks into ``scratch`` with its CRC footer;
-    return the objects' addresses and sizes. A layer with its `HostBlocks`
-    in ``blocks`` is copied with ``memmove`` and checksummed in staging
-    right after its copy, still in the cache (``copy_checksum``: the footer
-    is over the staged bytes, one pass over them); others with torch, then
-    a CRC pass."""
+    """Copy each item's layer blocks into ``scratch`` with its CRC footer
+    (`copy_page`); return the objects' addresses and sizes."""
     groups = {g.index: g for g in layout.groups}
-    blocks = blocks or {}
     ptrs, sizes, at = [], [], 0
     for g, key, block in items:
         group = groups[g]
-        slices = layout.slices(group)
-        footer = sum(s for _, s in slices)
-        crcs = np.empty(len(slices), dtype="<u4")
-        for j, (name, (off, size)) in enumerate(zip(group.layer_names, slices, strict=True)):
-            dst, seed, host = scratch.ptr + at + off, slice_seed(key, j), blocks.get(name)
-            if host is not None:
-                crcs[j] = copy_checksum(dst, [(host.address(block, size), size)], seed)
-            else:
-                scratch.tensor[at + off:at + off + size].copy_(block_bytes(kv[name], block))
-                crcs[j] = checksums([dst], size, [seed])[0]
-        ctypes.memmove(scratch.ptr + at + footer, crcs.ctypes.data, crcs.nbytes)
+        size = layout.object_bytes(group)
+        page = size - CHECK_BYTES * len(group.layer_names)
+        crcs = copy_page(layout, group, kv, key, block, scratch.tensor[at:at + page], blocks)
+        ctypes.memmove(scratch.ptr + at + page, crcs.ctypes.data, crcs.nbytes)
         ptrs.append(scratch.ptr + at)
-        sizes.append(layout.object_bytes(group))
-        at += sizes[-1]
+        sizes.append(size)
+        at += size
     return ptrs, sizes
+
+
+def copy_page(layout: Layout, group: GroupLayout, kv: dict[str, torch.Tensor], key: str,
+              block: int, dst: torch.Tensor,
+              blocks: Mapping[str, HostBlocks | None] | None = None) -> np.ndarray:
+    """Copy block ``block`` of each of ``group``'s layers into ``dst`` (one
+    page: ``uint8[page_bytes]``, contiguous, host memory), layer-major, and
+    return the object's footer (``uint32[layers]``, the slices' CRC-32
+    seeded for ``key``) computed over the copied bytes. A layer with its
+    `HostBlocks` in ``blocks`` is copied with ``memmove`` and checksummed in
+    ``dst`` right after its copy, still in the cache (``copy_checksum``:
+    one pass over the staged bytes); others with torch, then a CRC pass."""
+    blocks = blocks or {}
+    base = int(dst.data_ptr())
+    slices = layout.slices(group)
+    crcs = np.empty(len(slices), dtype="<u4")
+    for j, (name, (off, size)) in enumerate(zip(group.layer_names, slices, strict=True)):
+        seed, host = slice_seed(key, j), blocks.get(name)
+        if host is not None:
+            crcs[j] = copy_checksum(base + off, [(host.address(block, size), size)], seed)
+        else:
+            dst[off:off + size].copy_(block_bytes(kv[name], block))
+            crcs[j] = checksums([base + off], size, [seed])[0]
+    return crcs
 
 
 class HostBlocks:

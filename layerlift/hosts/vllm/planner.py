@@ -23,6 +23,17 @@ restored or is restoring them). An object a worker found corrupt is
 ``_SUSPECT_S`` at most: lookups treat it as missing and do not touch it (a
 lookup's ``exists`` renews Mooncake's read lease, which would keep the
 corrupt object from being removed and replaced).
+
+Offloads hold their blocks (`BlockHolds`): once vLLM bound its block pool
+(``bind_gpu_block_pool``), each step's `SaveSpec` is a job that takes one
+reference on each of its attention blocks (a recurrent state block changes
+with the next step: the worker copies it within the step) (``BlockPool.touch``) when the step's
+metadata is built, and drops it (``BlockPool.free_blocks``) once every
+TP rank's worker reported the job done (`WorkerReport.saved`): a finished,
+aborted or preempted request's blocks stay out of vLLM's free queue while a
+worker may still read them, so the worker puts them after the step, off
+vLLM's thread. Without a bound pool (a planner outside vLLM's scheduler)
+saves carry no job and the worker copies them within the step.
 """
 
 from __future__ import annotations
@@ -44,7 +55,7 @@ from layerlift.hosts.vllm.layout import (
 from layerlift.hosts.vllm.meta import Item, LoadSpec, SaveSpec, StepMeta, WorkerReport
 from layerlift.linker.store_base import Store
 
-__all__ = ["BlockPlanner", "page_extras"]
+__all__ = ["BlockHolds", "BlockPlanner", "page_extras"]
 
 log = logging.getLogger("vllm.layerlift")
 _BACKOFF_S = 5.0
@@ -101,6 +112,63 @@ def page_extras(request: Any, pages: int, page_size: int) -> dict[int, str]:
     return out
 
 
+class BlockHolds:
+    """References on vLLM blocks that save jobs hold (scheduler thread only).
+
+    ``pool``: vLLM's ``BlockPool`` (``touch`` and ``free_blocks`` over
+    ``pool.blocks[i]``); ``workers``: how many workers report each job.
+    Every `take` is matched by exactly one drop of the same references, when
+    the job's reports from ``workers`` workers have arrived; a report of a
+    job this object does not hold (or a count beyond what it waits for) is
+    logged and ignored, never a second drop."""
+
+    def __init__(self, pool: Any, workers: int) -> None:
+        if workers < 1:
+            raise ValueError(f"a block hold waits for at least one worker, got {workers}")
+        self.pool, self.workers = pool, workers
+        self._held: dict[int, tuple[list[int], int]] = {}  # job -> (blocks, reports to come)
+        self._next = 0
+
+    def take(self, blocks: list[int]) -> int:
+        """A new job holding ``blocks`` (each once; never the null block)."""
+        job, self._next = self._next, self._next + 1
+        blocks = list(dict.fromkeys(b for b in blocks if b != _NULL_BLOCK))
+        if blocks:
+            self.pool.touch([self.pool.blocks[b] for b in blocks])
+        self._held[job] = (blocks, self.workers)
+        return job
+
+    def reported(self, saved: dict[int, int]) -> None:
+        """Workers reported ``saved`` (job -> workers); drop the references of
+        each job every worker has now reported."""
+        for job, count in saved.items():
+            held = self._held.get(job)
+            if held is None:
+                log.error("LayerLift: a worker reported save job %d, which holds no blocks "
+                          "(ignored)", job)
+                continue
+            blocks, left = held
+            if count > left:
+                log.error("LayerLift: save job %d reported by %d workers, %d expected "
+                          "(its blocks are released once)", job, count, left)
+            left -= count
+            if left > 0:
+                self._held[job] = (blocks, left)
+                continue
+            del self._held[job]
+            if blocks:
+                # Tail first: the freed blocks' prefix is evicted last (vLLM's order).
+                self.pool.free_blocks(self.pool.blocks[b] for b in reversed(blocks))
+
+    def __len__(self) -> int:
+        """Jobs still holding blocks."""
+        return len(self._held)
+
+    def blocks(self) -> int:
+        """Block references held now."""
+        return sum(len(b) for b, _ in self._held.values())
+
+
 class BlockPlanner:
     """Scheduler-side state of the connector (one per vLLM scheduler)."""
 
@@ -123,6 +191,18 @@ class BlockPlanner:
         self._replaced: dict[tuple[int, bytes], set[int]] = {}  # suspect -> ranks replaced
         self._epoch = 0  # bumped whenever a suspect is cleared
         self._lookups = ThreadPoolExecutor(1, thread_name_prefix="layerlift-lookup")
+        self.holds: BlockHolds | None = None  # set by `bind_block_pool`
+        self._recurrent = {g.index for g in layout.groups if g.kind is GroupKind.MAMBA}
+
+    def bind_block_pool(self, pool: Any) -> None:
+        """vLLM's block pool: from now on each save is a job holding its
+        blocks until every TP rank's worker reported it (`BlockHolds`)."""
+        self.holds = BlockHolds(pool, len(self.schemas))
+
+    def pending_saves(self) -> bool:
+        """Whether a save job still holds blocks (vLLM keeps stepping then:
+        the workers' reports arrive with a step's output)."""
+        return bool(self.holds)
 
     def close(self) -> None:
         """Stop the lookup thread (a call in it ends within the store's bound)."""
@@ -216,7 +296,13 @@ class BlockPlanner:
 
     def worker_report(self, report: WorkerReport) -> None:
         """Objects the workers found corrupt become suspect; one every rank
-        replaced is looked up again."""
+        replaced is looked up again; save jobs every worker ended release
+        their blocks."""
+        if report.saved:
+            if self.holds is None:
+                log.error("LayerLift: workers reported save jobs, but no block pool is bound")
+            else:
+                self.holds.reported(report.saved)
         self.load_failed(report.failed)
         until = time.monotonic() + _SUSPECT_S
         for page in report.corrupt:
@@ -375,4 +461,10 @@ class BlockPlanner:
                     items.append((group.index, track.hashes[p], blocks[p]))
         track.saved = max(track.saved, upto)
         if items:
-            meta.saves.append(SaveSpec(req_id, items))
+            # Attention blocks only: a full page's bytes never change while it
+            # is held; a recurrent state block is rewritten by the next step
+            # (and a second reference would make vLLM copy it instead), so the
+            # worker copies those within the step.
+            job = None if self.holds is None else self.holds.take(
+                [b for g, _, b in items if g not in self._recurrent])
+            meta.saves.append(SaveSpec(req_id, items, job))

@@ -17,12 +17,23 @@ Threads and ownership:
   hears a load failed, so nothing writes into its blocks afterwards. A region
   lent to a store call that timed out returns to the ring only once that
   call ended (`Region.hand_over`).
-* Offloads are copied from vLLM's blocks into ring regions on vLLM's thread,
-  before `save` returns (vLLM may reuse the blocks then), one chunk of at
-  most a quarter of the ring at a time, each put in the background. When the
-  ring is full, `save` waits for earlier puts to give staging back, at most
-  ``save_wait_s`` (the store's call bound) per chunk; then the rest of that
-  request's offload is skipped (a later miss).
+* Offloads whose blocks the scheduler holds (a `SaveSpec` with a ``job``:
+  vLLM's block pool keeps one reference of the job on each attention block
+  until every worker reported the job, ``planner.BlockHolds``) run after the
+  step on the host path: `save` hands the job to the loop and returns; the
+  jobs run one at a time, each a pipelined `StagedOffload` through a save
+  ring of its own (a chunk's pages copied from the blocks and checksummed as
+  copied while the chunk before is put); the job is reported done
+  (`report`'s ``saved``) once its last page was copied, or at once when
+  nothing of it was left to read (a failed step, a cancellation before it
+  started). Everything else (no job, caches on a device, recurrent state
+  blocks, which the next step rewrites) is copied from vLLM's blocks into
+  ring regions on vLLM's thread, before `save` returns (vLLM may reuse the
+  blocks then), one chunk of at most a quarter of the ring at a time, each
+  put in the background. When the ring is full, `save` waits for earlier
+  puts to give staging back, at most ``save_wait_s`` (the store's call
+  bound) per chunk; then the rest of that request's offload is skipped (a
+  later miss).
 * Asynchronous loads (a request waits in vLLM's ``WAITING_FOR_REMOTE_KVS``)
   are reported by `results`; one not settled ``load_timeout_s`` after it
   started is revoked and reported failed. Synchronous loads (single-group
@@ -107,12 +118,21 @@ class BlockWorker(LoadSide, SaveSide):
         self._unregister_staging()
 
     def _unregister_staging(self) -> None:
-        """Unregister the ring from the store (the store outlives this
-        worker): a later buffer at the same address must be registrable."""
-        ring = self._ring
-        if not ring.registered or self._tasks:
-            return  # never registered, or a call may still use it (the store's close frees it)
-        try:
-            ring.close()  # with a timed-out call's region still out: once it returned
-        except StoreError as exc:
-            log.warning("LayerLift: unregistering staging failed: %s", exc)
+        """Unregister the rings (and vLLM's cache, where in-place saves
+        registered it) from the store (the store outlives this worker): a
+        later buffer at the same address must be registrable."""
+        if self._tasks:
+            return  # a call may still use them (the store's close frees them)
+        for ring in (self._ring, self._save_ring):
+            if ring is None or not ring.registered:
+                continue
+            try:
+                ring.close()  # with a timed-out call's region still out: once it returned
+            except StoreError as exc:
+                log.warning("LayerLift: unregistering staging failed: %s", exc)
+        spans, self._cache_registered = self._cache_registered or [], None
+        for ptr in spans:  # in-place saves' registration of vLLM's cache
+            try:
+                self.store.unregister(ptr)
+            except StoreError as exc:
+                log.warning("LayerLift: unregistering vLLM's cache failed: %s", exc)

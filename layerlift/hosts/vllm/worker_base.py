@@ -89,6 +89,7 @@ class WorkerBase:
         self._layers = sorted(((g, j) for g in layout.groups for j in range(len(g.layer_names))),
                               key=_load_order)
         self._mamba = [i for i, (g, _) in enumerate(self._layers) if g.kind is GroupKind.MAMBA]
+        self._recurrent = {g.index for g in layout.groups if g.kind is GroupKind.MAMBA}
         # Several groups: a failed synchronous load is reported per request
         # (`WorkerReport.failed`); vLLM maps block ids of one group only.
         self._per_request = len(layout.groups) > 1
@@ -103,6 +104,13 @@ class WorkerBase:
             for g in layout.groups for name in g.layer_names if name in kv_caches}
         self._ring = StagingRing(store, staging_bytes, timeout_s=load_timeout_s,
                                  alloc=None if self.device is None else self.device.pinned)
+        # Saves of held blocks (host path) stage through a ring of their own,
+        # one job at a time (`_save_turn`): a long offload never takes the
+        # staging a restore waits for.
+        self._save_ring = StagingRing(store, staging_bytes, timeout_s=self.save_wait_s) \
+            if self.device is None else None
+        self._save_turn = asyncio.Lock()
+        self._cache_registered: list[int] | None = None  # in-place saves: the cache's spans
         self._lock = threading.Lock()
         self._reported = threading.Condition(self._lock)
         self._done: set[str] = set()
@@ -135,6 +143,8 @@ class WorkerBase:
         # would be an inference tensor that the lane's threads cannot write.
         with torch.inference_mode(False):
             self._ring.open()
+            if self._save_ring is not None:
+                self._save_ring.open()
 
     # ---- shared by both sides ----------------------------------------------------
 

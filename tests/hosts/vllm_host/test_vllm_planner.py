@@ -417,3 +417,83 @@ def test_linear_boundary_search_matches_the_definition() -> None:
                      if all(present.get((g.index, p), False) for g in chosen
                             for p in needed_pages(layout, g, local, b))), local)
         assert restorable_pages(layout, local, max_pages, present) == want, trial
+
+
+def _pool(blocks: int = 64) -> Any:
+    """vLLM's own block pool, its first ``blocks`` - 1 blocks handed out as a
+    running request's (reference count 1 each; block 0 is vLLM's null block)."""
+    from vllm.v1.core.block_pool import BlockPool
+
+    pool = BlockPool(blocks, enable_caching=True, hash_block_size=PAGE)
+    pool.get_new_blocks(blocks - 1)
+    return pool
+
+
+def _refs(pool: Any, blocks: Sequence[int]) -> list[int]:
+    return [pool.blocks[b].ref_cnt for b in blocks]
+
+
+def test_a_save_holds_its_attention_blocks_until_every_rank_reported_it(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """With vLLM's block pool bound, a step's save is a job holding one
+    reference on each of its attention blocks (not the recurrent state's,
+    which the next step rewrites, nor the null block); a freed (finished,
+    preempted) request's blocks stay out of the free queue until both TP
+    ranks reported the job; then the references drop, once: a third report,
+    or one of a job never taken, frees nothing."""
+    planner, _, _ = _planner(_layout(tp_size=2))
+    pool = _pool()
+    planner.bind_block_pool(pool)
+    request = _request()
+    assert _lookup(planner, request) == 0
+    planner.after_alloc(request, ([11, 12, 13], [21, 22, 23], [31]), 0)
+    new = SimpleNamespace(req_id="r", block_ids=([11, 12, 13], [0, 22, 23], [31]),
+                          num_computed_tokens=0)
+    (save,) = _step(planner, [new], {"r": 3 * PAGE}).saves
+    assert save.job is not None and planner.pending_saves()
+    held = [11, 12, 13, 22, 23]
+    assert _refs(pool, held) == [2] * 5 and _refs(pool, [31]) == [1]
+    free = pool.get_num_free_blocks()
+    pool.free_blocks(pool.blocks[b] for b in [*held, 31])  # vLLM frees the request
+    assert pool.get_num_free_blocks() == free + 1  # the state block only
+    planner.worker_report(WorkerReport(saved={save.job: 1}))
+    assert _refs(pool, held) == [1] * 5 and planner.pending_saves()
+    planner.worker_report(WorkerReport(saved={save.job: 1}))
+    assert _refs(pool, held) == [0] * 5 and not planner.pending_saves()
+    assert pool.get_num_free_blocks() == free + 6
+    with caplog.at_level("ERROR", logger="vllm.layerlift"):
+        planner.worker_report(WorkerReport(saved={save.job: 1, 99: 2}))
+    assert _refs(pool, held) == [0] * 5 and pool.get_num_free_blocks() == free + 6
+    assert caplog.text.count("holds no blocks") == 2
+
+
+def test_merged_reports_add_up_and_an_overcount_frees_once(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """vLLM merges the workers' reports (`WorkerReport.merge`): the counts of
+    one job add up; a job reported by more workers than it waits for is
+    logged and its references drop exactly once."""
+    merged = WorkerReport(saved={1: 1, 2: 1}).merge(WorkerReport(saved={1: 1}))
+    assert merged.saved == {1: 2, 2: 1} and merged
+    planner, _, _ = _planner(_layout(tp_size=2))
+    pool = _pool()
+    planner.bind_block_pool(pool)
+    assert planner.holds is not None
+    job = planner.holds.take([5, 5, 6, 0])
+    assert _refs(pool, [5, 6]) == [2, 2] and planner.holds.blocks() == 2
+    with caplog.at_level("ERROR", logger="vllm.layerlift"):
+        planner.worker_report(WorkerReport(saved={job: 3}))
+    assert _refs(pool, [5, 6]) == [1, 1] and "reported by 3 workers" in caplog.text
+    assert not planner.pending_saves()
+
+
+def test_without_a_bound_pool_saves_carry_no_job() -> None:
+    """A planner vLLM gave no block pool: saves are copied within the step
+    (no job); a stray report is logged, nothing else."""
+    planner, _, _ = _planner()
+    request = _request()
+    assert _lookup(planner, request) == 0
+    planner.after_alloc(request, ([11], [21], [31]), 0)
+    new = SimpleNamespace(req_id="r", block_ids=([11], [21], [31]), num_computed_tokens=0)
+    (save,) = _step(planner, [new], {"r": PAGE}).saves
+    assert save.job is None and not planner.pending_saves()
+    planner.worker_report(WorkerReport(saved={0: 1}))
