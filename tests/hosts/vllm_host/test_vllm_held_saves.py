@@ -26,6 +26,7 @@ import layerlift.hosts.vllm.worker_save as worker_save
 from layerlift.hosts.vllm.layout import GroupKind, GroupLayout, Layout
 from layerlift.hosts.vllm.meta import LoadSpec, SaveSpec
 from layerlift.hosts.vllm.worker import BlockWorker
+from layerlift.hosts.vllm.worker_base import SAVE_RING_FACTOR
 from layerlift.linker.master import EmbeddedMaster
 from layerlift.linker.memory_store import MemoryStore
 from layerlift.linker.mooncake_store import MooncakeStore
@@ -148,7 +149,9 @@ def test_a_held_save_returns_at_once_and_stores_the_bytes_of_the_step(
     before = {n: t.clone() for n, t in kv.items()}
     object_bytes = layout.object_bytes(layout.groups[0])
     puts = _HeldPuts(mooncake)
-    worker = _worker(puts, layout, kv, mooncake_namespace, staging=2 * 2 * object_bytes + 4096)
+    # the save ring (SAVE_RING_FACTOR stagings) puts chunks of half of it: two objects
+    worker = _worker(puts, layout, kv, mooncake_namespace,
+                     staging=(2 * 2 * object_bytes + 4096) // SAVE_RING_FACTOR)
     try:
         worker.begin_step()
         worker.save([SaveSpec("r", _items(range(6)), job=3)])
