@@ -18,6 +18,7 @@ staged.
 from __future__ import annotations
 
 import ctypes
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -31,7 +32,7 @@ from layerlift.linker.staged import DeviceSink, LoadPart, LoadSegment
 from layerlift.overlap.device import Device, DeviceEvent
 
 __all__ = ["BlockSink", "HostBlocks", "KeyedItem", "block_bytes", "block_table", "copy_page",
-           "gather_pages", "host_blocks", "scatter_rows", "stage_objects", "stage_pages"]
+           "gather_pages", "group_runs", "host_blocks", "scatter_rows", "stage_objects", "stage_pages"]
 
 # (group index, store key, block id): an item with the key of this worker's rank
 KeyedItem = tuple[int, str, int]
@@ -190,14 +191,8 @@ def stage_pages(layout: Layout, items: Sequence[KeyedItem], scratch: Region,
     ptrs: list[int] = []
     sizes: list[int] = []
     at = 0
-    i = 0
-    while i < len(items):
-        g = items[i][0]
-        j = i
-        while j < len(items) and items[j][0] == g:
-            j += 1
-        run = items[i:j]
-        group, n = groups[g], j - i
+    for g, run in group_runs(items):
+        group, n = groups[g], len(run)
         slices = layout.slices(group)
         page = sum(s for _, s in slices)
         ob = layout.object_bytes(group)
@@ -211,8 +206,12 @@ def stage_pages(layout: Layout, items: Sequence[KeyedItem], scratch: Region,
         ptrs += [scratch.ptr + at + r * ob for r in range(n)]
         sizes += [ob] * n
         at += n * ob
-        i = j
     return ptrs, sizes
+
+
+def group_runs(items: Sequence[KeyedItem]) -> list[tuple[int, list[KeyedItem]]]:
+    """``items`` as runs of consecutive items of one group: ``(group, run)``."""
+    return [(g, list(run)) for g, run in itertools.groupby(items, key=lambda it: it[0])]
 
 
 class BlockSink(DeviceSink):

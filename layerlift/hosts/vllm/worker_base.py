@@ -146,9 +146,7 @@ class WorkerBase:
         # vLLM calls save() under torch.inference_mode: staging made there
         # would be an inference tensor that the lane's threads cannot write.
         with torch.inference_mode(False):
-            self._ring.open()
-            if self._save_ring is not None:
-                self._save_ring.open()
+            self._ring.open()  # the save ring opens at its first use, on a worker thread
 
     # ---- shared by both sides ----------------------------------------------------
 

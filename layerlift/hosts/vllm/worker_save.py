@@ -25,6 +25,7 @@ from layerlift.hosts.vllm.objects import (
     KeyedItem,
     copy_page,
     gather_pages,
+    group_runs,
     stage_objects,
     stage_pages,
 )
@@ -402,18 +403,8 @@ class SaveSide(WorkerBase):
     def _parts(self, items: list[KeyedItem]) -> list[OffloadPart]:
         """``items`` as offload parts, one per run of one group (source:
         ``(group, blocks)``)."""
-        parts: list[OffloadPart] = []
-        i = 0
-        while i < len(items):
-            g = items[i][0]
-            j = i
-            while j < len(items) and items[j][0] == g:
-                j += 1
-            run = items[i:j]
-            parts.append(OffloadPart(self._objects[g], tuple(k for _, k, _ in run),
-                                     (g, [b for _, _, b in run])))
-            i = j
-        return parts
+        return [OffloadPart(self._objects[g], tuple(k for _, k, _ in run),
+                            (g, [b for _, _, b in run])) for g, run in group_runs(items)]
 
     async def _put(self, keys: list[str], ptrs: list[int], sizes: list[int],
                    region: Region) -> None:

@@ -17,7 +17,7 @@ store. No vLLM is imported: they run in the main suite too.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import pytest
 import torch
@@ -27,7 +27,6 @@ from layerlift.hosts.vllm.layout import GroupKind, GroupLayout, Layout
 from layerlift.hosts.vllm.meta import LoadSpec, SaveSpec
 from layerlift.hosts.vllm.worker import BlockWorker
 from layerlift.hosts.vllm.worker_base import SAVE_RING_FACTOR
-from layerlift.linker.master import EmbeddedMaster
 from layerlift.linker.memory_store import MemoryStore
 from layerlift.linker.mooncake_store import MooncakeStore
 from layerlift.linker.store_base import ForwardingStore, Store, StoreIOError
@@ -128,18 +127,8 @@ class _HeldPuts(ForwardingStore):
         self.inner.put(keys, ptrs, sizes)
 
 
-@pytest.fixture
-def mooncake(mooncake_master: EmbeddedMaster) -> Iterator[MooncakeStore]:
-    s = MooncakeStore(mooncake_master.config(global_segment_size=64 << 20,
-                                             local_buffer_size=16 << 20, timeout_s=10.0))
-    try:
-        yield s
-    finally:
-        s.close()
-
-
 def test_a_held_save_returns_at_once_and_stores_the_bytes_of_the_step(
-        mooncake: MooncakeStore, mooncake_namespace: str) -> None:
+        mooncake_store: MooncakeStore, mooncake_namespace: str) -> None:
     """Real Mooncake, the worker's staging a fraction of the job (three
     chunks, pipelined): `save` returns before any put; the job is reported
     once, after the last copy; the blocks changed after that (vLLM reused
@@ -148,7 +137,7 @@ def test_a_held_save_returns_at_once_and_stores_the_bytes_of_the_step(
     kv = _kv(layout, seed=5)
     before = {n: t.clone() for n, t in kv.items()}
     object_bytes = layout.object_bytes(layout.groups[0])
-    puts = _HeldPuts(mooncake)
+    puts = _HeldPuts(mooncake_store)
     # the save ring (SAVE_RING_FACTOR stagings) puts chunks of half of it: two objects
     worker = _worker(puts, layout, kv, mooncake_namespace,
                      staging=(2 * 2 * object_bytes + 4096) // SAVE_RING_FACTOR)
@@ -166,7 +155,7 @@ def test_a_held_save_returns_at_once_and_stores_the_bytes_of_the_step(
     finally:
         worker.close()
     assert puts.puts >= 3, "the job was not put in chunks of the staging"
-    got = _restored(mooncake, layout, mooncake_namespace, _items(range(6)))
+    got = _restored(mooncake_store, layout, mooncake_namespace, _items(range(6)))
     assert all(torch.equal(got[n][:6], before[n][:6]) for n in ATTN)
 
 
@@ -270,7 +259,8 @@ def test_a_step_whose_restore_failed_reports_its_jobs_and_puts_nothing() -> None
 
 
 def test_recurrent_state_is_copied_within_the_step_and_attention_after(
-        mooncake: MooncakeStore, mooncake_namespace: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        mooncake_store: MooncakeStore, mooncake_namespace: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """A hybrid's job: its recurrent state block (rewritten by the next
     step, never held) is copied before `save` returns; its attention blocks
     after (held). The state changed right after `save`, the attention
@@ -279,7 +269,7 @@ def test_recurrent_state_is_copied_within_the_step_and_attention_after(
     kv = _kv(layout, seed=11)
     before = {n: t.clone() for n, t in kv.items()}
     copy = _HeldCopy(monkeypatch)
-    worker = _worker(mooncake, layout, kv, mooncake_namespace)
+    worker = _worker(mooncake_store, layout, kv, mooncake_namespace)
     items = [*_items([0, 1]), (1, HASHES[1], 5)]
     try:
         worker.begin_step()
@@ -293,7 +283,8 @@ def test_recurrent_state_is_copied_within_the_step_and_attention_after(
     finally:
         copy.release.set()
         worker.close()
-    got = _restored(mooncake, layout, mooncake_namespace, [*_items([0, 1]), (1, HASHES[1], 3)])
+    got = _restored(mooncake_store, layout, mooncake_namespace,
+                    [*_items([0, 1]), (1, HASHES[1], 3)])
     assert all(torch.equal(got[n][:2], before[n][:2]) for n in ATTN)
     assert torch.equal(got[STATE][3], before[STATE][5])
 
@@ -319,7 +310,8 @@ def test_on_a_device_a_job_is_copied_within_the_step_and_reported_at_once() -> N
 
 
 def test_large_blocks_are_put_in_place_and_a_timed_out_put_holds_the_job(
-        mooncake: MooncakeStore, mooncake_namespace: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        mooncake_store: MooncakeStore, mooncake_namespace: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """Blocks of at least `IN_PLACE_BYTES` a layer (lowered here) are put
     from the cache itself, several calls a job (`PUT_BUFFERS` lowered):
     restored byte-exact from real Mooncake, the cache registered once and
@@ -331,14 +323,14 @@ def test_large_blocks_are_put_in_place_and_a_timed_out_put_holds_the_job(
     kv = _kv(layout, seed=13)
     before = {n: t.clone() for n, t in kv.items()}
     calls: list[int] = []
-    real = mooncake.put_parts
+    real = mooncake_store.put_parts
 
     def counted(keys: Sequence[str], ptrs: object, sizes: object) -> None:
         calls.append(len(keys))
         real(keys, ptrs, sizes)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(mooncake, "put_parts", counted)
-    worker = _worker(mooncake, layout, kv, mooncake_namespace)
+    monkeypatch.setattr(mooncake_store, "put_parts", counted)
+    worker = _worker(mooncake_store, layout, kv, mooncake_namespace)
     try:
         worker.begin_step()
         worker.save([SaveSpec("r", _items(range(5)), job=1)])
@@ -349,7 +341,7 @@ def test_large_blocks_are_put_in_place_and_a_timed_out_put_holds_the_job(
     finally:
         worker.close()
     assert worker._cache_registered is None
-    got = _restored(mooncake, layout, mooncake_namespace, _items(range(5)))
+    got = _restored(mooncake_store, layout, mooncake_namespace, _items(range(5)))
     assert all(torch.equal(got[n][:5], before[n][:5]) for n in ATTN)
 
 

@@ -202,14 +202,22 @@ def test_a_corrupt_object_is_out_of_lookups_until_every_rank_replaced_it() -> No
     assert _lookup(planner, _request("d")) == 3 * PAGE
 
 
-def test_a_prefill_offloads_its_pages_and_the_checkpoint_at_its_end() -> None:
-    planner, _, _ = _planner()
+def _prefill_three_pages(planner: BlockPlanner) -> Any:
+    """A cold request's first step computes pages 0-2 (blocks 11-13; the
+    sliding group's page 0 already out of its window, its block null; the
+    state in block 31): the step's one save."""
     request = _request()
     assert _lookup(planner, request) == 0
     planner.after_alloc(request, ([11, 12, 13], [21, 22, 23], [31]), 0)
     new = SimpleNamespace(req_id="r", block_ids=([11, 12, 13], [0, 22, 23], [31]),
                           num_computed_tokens=0)
     (save,) = _step(planner, [new], {"r": 3 * PAGE}).saves
+    return save
+
+
+def test_a_prefill_offloads_its_pages_and_the_checkpoint_at_its_end() -> None:
+    planner, _, _ = _planner()
+    save = _prefill_three_pages(planner)
     hashes = prompt_hashes(TOKENS, PAGE)
     want = {(0, hashes[p], b) for p, b in zip([0, 1, 2], [11, 12, 13], strict=True)}
     want |= {(1, hashes[p], b) for p, b in zip([1, 2], [22, 23], strict=True)}
@@ -444,12 +452,7 @@ def test_a_save_holds_its_attention_blocks_until_every_rank_reported_it(
     planner, _, _ = _planner(_layout(tp_size=2))
     pool = _pool()
     planner.bind_block_pool(pool)
-    request = _request()
-    assert _lookup(planner, request) == 0
-    planner.after_alloc(request, ([11, 12, 13], [21, 22, 23], [31]), 0)
-    new = SimpleNamespace(req_id="r", block_ids=([11, 12, 13], [0, 22, 23], [31]),
-                          num_computed_tokens=0)
-    (save,) = _step(planner, [new], {"r": 3 * PAGE}).saves
+    save = _prefill_three_pages(planner)
     assert save.job is not None and planner.pending_saves()
     held = [11, 12, 13, 22, 23]
     assert _refs(pool, held) == [2] * 5 and _refs(pool, [31]) == [1]
