@@ -115,6 +115,7 @@ class WorkerBase:
             if self.device is None else None
         self._save_turn = asyncio.Lock()
         self._cache_registered: list[int] | None = None  # in-place saves: the cache's spans
+        self._register_lock = threading.Lock()  # held across the registration's store calls
         self._lock = threading.Lock()
         self._reported = threading.Condition(self._lock)
         self._done: set[str] = set()

@@ -378,8 +378,9 @@ class SaveSide(WorkerBase):
 
     def _register_cache(self) -> None:
         """Worker thread: register vLLM's host cache with the store, once
-        (each layer's span of blocks; spans that touch are registered as one)."""
-        with self._lock:
+        (each layer's span of blocks; spans that touch are registered as one).
+        Under a lock of its own: vLLM's thread never waits for this store call."""
+        with self._register_lock:
             if self._cache_registered is not None:
                 return
             spans = sorted((h.base, h.base + (h.count - 1) * h.stride + h.nbytes)

@@ -9,7 +9,8 @@ ever), bytes stored that the blocks did not hold when the save was taken.
 Each order is forced with events: a copy held in the middle, a put held, a
 put that fails, a cancellation while a copy runs or while the job waits for
 the one before it, a step whose restore failed, recurrent state in the same
-job, and a device cache (copied within the step, reported at once). The
+job, a device cache (copied within the step, reported at once), an
+in-place put that times out, a cache the store refuses to register. The
 round trips run on a real Mooncake master; the orders on the in-memory
 store. No vLLM is imported: they run in the main suite too.
 """
@@ -390,4 +391,44 @@ def test_an_in_place_put_that_timed_out_reports_its_job_only_once_it_ended(
         assert store.exists(keys) == [True, True]  # it landed late, as the step left it
     finally:
         store.release.set()
+        worker.close()
+
+
+class _RefusingRegister(ForwardingStore):
+    """``register`` raises StoreIOError while ``refuse`` is set (a store
+    that cannot map the cache): after the worker's own staging was registered."""
+
+    def __init__(self, inner: Store) -> None:
+        super().__init__(inner)
+        self.refuse = False
+
+    def register(self, buffer: object, nbytes: int | None = None) -> int:
+        if self.refuse:
+            raise StoreIOError("injected: the store refused to register the buffer")
+        return self.inner.register(buffer, nbytes)  # type: ignore[arg-type]
+
+
+def test_a_cache_the_store_cannot_register_fails_the_job_and_the_next_retries(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The in-place path's registration of vLLM's cache fails: the job is
+    reported (nothing read its blocks), nothing is stored, nothing stays
+    registered; the next job registers and puts."""
+    monkeypatch.setattr(worker_save, "IN_PLACE_BYTES", ROW)
+    layout = _layout()
+    store = _RefusingRegister(MemoryStore())
+    worker = _worker(store, layout, _kv(layout, seed=15))
+    try:
+        store.refuse = True
+        worker.begin_step()
+        worker.save([SaveSpec("r", _items([0, 1]), job=1)])
+        assert worker.wait_saved({1}, WAIT_S) and worker.settle(WAIT_S)
+        assert _saved(worker) == {1: 1} and worker._cache_registered is None
+        keys = [k for _, k, _ in worker.keyed(_items([0, 1, 2]))]
+        assert store.exists(keys) == [False] * 3
+        store.refuse = False
+        worker.save([SaveSpec("q", _items([2]), job=2)])
+        assert worker.wait_saved({2}, WAIT_S) and worker.settle(WAIT_S)
+        assert _saved(worker) == {2: 1} and worker._cache_registered is not None
+        assert store.exists(keys) == [False, False, True]
+    finally:
         worker.close()
