@@ -13,7 +13,8 @@ per-request load failures of running requests), ``connector`` (the connector cla
 scheduler side and the worker side), ``planner`` (the scheduler side's block
 plans and lookups), ``worker`` (the worker side's loads and saves: `BlockWorker`,
 made of ``worker_base`` (its state, device and streams), ``worker_load`` (restores,
-``wait_layer``, the reports) and ``worker_save`` (offloads, replacing corrupt objects)),
+``wait_layer``, the reports), ``worker_held`` (saves of held blocks after the step,
+replacing corrupt objects) and ``worker_save`` (``save``, the saves within the step)),
 ``layout`` (vLLM's KV cache groups as LayerLift byte layouts, the keys),
 ``objects`` (page objects between vLLM's blocks and the store), ``meta`` (the
 per-step metadata), ``compat`` (the supported releases and what differs).

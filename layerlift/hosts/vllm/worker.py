@@ -73,8 +73,10 @@ Threads and ownership:
 
 Modules: ``worker_base`` (`WorkerBase`: the state, the device and its
 streams, `device_for`, the ring and the loop), ``worker_load`` (`LoadSide`:
-the restores, `wait_layer`, the reports), ``worker_save`` (`SaveSide`: the
-offloads and replacing corrupt objects); `BlockWorker` is both sides.
+the restores, `wait_layer`, the reports), ``worker_held`` (`HeldSaves`: saves
+of held blocks after the step, replacing corrupt objects), ``worker_save``
+(`SaveSide`: `save`, the saves copied within the step); `BlockWorker` is both
+sides.
 """
 
 from __future__ import annotations

@@ -1,63 +1,31 @@
-"""`BlockWorker`'s save side. A save whose blocks the scheduler holds (a
-`SaveSpec` with a ``job``; host caches; attention groups) is put after the
-step, off vLLM's thread: one job at a time, through the save ring as a
-pipelined `StagedOffload` (each chunk's pages copied and checksummed from the
-blocks while the previous chunk is put), the job reported done (its blocks
-released) once its last page was copied. Everything else (no job, a device,
-recurrent state) is copied into staging chunks before `save` returns (on a
-device: gathered on the save stream after the forward), each chunk put in
-the background. A key found corrupt is removed before its put replaces it.
-The overview is ``worker.py``'s docstring.
+"""`BlockWorker`'s saves within the step: everything a held save does not
+cover (no job, caches on a device, recurrent state blocks) is copied into
+staging chunks before `save` returns (on a device: gathered on the save
+stream after the forward), each chunk put in the background; held saves go
+to `HeldSaves` (``worker_held.py``). A key found corrupt is removed before
+its put replaces it. The overview is ``worker.py``'s docstring.
 """
 
 from __future__ import annotations
 
-import ctypes
-import time
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 from layerlift.engine.threads import run_owned
 from layerlift.hosts.vllm.meta import SaveSpec
-from layerlift.hosts.vllm.objects import (
-    KeyedItem,
-    copy_page,
-    gather_pages,
-    group_runs,
-    stage_objects,
-    stage_pages,
-)
-from layerlift.hosts.vllm.worker_base import WorkerBase, _Read, log
-from layerlift.linker.integrity import CHECK_BYTES, checksums, slice_seed
+from layerlift.hosts.vllm.objects import KeyedItem, gather_pages, stage_objects, stage_pages
+from layerlift.hosts.vllm.worker_base import _Read, log
+from layerlift.hosts.vllm.worker_held import HeldSaves
 from layerlift.linker.ring import Region
-from layerlift.linker.staged import (
-    DeviceSnapshot,
-    OffloadOutcome,
-    OffloadPart,
-    OffloadSegment,
-    StagedOffload,
-)
-from layerlift.linker.store_base import StoreError, StoreObjectLeased, StoreTimeout
+from layerlift.linker.staged import DeviceSnapshot, OffloadPart, OffloadSegment
+from layerlift.linker.store_base import StoreError, StoreTimeout
 from layerlift.overlap.device import DeviceEvent
 
-__all__ = ["IN_PLACE_BYTES", "SaveSide"]
-
-# A held save whose every layer's block is at least this large is put from
-# vLLM's cache itself (the footers alone in the save ring): one pass over the
-# bytes (the CRC) instead of a copy and a pass. Below it the store's per-buffer
-# cost outweighs the copy: at block 16 (64 KiB a layer) in-place puts ran at
-# 1.0-1.2 GB/s against 1.3-1.4 staged; at block 128 (512 KiB) 2.0-2.3 against
-# 1.6-1.7 (32 layers, 8 KV heads x 128, bf16, loopback, docs/guide/vllm.md).
-IN_PLACE_BYTES = 256 << 10
-# One in-place put call: at most this many bytes and buffers (Mooncake's TCP
-# transport queues at most 1024 transfers per peer by default,
-# MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER; a call beyond it fails TRANSFER_FAIL).
-PUT_BYTES, PUT_BUFFERS = 64 << 20, 256
+__all__ = ["SaveSide"]
 
 
-class SaveSide(WorkerBase):
+class SaveSide(HeldSaves):
     """Offloads `SaveSpec`s from vLLM's blocks through the staging ring."""
 
     # ---- called by vLLM's model-runner thread -------------------------------------
@@ -107,34 +75,6 @@ class SaveSide(WorkerBase):
         finally:
             for job in done:
                 self._job_done(job)
-
-    def _job_done(self, job: int) -> None:
-        """This worker reads the blocks of save job ``job`` no more (for the
-        scheduler: `report`)."""
-        with self._lock:
-            self._report.saved[job] = self._report.saved.get(job, 0) + 1
-            self._reported.notify_all()
-
-    def wait_saved(self, jobs: set[int], timeout_s: float) -> bool:
-        """Wait (at most ``timeout_s``) until every save job of ``jobs`` is
-        in the report `report` hands out next; True when they all are."""
-        with self._lock:
-            return self._reported.wait_for(lambda: jobs <= self._report.saved.keys(), timeout_s)
-
-    def _chunks(self, items: list[KeyedItem], budget: int) -> list[list[KeyedItem]]:
-        """Consecutive runs of ``items`` of at most ``budget`` bytes (one
-        object at least)."""
-        out: list[list[KeyedItem]] = []
-        total = 0
-        for item in items:
-            size = self.layout.object_bytes(self._groups[item[0]])
-            if out and total + size <= budget:
-                out[-1].append(item)
-                total += size
-            else:
-                out.append([item])
-                total = size
-        return out
 
     def _save_chunk(self, req_id: str, items: list[KeyedItem], read: _Read | None) -> bool:
         """Stage ``items`` (copied now) and put them in the background; False
@@ -193,44 +133,6 @@ class SaveSide(WorkerBase):
 
     # ---- on the loop ----------------------------------------------------------------
 
-    def _remove_stale(self, keys: list[str]) -> set[str]:
-        """Worker thread: remove the corrupt objects among ``keys`` (retrying
-        for up to ``replace_wait_s`` while a read lease keeps one: it ends
-        ``--default_kv_lease_ttl`` after the last read); return those still
-        there (skipped by this put, marked for the next offload)."""
-        with self._lock:
-            stale = [k for k in keys if k in self._corrupt]
-        deadline = time.monotonic() + self.replace_wait_s
-        pause = 0.05
-        while stale:
-            try:
-                self.store.remove(stale)
-                stale = []
-            except StoreObjectLeased as exc:
-                stale = [k for k in stale if k in set(exc.keys)]
-            if not stale or time.monotonic() + pause > deadline:
-                break
-            time.sleep(pause)  # only time ends a read lease
-            pause = min(2 * pause, 1.0)
-        if stale:
-            log.warning("LayerLift: %d corrupt objects still leased after %.0f s; replaced by a "
-                        "later offload", len(stale), self.replace_wait_s)
-        return set(stale)
-
-    def _replaced(self, keys: list[str], stale: set[str]) -> None:
-        """``keys`` were put (but ``stale``): the corrupt ones among them are
-        replaced (for the scheduler: `report`)."""
-        with self._lock:
-            replaced = [k for k in keys if k in self._corrupt and k not in stale]
-            self._corrupt.difference_update(replaced)
-            rank = self.schema.rank
-            for key in replaced:
-                page = self._pages.pop(key, None)
-                if page is not None:
-                    self._report.replaced.add((rank, *page))
-        if replaced:
-            log.info("LayerLift: replaced %d corrupt object(s) with computed ones", len(replaced))
-
     def _put_replacing(self, keys: list[str], ptrs: list[int], sizes: list[int]) -> None:
         """Worker thread: remove the corrupt objects among ``keys``, then put
         the rest (`_remove_stale`)."""
@@ -240,172 +142,6 @@ class SaveSide(WorkerBase):
             self.store.put([keys[i] for i in keep], [ptrs[i] for i in keep],
                            [sizes[i] for i in keep])
         self._replaced(keys, stale)
-
-    async def _put_held(self, req_id: str, job: int, items: list[KeyedItem]) -> None:
-        """On the loop: put ``items`` from their held blocks, after the save
-        jobs before this one (one at a time: one large put at a time moves
-        more than several small ones, `_save_turn`). The job is reported
-        done once its blocks are read no more: by the offload's thread when
-        its last chunk was copied (`StagedOffload.run` calls
-        ``on_source_free`` once, whatever happens, before it returns); by
-        this coroutine when it ends (a failure, a cancellation) before that
-        thread was started: nothing read the blocks then."""
-        reported = False
-
-        def release() -> None:  # the offload's thread, or the loop; reports once
-            nonlocal reported
-            if not reported:
-                reported = True
-                self._job_done(job)
-
-        handed = False  # set by the offload's thread: from then on it reports the job
-
-        def offload_thread(offload: StagedOffload) -> OffloadOutcome:
-            nonlocal handed
-            handed = True
-            return offload.run(on_source_free=release)
-
-        def in_place_thread(todo: list[KeyedItem]) -> OffloadOutcome:
-            nonlocal handed
-            handed = True
-            try:
-                return self._put_in_place(todo)
-            finally:
-                release()  # every put has returned (a timed-out one: once it ended)
-
-        try:
-            async with self._save_turn:
-                assert self._save_ring is not None  # the host path's
-                keys = [k for _, k, _ in items]
-                stale = await run_owned(lambda: self._remove_stale(keys))
-                todo = [it for it in items if it[1] not in stale]
-                if todo and self._in_place(todo):
-                    outcome = await run_owned(lambda: in_place_thread(todo))
-                elif todo:
-                    offload = StagedOffload(self._save_ring, self.store, self._parts(todo),
-                                            _HeldBlocks(self), timeout_s=self.save_wait_s)
-                    outcome = await run_owned(lambda: offload_thread(offload))
-                if todo and outcome.error is not None:
-                    log.warning("LayerLift: offload of %s: %d of %d objects put; %s",
-                                req_id, outcome.objects, len(todo), outcome.error)
-                    return
-                self._replaced(keys, stale)
-        except Exception as exc:  # every thread it started has returned: a failed offload
-            log.warning("LayerLift: offload of %s failed: %s", req_id, exc)
-        finally:
-            if not handed:
-                release()
-
-    def _in_place(self, items: list[KeyedItem]) -> bool:
-        """Whether ``items`` are put from the cache itself: each layer's block
-        at least `IN_PLACE_BYTES`, in a host cache of evenly strided blocks."""
-        for g in {g for g, _, _ in items}:
-            for name in self._groups[g].layer_names:
-                if self._host_blocks.get(name) is None or \
-                        self.layout.layer_bytes[name] < IN_PLACE_BYTES:
-                    return False
-        return True
-
-    def _put_in_place(self, items: list[KeyedItem]) -> OffloadOutcome:
-        """Worker thread: put ``items`` from vLLM's blocks where they are
-        (registered with the store once, `_register_cache`), one
-        ``put_parts`` per chunk of at most `PUT_BYTES` and `PUT_BUFFERS`:
-        each object its layers' blocks and its footer, computed over those
-        very bytes into the save ring. Chunks in order, the first failure
-        ends it; a put that timed out is waited for until it ended (the
-        store reads the blocks until then); returns once no call reads them."""
-        assert self._save_ring is not None
-        self._register_cache()
-        outcome = OffloadOutcome()
-        for chunk in self._put_chunks(items):
-            layers = [self._groups[g].layer_names for g, _, _ in chunk]
-            table = sum(CHECK_BYTES * len(names) for names in layers)
-            try:
-                region = self._save_ring.acquire(table, timeout_s=self.save_wait_s, overflow=True)
-            except StoreError as exc:
-                outcome.error = exc
-                return outcome
-            try:
-                keys, ptrs, sizes, at = [], [], [], region.ptr
-                for (_, key, block), names in zip(chunk, layers, strict=True):
-                    row = [self._block_span(n, block) for n in names]
-                    crcs = np.empty(len(row), dtype="<u4")
-                    for j, (ptr, size) in enumerate(row):
-                        crcs[j] = checksums([ptr], size, [slice_seed(key, j)])[0]
-                    ctypes.memmove(at, crcs.ctypes.data, crcs.nbytes)  # the footer
-                    keys.append(key)
-                    ptrs.append([ptr for ptr, _ in row] + [at])
-                    sizes.append([size for _, size in row] + [crcs.nbytes])
-                    at += crcs.nbytes
-                try:
-                    self.store.put_parts(keys, ptrs, sizes)
-                except StoreTimeout as exc:
-                    if not exc.wait_finished():
-                        outcome.error = exc
-                        return outcome
-                    outcome.late += 1
-                except StoreError as exc:
-                    outcome.error = exc
-                    return outcome
-                outcome.objects += len(keys)
-                outcome.bytes += sum(sum(row) for row in sizes)
-            finally:
-                region.release()
-        return outcome
-
-    def _block_span(self, name: str, block: int) -> tuple[int, int]:
-        """``(address, bytes)`` of block ``block`` of layer ``name``'s host cache."""
-        host = self._host_blocks.get(name)
-        assert host is not None  # `_in_place` checked
-        size = self.layout.layer_bytes[name]
-        return host.address(block, size), size
-
-    def _put_chunks(self, items: list[KeyedItem]) -> list[list[KeyedItem]]:
-        """``items`` in runs of at most `PUT_BYTES` and `PUT_BUFFERS` (one
-        object at least)."""
-        out: list[list[KeyedItem]] = []
-        nbytes = buffers = 0
-        for item in items:
-            size = self.layout.object_bytes(self._groups[item[0]])
-            parts = len(self._groups[item[0]].layer_names) + 1
-            if out and nbytes + size <= PUT_BYTES and buffers + parts <= PUT_BUFFERS:
-                out[-1].append(item)
-                nbytes, buffers = nbytes + size, buffers + parts
-            else:
-                out.append([item])
-                nbytes, buffers = size, parts
-        return out
-
-    def _register_cache(self) -> None:
-        """Worker thread: register vLLM's host cache with the store, once
-        (each layer's span of blocks; spans that touch are registered as one).
-        Under a lock of its own: vLLM's thread never waits for this store call."""
-        with self._register_lock:
-            if self._cache_registered is not None:
-                return
-            spans = sorted((h.base, h.base + (h.count - 1) * h.stride + h.nbytes)
-                           for h in self._host_blocks.values() if h is not None)
-            merged: list[list[int]] = []
-            for lo, hi in spans:
-                if merged and lo <= merged[-1][1]:
-                    merged[-1][1] = max(merged[-1][1], hi)
-                else:
-                    merged.append([lo, hi])
-            done: list[int] = []
-            try:
-                for lo, hi in merged:
-                    done.append(self.store.register(lo, hi - lo))
-            except BaseException:
-                for ptr in done:
-                    self.store.unregister(ptr)
-                raise
-            self._cache_registered = done
-
-    def _parts(self, items: list[KeyedItem]) -> list[OffloadPart]:
-        """``items`` as offload parts, one per run of one group (source:
-        ``(group, blocks)``)."""
-        return [OffloadPart(self._objects[g], tuple(k for _, k, _ in run),
-                            (g, [b for _, _, b in run])) for g, run in group_runs(items)]
 
     async def _put(self, keys: list[str], ptrs: list[int], sizes: list[int],
                    region: Region) -> None:
@@ -418,23 +154,3 @@ class SaveSide(WorkerBase):
             log.warning("LayerLift: offload of %d objects failed: %s", len(keys), exc)
         finally:
             region.release()
-
-
-class _HeldBlocks:
-    """The held-save snapshot (``linker/staged.py``'s `Snapshot`): each row's
-    layer blocks copied from vLLM's host cache into staging, each slice
-    checksummed right after its copy (`copy_page`): the footers come back
-    with the bytes."""
-
-    def __init__(self, side: SaveSide) -> None:
-        self.side = side
-
-    def read(self, seg: OffloadSegment, part: OffloadPart, pages: torch.Tensor) -> np.ndarray:
-        side = self.side
-        group_index, blocks = part.source
-        group = side._groups[group_index]
-        table = np.empty((seg.rows, len(group.layer_names)), dtype="<u4")
-        for i in range(seg.rows):
-            table[i] = copy_page(side.layout, group, side.kv, part.keys[seg.lo + i],
-                                 blocks[seg.lo + i], pages[i], side._host_blocks)
-        return table

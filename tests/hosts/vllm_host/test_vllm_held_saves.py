@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-import layerlift.hosts.vllm.worker_save as worker_save
+import layerlift.hosts.vllm.worker_held as worker_held
 from layerlift.hosts.vllm.layout import GroupKind, GroupLayout, Layout
 from layerlift.hosts.vllm.meta import LoadSpec, SaveSpec
 from layerlift.hosts.vllm.worker import BlockWorker
@@ -96,7 +96,7 @@ class _HeldCopy:
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.started, self.release = threading.Event(), threading.Event()
         self.calls = 0
-        real = worker_save.copy_page
+        real = worker_held.copy_page
 
         def held(*args: object, **kwargs: object) -> object:
             out = real(*args, **kwargs)  # type: ignore[arg-type]
@@ -106,7 +106,7 @@ class _HeldCopy:
                 assert self.release.wait(WAIT_S), "the test never released the held copy"
             return out
 
-        monkeypatch.setattr(worker_save, "copy_page", held)
+        monkeypatch.setattr(worker_held, "copy_page", held)
 
 
 class _HeldPuts(ForwardingStore):
@@ -318,8 +318,8 @@ def test_large_blocks_are_put_in_place_and_a_timed_out_put_holds_the_job(
     restored byte-exact from real Mooncake, the cache registered once and
     unregistered at close. A put that times out keeps the job unreported
     (the store still reads the blocks) until the call really ended."""
-    monkeypatch.setattr(worker_save, "IN_PLACE_BYTES", ROW)
-    monkeypatch.setattr(worker_save, "PUT_BUFFERS", 2 * (len(ATTN) + 1))
+    monkeypatch.setattr(worker_held, "IN_PLACE_BYTES", ROW)
+    monkeypatch.setattr(worker_held, "PUT_BUFFERS", 2 * (len(ATTN) + 1))
     layout = _layout()
     kv = _kv(layout, seed=13)
     before = {n: t.clone() for n, t in kv.items()}
@@ -375,7 +375,7 @@ def test_an_in_place_put_that_timed_out_reports_its_job_only_once_it_ended(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The in-place put times out but the call goes on reading the blocks:
     the job is not reported until the call ended; then it is, once."""
-    monkeypatch.setattr(worker_save, "IN_PLACE_BYTES", ROW)
+    monkeypatch.setattr(worker_held, "IN_PLACE_BYTES", ROW)
     layout = _layout()
     store = _LatePuts(MemoryStore())
     worker = _worker(store, layout, _kv(layout, seed=14))
@@ -413,7 +413,7 @@ def test_a_cache_the_store_cannot_register_fails_the_job_and_the_next_retries(
     """The in-place path's registration of vLLM's cache fails: the job is
     reported (nothing read its blocks), nothing is stored, nothing stays
     registered; the next job registers and puts."""
-    monkeypatch.setattr(worker_save, "IN_PLACE_BYTES", ROW)
+    monkeypatch.setattr(worker_held, "IN_PLACE_BYTES", ROW)
     layout = _layout()
     store = _RefusingRegister(MemoryStore())
     worker = _worker(store, layout, _kv(layout, seed=15))
