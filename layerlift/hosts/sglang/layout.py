@@ -30,7 +30,7 @@ import torch
 from layerlift.linker.integrity import CHECK_BYTES
 from layerlift.linker.staged import ObjectLayout
 
-__all__ = ["LayerParts", "Part", "PoolLayout", "fingerprint", "mamba_layout", "mha_layers",
+__all__ = ["LayerParts", "OffloadItem", "Part", "PoolLayout", "fingerprint", "mamba_layout", "mha_layers",
            "pool_layouts", "refuse_unmoved_state"]
 
 
@@ -137,6 +137,15 @@ class PoolLayout:
             raise ValueError(f"the {self.name} transfer names slots outside the pool "
                              f"(0..{self.num_rows - 1})")
         return [int(s) for s in starts.tolist()]
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadItem:
+    """One pool's part of one offload: store keys and the first row of each unit."""
+
+    layout: PoolLayout
+    keys: tuple[str, ...]
+    rows: tuple[int, ...]
 
 
 def _rows_view(t: torch.Tensor) -> torch.Tensor:

@@ -72,6 +72,7 @@ from .layout import PoolLayout, fingerprint, pool_layouts, refuse_unmoved_state
 from .load import BatchLoad, LoadCounter, LoadItem, LoopThread
 from .lookup import LookupGuard
 from .offload import Offloader, OffloadItem, Quarantine
+from .offload_in_place import in_place_ok
 from .settings import LinkerSettings
 
 __all__ = ["LayerLiftLinker", "LinkerSettings"]
@@ -198,8 +199,11 @@ class LayerLiftLinker(UnifiedCacheLinker):  # type: ignore[misc,unused-ignore]
         self._failed_starts: set[int] = set()  # counter indices whose start failed
         self._next_index = 0
         self.quarantine = Quarantine()
+        min_bytes = None if s.in_place_min_kib is None else s.in_place_min_kib << 10
+        in_place = [] if self.path is not None else \
+            [p for p in self.layouts.values() if in_place_ok(p, min_bytes)]
         self._offloader = Offloader(self.store, self.offload_ring, self.quarantine, s.timeout_s,
-                                    path=self.path)
+                                    path=self.path, in_place=in_place)
         self.lookups = LookupGuard(s.lookup_timeout_s, s.lookup_breaker_s, s.lookup_share)
         self.finished: deque[BatchLoad] = deque(maxlen=256)  # recent batches (timings, verdict)
         self.errors = 0  # calls that failed by an unexpected error (logged; SGLang went on)

@@ -1,12 +1,15 @@
-"""Offloads of the SGLang linker: device slots -> staging snapshot -> store, in order.
+"""Offloads of the SGLang linker: slots -> store (in place, or through a staging snapshot), in order.
 
 SGLang's wrapper keeps the offloaded node locked until it consumed the
 offload's result, and consumes results in the order it queued the offloads
 (``pop_completed_offload``): so one worker thread runs them first in, first
 out. Per offload: one ``exists`` call (objects already stored are not sent
-again: a node that gained a checkpoint sends only the checkpoint), then a
-:class:`~layerlift.linker.staged.StagedOffload` through the offload staging
-ring: per chunk, a copy of the units' bytes into staging while the node is
+again: a node that gained a checkpoint sends only the checkpoint); then the
+units of the host pools whose parts are large enough (``in_place``) are put
+straight from the slots (``offload_in_place.py``: the footers computed over
+the slots, no copy; the result waits for every call reading them), and the
+others go as a :class:`~layerlift.linker.staged.StagedOffload` through the
+offload staging ring: per chunk, a copy of the units' bytes into staging while the node is
 still locked, their per-layer CRC-32 footers computed over that copy (each
 layer's slice as it is copied, still in the cache), one ``put``; chunks in
 order, the first failure ends the offload.
@@ -19,10 +22,14 @@ Promises (each a test in ``tests/hosts/sglang_host``):
   takes); results of offloads taken before it are discarded, so they never
   unlock the nodes of later offloads. A put still running when the bound
   passed sends the bytes it snapshotted before ``quiesce`` returned.
-- A put that outlives the store's timeout is reported failed at once; its
+- A staged put that outlives the store's timeout is reported failed at once; its
   staging stays held until the call really ended, so if it lands later it
   lands the bytes the slots held when the offload was taken, under checksums
   of those same bytes: never another request's bytes under these keys.
+- An in-place put that outlives its timeout is waited for: its result (and
+  so SGLang's unlock of the node) comes once it ended. One still running when
+  ``quiesce``'s bound passed has its keys held in the quarantine (never
+  offered, removed once it ended): the slots it reads may then hold other bytes.
 - Any exception of an offload (a bug, a store client's ``RuntimeError``) is
   logged and reported as a failed offload; the thread goes on with the next.
 - **Device pools** (``path``, a :class:`~.device.DevicePath`): the snapshot
@@ -44,16 +51,17 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from layerlift.linker.integrity import copy_checksum, slice_seed
+from layerlift.linker.registered import register_spans
 from layerlift.linker.ring import StagingRing
 from layerlift.linker.staged import (
     DEFAULT_DEPTH,
     DeviceSnapshot,
+    OffloadOutcome,
     OffloadPart,
     OffloadSegment,
     Snapshot,
@@ -63,21 +71,13 @@ from layerlift.linker.store_base import Store, StoreError, StoreObjectLeased, St
 from layerlift.overlap.device import DeviceEvent
 
 from .device import DevicePath, gather_units
-from .layout import PoolLayout
+from .layout import OffloadItem, PoolLayout
+from .offload_in_place import Flight, InPlaceOffload, Revoked, pool_spans
 
 __all__ = ["OffloadItem", "Offloader", "Quarantine"]
 
 _log = logging.getLogger(__name__)
 _REPAIR_EVERY_S = 0.25  # how often the worker retries removing quarantined keys
-
-
-@dataclass(frozen=True, slots=True)
-class OffloadItem:
-    """One pool's part of one offload: store keys and the first row of each unit."""
-
-    layout: PoolLayout
-    keys: tuple[str, ...]
-    rows: tuple[int, ...]
 
 
 class Quarantine:
@@ -91,6 +91,7 @@ class Quarantine:
 
     def __init__(self) -> None:
         self._keys: dict[str, float] = {}  # key -> when quarantined
+        self._held: dict[str, int] = {}  # key -> holds (an in-place put may still write it)
         self._lock = threading.Lock()
         self._on_add: list[weakref.WeakMethod[Callable[[], None]]] = []
         self.removed = 0  # objects this linker removed from the store
@@ -117,33 +118,61 @@ class Quarantine:
                 if wake is not None:
                     wake()
 
-    def discard(self, keys: Iterable[str]) -> None:
+    def hold(self, keys: Iterable[str]) -> None:
+        """Quarantine ``keys`` and hold them: a put that may still write them
+        is in the air (``offload_in_place.py``). A held key stays unoffered
+        and is neither removed (:meth:`keys` leaves it out) nor discarded
+        until every hold on it was released."""
+        now = time.monotonic()
         with self._lock:
             for key in keys:
-                self._keys.pop(key, None)
+                self._keys.setdefault(key, now)
+                self._held[key] = self._held.get(key, 0) + 1
+
+    def release(self, keys: Iterable[str]) -> None:
+        """Drop one hold on each of ``keys``; they stay quarantined (the
+        offload thread's repair removes them). Calls no listener: the
+        offload thread repairs on its own timer while keys are quarantined."""
+        with self._lock:
+            for key in keys:
+                left = self._held.get(key, 0) - 1
+                if left > 0:
+                    self._held[key] = left
+                else:
+                    self._held.pop(key, None)
+
+    def discard(self, keys: Iterable[str]) -> None:
+        """Forget ``keys`` (replaced or gone), but those held."""
+        with self._lock:
+            for key in keys:
+                if key not in self._held:
+                    self._keys.pop(key, None)
 
     def holds(self, keys: Sequence[str]) -> list[bool]:
+        """Per key, whether it is quarantined (held or not): never offered."""
         with self._lock:
             return [k in self._keys for k in keys]
 
-    def keys(self) -> list[str]:
+    def held(self, keys: Sequence[str]) -> list[bool]:
+        """Per key, whether a hold is on it."""
         with self._lock:
-            return list(self._keys)
+            return [k in self._held for k in keys]
+
+    def keys(self) -> list[str]:
+        """The quarantined keys that may be removed now (not held)."""
+        with self._lock:
+            return [k for k in self._keys if k not in self._held]
 
     def __len__(self) -> int:
         with self._lock:
             return len(self._keys)
 
 
-class _Revoked(Exception):
-    """The offload was taken before a ``reset``: it must not snapshot the slots."""
-
-
 class _SlotSnapshot:
     """The staged offload's snapshot (``linker/staged.py``): copy the units'
     page bytes from SGLang's slots into staging, layer-major, under the
     offloader's epoch lock; an offload taken before a ``reset`` is refused
-    there (``_Revoked``) instead of reading slots the reset freed. Each
+    there (``Revoked``) instead of reading slots the reset freed. Each
     layer's slice is checksummed in staging right after its copy, while it
     is in the cache (``integrity.copy_checksum``): the footers come back
     with the bytes, and the transfer does not read the chunk a second time."""
@@ -160,7 +189,7 @@ class _SlotSnapshot:
         table = np.empty((seg.rows, len(layers)), dtype="<u4")
         with self.offloader._epoch_lock:
             if self.epoch != self.offloader._epoch:
-                raise _Revoked
+                raise Revoked
             for i in range(seg.rows):
                 at = base + i * stride
                 row, key = item.rows[seg.lo + i], part.keys[seg.lo + i]
@@ -198,7 +227,7 @@ class _DeviceSlotSnapshot:
     def read(self, seg: OffloadSegment, part: OffloadPart, pages: torch.Tensor) -> None:
         with self.offloader._epoch_lock:
             if self.epoch != self.offloader._epoch:
-                raise _Revoked
+                raise Revoked
             self._snapshot.read(seg, part, pages)  # footers computed over the pinned copy
         return None
 
@@ -209,13 +238,24 @@ class Offloader:
 
     ``remove_bound_s``: how long one offload keeps retrying the removal of a
     quarantined key it is about to replace (a read's lease blocks removal).
-    ``path``: the device path of pools on a device (None: host pools)."""
+    ``path``: the device path of pools on a device (None: host pools).
+    ``in_place``: the host pools whose objects are put from the slots
+    themselves (``offload_in_place.py``; registered with the store at the
+    first such offload, unregistered by :meth:`stop` once no call reads
+    them); the others' go through the ring."""
 
     def __init__(self, store: Store, ring: StagingRing, quarantine: Quarantine,
                  remove_bound_s: float, depth: int = DEFAULT_DEPTH,
-                 path: DevicePath | None = None) -> None:
+                 path: DevicePath | None = None,
+                 in_place: Sequence[PoolLayout] = ()) -> None:
         self._store = store
         self.path = path
+        if path is not None and in_place:
+            raise ValueError("pools on a device are offloaded through pinned staging, "
+                             "never in place")
+        self.in_place = {layout.name: layout for layout in in_place}
+        self._registered: list[int] | None = None  # the in-place pools' spans, once registered
+        self._flights: list[Flight] = []  # in-place puts in the air (under _cond)
         self._ring = ring
         self._depth = depth
         self.quarantine = quarantine
@@ -281,14 +321,80 @@ class Offloader:
         with self._cond:
             quiet = self._cond.wait_for(lambda: not self._running, timeout_s)
             self._results.clear()
+            for flight in self._flights:  # in place, still reading the slots reset frees
+                if not flight.held:
+                    flight.held = True
+                    self.quarantine.hold(flight.keys)
+                    _log.warning("LayerLift reset: an in-place put of %d object(s) still runs; "
+                                 "they are withheld and removed once it ended",
+                                 len(flight.keys))
         return quiet
 
+    # ---- what an in-place offload asks of its offloader (offload_in_place.OffloadHost) ----
+
+    @property
+    def store(self) -> Store:
+        return self._store
+
+    @property
+    def ring(self) -> StagingRing:
+        return self._ring
+
+    @property
+    def epoch_lock(self) -> threading.Lock:
+        return self._epoch_lock
+
+    def current(self, epoch: int) -> bool:
+        """Whether no ``quiesce`` ran since ``epoch`` (exact under :attr:`epoch_lock`)."""
+        return epoch == self._epoch
+
+    def took_off(self, keys: Sequence[str]) -> Flight:
+        """An in-place put of ``keys`` is launched (under the epoch lock)."""
+        flight = Flight(tuple(keys))
+        with self._cond:
+            self._flights.append(flight)
+        return flight
+
+    def landed(self, flight: Flight) -> None:
+        """``flight``'s call ended: a hold ``quiesce`` put on its keys is released."""
+        with self._cond:
+            self._flights.remove(flight)
+            if flight.held:
+                self.quarantine.release(flight.keys)
+            self._cond.notify_all()
+
+    def late_put(self, delta: int) -> None:
+        """An in-place put timed out (+1) and then ended (-1): :attr:`timed_out`."""
+        with self._cond:
+            self.timed_out += delta
+            self._cond.notify_all()
+
+    def register_pools(self) -> None:
+        """The offload thread: register the in-place pools with the store, once."""
+        if self._registered is None:
+            self._registered = register_spans(self._store, pool_spans(list(self.in_place.values())))
+
     def stop(self, timeout_s: float) -> None:
+        """Stop the thread (waiting at most ``timeout_s``); unregister the
+        pools once no call may read them (else they stay registered: the
+        store's own close forgets them)."""
         with self._cond:
             self._stopping = True
             self._queue.clear()
             self._cond.notify_all()
         self._thread.join(timeout_s)
+        with self._cond:
+            busy = self._thread.is_alive() or bool(self._flights)
+        if self._registered and not busy:
+            spans, self._registered = self._registered, None
+            for ptr in spans:
+                try:
+                    self._store.unregister(ptr)
+                except StoreError as exc:
+                    _log.warning("LayerLift: unregistering SGLang's pools failed: %s", exc)
+        elif self._registered:
+            _log.warning("LayerLift close: an in-place put still runs; SGLang's pools stay "
+                         "registered with the store")
 
     def _run(self) -> None:
         while True:
@@ -302,6 +408,8 @@ class Offloader:
                 self._running = task is not None
             if task is None:
                 self._repair()
+                with self._cond:  # a waiter on the quarantine's size (tests, close)
+                    self._cond.notify_all()
                 continue
             epoch, items, ready = task
             try:
@@ -328,12 +436,16 @@ class Offloader:
 
     def _remove(self, keys: list[str]) -> list[str]:
         """One removal pass; returns the keys the store still has (a read's
-        lease holds them: Mooncake refuses the removal until its lease TTL)."""
+        lease holds them: Mooncake refuses the removal until its lease TTL)
+        and those held (an in-place put may still write them)."""
+        held = {k for k, h in zip(keys, self.quarantine.held(keys), strict=True) if h}
+        removable = [k for k in keys if k not in held]
+        left = [k for k in keys if k in held]  # an in-place put may still write them: kept
         try:
-            self._store.remove(keys)
-            left: list[str] = []
+            if removable:
+                self._store.remove(removable)
         except StoreObjectLeased as exc:
-            left = list(exc.keys)
+            left += list(exc.keys)
         gone = [k for k in keys if k not in set(left)]
         self.quarantine.removed += len(gone)
         self.quarantine.discard(gone)
@@ -378,17 +490,15 @@ class Offloader:
                          "(a read holds a lease); they stay unoffered", len(kept))
         if not missing:
             return not kept
-        snapshot: Snapshot = _SlotSnapshot(self, epoch) if self.path is None else \
-            _DeviceSlotSnapshot(self, epoch, self.path, ready)
-        staged = StagedOffload(
-            self._ring, self._store,
-            [OffloadPart(m.layout.objects, m.keys, m) for m in missing],
-            snapshot, depth=self._depth, timeout_s=self._ring.timeout_s,
-            on_late_end=self._timed_out_ended)
+        in_place = [m for m in missing if m.layout.name in self.in_place]
+        through_ring = [m for m in missing if m.layout.name not in self.in_place]
         try:
-            outcome = staged.run()
-        except _Revoked:  # reset ran since this offload was taken
+            outcome = InPlaceOffload(self, epoch, in_place).run() if in_place else None
+            if through_ring and (outcome is None or outcome.ok):
+                outcome = self._staged(epoch, through_ring, ready)
+        except Revoked:  # reset ran since this offload was taken
             return False
+        assert outcome is not None
         if isinstance(outcome.error, StoreTimeout):
             with self._cond:
                 self.timed_out += 1
@@ -397,8 +507,21 @@ class Offloader:
         if outcome.error is not None:
             _log.warning("LayerLift offload: put failed (%s); reported failed", outcome.error)
             return False
+        with self._cond:
+            if epoch != self._epoch:  # a reset ran meanwhile: its holds stay (result dropped)
+                return False
         self.quarantine.discard([k for m in missing for k in m.keys])
         return not kept
+
+    def _staged(self, epoch: int, items: list[OffloadItem],
+                ready: Sequence[DeviceEvent]) -> OffloadOutcome:
+        """``items`` copied through the offload ring and put from there."""
+        snapshot: Snapshot = _SlotSnapshot(self, epoch) if self.path is None else \
+            _DeviceSlotSnapshot(self, epoch, self.path, ready)
+        return StagedOffload(
+            self._ring, self._store, [OffloadPart(m.layout.objects, m.keys, m) for m in items],
+            snapshot, depth=self._depth, timeout_s=self._ring.timeout_s,
+            on_late_end=self._timed_out_ended).run()
 
     def _timed_out_ended(self) -> None:
         with self._cond:

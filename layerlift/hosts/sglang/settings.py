@@ -18,7 +18,11 @@ class LinkerSettings:
     out, ``lookup_share`` the share of the scheduler's time lookups may spend
     (``lookup``). ``staging_mib`` sizes the load ring, ``offload_staging_mib``
     the offload ring (None: twice ``staging_mib``; an offload holds two
-    chunks of half its ring at once: one put while the next is staged)."""
+    chunks of half its ring at once: one put while the next is staged).
+    ``in_place_min_kib``: host pools whose every part of a unit (one layer's
+    K or V rows of a page, a Mamba state) is at least this large are
+    offloaded from the slots themselves, without a copy (None: never;
+    ``offload_in_place.py``)."""
 
     master_address: str | None = None
     embedded_master: bool = False
@@ -37,6 +41,7 @@ class LinkerSettings:
     offload_staging_mib: int | None = None
     segment_mib: int = 256
     local_buffer_mib: int = 16
+    in_place_min_kib: int | None = 128
 
     @classmethod
     def parse(cls, extra: dict[str, Any] | None) -> LinkerSettings:
@@ -57,14 +62,14 @@ class LinkerSettings:
             raise ValueError("LayerLiftLinker: lookup_share (the share of the scheduler's time "
                              "lookups may spend) must be a number in (0, 1]")
         for name in ("depth", "staging_mib", "offload_staging_mib", "segment_mib",
-                     "local_buffer_mib"):
+                     "local_buffer_mib", "in_place_min_kib"):
             value = getattr(settings, name)
-            if value is None and name == "offload_staging_mib":
-                continue  # twice staging_mib
-            if not isinstance(value, int) or isinstance(value, bool) or \
-                    value < (0 if name == "segment_mib" else 1):
-                raise ValueError(f"LayerLiftLinker: {name} must be an integer >= "
-                                 f"{0 if name == 'segment_mib' else 1}, got {value!r}")
+            if value is None and name in ("offload_staging_mib", "in_place_min_kib"):
+                continue  # twice staging_mib; never in place
+            least = 0 if name in ("segment_mib", "in_place_min_kib") else 1
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ValueError(f"LayerLiftLinker: {name} must be an integer >= {least}, "
+                                 f"got {value!r}")
         return settings
 
     @property

@@ -24,6 +24,7 @@ from layerlift.engine.threads import run_owned
 from layerlift.hosts.vllm.objects import KeyedItem, copy_page, group_runs
 from layerlift.hosts.vllm.worker_base import WorkerBase, log
 from layerlift.linker.integrity import CHECK_BYTES, checksums, slice_seed
+from layerlift.linker.registered import register_spans
 from layerlift.linker.staged import OffloadOutcome, OffloadPart, OffloadSegment, StagedOffload
 from layerlift.linker.store_base import StoreError, StoreObjectLeased, StoreTimeout
 
@@ -239,23 +240,9 @@ class HeldSaves(WorkerBase):
         with self._register_lock:
             if self._cache_registered is not None:
                 return
-            spans = sorted((h.base, h.base + (h.count - 1) * h.stride + h.nbytes)
-                           for h in self._host_blocks.values() if h is not None)
-            merged: list[list[int]] = []
-            for lo, hi in spans:
-                if merged and lo <= merged[-1][1]:
-                    merged[-1][1] = max(merged[-1][1], hi)
-                else:
-                    merged.append([lo, hi])
-            done: list[int] = []
-            try:
-                for lo, hi in merged:
-                    done.append(self.store.register(lo, hi - lo))
-            except BaseException:
-                for ptr in done:
-                    self.store.unregister(ptr)
-                raise
-            self._cache_registered = done
+            self._cache_registered = register_spans(
+                self.store, ((h.base, h.base + (h.count - 1) * h.stride + h.nbytes)
+                             for h in self._host_blocks.values() if h is not None))
 
     def _parts(self, items: list[KeyedItem]) -> list[OffloadPart]:
         """``items`` as offload parts, one per run of one group (source:

@@ -125,6 +125,11 @@ class HookedStore(ForwardingStore):
         self._hook("put", keys)
         self.inner.put(keys, ptrs, sizes)
 
+    def put_parts(self, keys: Sequence[str], ptrs: Sequence[Sequence[int]],
+                  sizes: Sequence[Sequence[int]]) -> None:
+        self._hook("put_parts", keys)
+        self.inner.put_parts(keys, ptrs, sizes)
+
     def get_ranges(self, keys: Sequence[str], dst_ptrs: Sequence[Sequence[int]],
                    sizes: Sequence[Sequence[int]], src_offsets: Sequence[Sequence[int]]) -> None:
         self._hook("get_ranges", keys, src_offsets)
