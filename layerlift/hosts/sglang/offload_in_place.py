@@ -27,20 +27,18 @@ slot; so, per chunk:
   runs; when the call ends the hold is released and the offload thread's
   repair removes the objects, whatever bytes they got.
 
-Chunks: the first of :data:`FIRST_BYTES` (its footers are all the first
-put waits for), each next one twice as large, up to :data:`PUT_BYTES` bytes
-and :data:`PUT_BUFFERS` buffers a call. Mooncake's TCP transport queues at
-most 1024 transfers a peer by default (``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER``;
-every buffer is one, and the same client's loads share the queue: at depth 4
-and a page of 64 tokens they hold about 256), so a call stays at 512. Measured
-(1 GiB at page 64, loopback, the puts landing in this process's segment): 34
-calls of at most 256 buffers put in 140 ms, 4 calls of 4000 in 100-105 ms,
-calls of 8 to 32 MiB alone in 170-200 ms; growing from 8 to 128 MiB (512
-buffers) the offload took 155-175 ms against 215-245 ms staged. The footers
-of chunk ``k + 1`` are computed while chunk ``k`` is put, on a put thread of
-the offload; the puts stay one at a time and in order, chunk
-``k + 1`` is launched only once chunk ``k`` succeeded, and :meth:`run`
-returns (or raises) only after the put thread returned.
+Chunks and their pipeline are ``linker/in_place.py``'s (``grow``,
+``PipelinedPuts``): the first call of ``FIRST_BYTES`` (its footers are all
+the first put waits for), each next one twice as large, up to
+:data:`PUT_BYTES` bytes and :data:`PUT_BUFFERS` buffers a call; the footers
+of call ``k + 1`` computed while call ``k`` runs on a put thread. Mooncake's
+TCP transport queues at most 1024 transfers a peer by default, every buffer
+is one, and the same client's loads share the queue (at depth 4 and a page of
+64 tokens they hold about 256), so a call stays at 512. Measured (1 GiB at
+page 64, loopback, the puts landing in this process's segment): 34 calls of
+at most 256 buffers put in 140 ms, 4 calls of 4000 in 100-105 ms, calls of 8
+to 32 MiB alone in 170-200 ms; growing from 8 to 128 MiB (512 buffers) the
+offload took 155-175 ms against 215-245 ms staged.
 """
 
 from __future__ import annotations
@@ -48,16 +46,16 @@ from __future__ import annotations
 import ctypes
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
+from layerlift.linker.in_place import FIRST_BYTES, Call, PipelinedPuts, grow
 from layerlift.linker.integrity import CHECK_BYTES, crc32, slice_seed
-from layerlift.linker.ring import Region, StagingRing
+from layerlift.linker.ring import StagingRing
 from layerlift.linker.staged import OffloadOutcome
-from layerlift.linker.store_base import Store, StoreError, StoreIOError, StoreTimeout
+from layerlift.linker.store_base import Store, StoreError
 
 from .layout import OffloadItem, Part, PoolLayout
 
@@ -65,7 +63,6 @@ __all__ = ["FIRST_BYTES", "PUT_BUFFERS", "PUT_BYTES", "Flight", "InPlaceOffload"
            "Revoked", "in_place_ok", "pool_spans"]
 
 PUT_BYTES, PUT_BUFFERS = 128 << 20, 512
-FIRST_BYTES = 8 << 20
 
 
 class Revoked(Exception):
@@ -170,31 +167,6 @@ class _Pool:
         return cls(views, bases, [*sizes, CHECK_BYTES * len(layout.layers)])
 
 
-@dataclass(slots=True)
-class _Chunk:
-    """One put call: the objects ``(item, index)`` it carries."""
-
-    objects: list[tuple[OffloadItem, int]]
-    footer_bytes: int
-
-
-@dataclass(slots=True)
-class _Ready:
-    """A chunk whose footers are computed: its region and the call's lists."""
-
-    region: Region
-    keys: list[str]
-    ptrs: list[list[int]]
-    sizes: list[list[int]]
-
-
-@dataclass(slots=True)
-class _Result:
-    ready: _Ready
-    error: StoreError | None
-    late: bool = False
-
-
 class InPlaceOffload:
     """One offload's ``items`` (host pools, registered) put in place, chunk
     by chunk (the module docstring). Built and run on the offload thread;
@@ -207,63 +179,36 @@ class InPlaceOffload:
         self._pools = {item.layout.name: _Pool.of(item.layout) for item in items}
 
     def run(self) -> OffloadOutcome:
-        outcome = OffloadOutcome()
         try:
             self.offloader.register_pools()
         except StoreError as exc:
-            outcome.error = exc
-            return outcome
-        putter = ThreadPoolExecutor(1, thread_name_prefix="layerlift-put") \
-            if len(self.chunks) > 1 else None
-        pending: Future[_Result] | None = None
-        try:
-            for chunk in self.chunks:
-                ready = self._footers(chunk, outcome)
-                try:
-                    if pending is not None:
-                        done, pending = pending, None
-                        if not _account(done.result(), outcome):
-                            break
-                    if ready is None:
-                        break
-                    flight = self._launch(ready)
-                    sending, ready = ready, None  # the put releases its region now
-                    pending = _submit(putter, self._put, sending, flight)
-                finally:
-                    if ready is not None:  # computed, never sent
-                        ready.region.release()
-            if pending is not None:
-                done, pending = pending, None
-                _account(done.result(), outcome)
-        finally:
-            if pending is not None:  # something raised: the put still ends first
-                wait([pending])
-            if putter is not None:
-                putter.shutdown(wait=True)
-        return outcome
+            return OffloadOutcome(error=exc)
+        puts: PipelinedPuts[list[tuple[OffloadItem, int]]] = PipelinedPuts(
+            self.offloader.store, self._footers, launch=self._launch,
+            late=self.offloader.late_put)
+        return puts.run(self.chunks)
 
-    def _footers(self, chunk: _Chunk, outcome: OffloadOutcome) -> _Ready | None:
+    def _footers(self, chunk: list[tuple[OffloadItem, int]],
+                 outcome: OffloadOutcome) -> Call | None:
         """This thread, under the epoch lock: the chunk's footers computed
         over the slots into a region of the ring, and the call's lists. None
         (the error in ``outcome``) when no region came; raises
         :class:`Revoked` (the region released) after a ``quiesce``."""
         off = self.offloader
         try:
-            region = off.ring.acquire(chunk.footer_bytes, timeout_s=off.ring.timeout_s,
-                                       overflow=True)
+            footer_bytes = sum(CHECK_BYTES * len(item.layout.layers) for item, _ in chunk)
+            region = off.ring.acquire(footer_bytes, timeout_s=off.ring.timeout_s, overflow=True)
         except StoreError as exc:
             outcome.error = exc
             return None
         try:
-            keys: list[str] = []
-            ptrs: list[list[int]] = []
-            sizes: list[list[int]] = []
+            call = Call(region)
             table = region.tensor.numpy()
             at = 0
             with off.epoch_lock:
                 if not off.current(self.epoch):
                     raise Revoked
-                for item, i in chunk.objects:
+                for item, i in chunk:
                     row, key = item.rows[i], item.keys[i]
                     pool = self._pools[item.layout.name]
                     crcs = [0] * len(pool.views)
@@ -275,100 +220,34 @@ class InPlaceOffload:
                         crcs[j] = crc
                     footer = np.asarray(crcs, dtype="<u4").view(np.uint8)
                     table[at : at + footer.nbytes] = footer
-                    keys.append(key)
-                    ptrs.append([base + row * row_bytes for base, row_bytes in pool.bases]
-                                + [region.ptr + at])
-                    sizes.append(pool.sizes)  # the same for every object of the pool
+                    call.keys.append(key)
+                    call.ptrs.append([base + row * row_bytes for base, row_bytes in pool.bases]
+                                     + [region.ptr + at])
+                    call.sizes.append(pool.sizes)  # the same for every object of the pool
                     at += footer.nbytes
         except BaseException:
             region.release()
             raise
-        return _Ready(region, keys, ptrs, sizes)
+        return call
 
-    def _launch(self, ready: _Ready) -> Flight:
+    def _launch(self, call: Call) -> Callable[[], None]:
         """Under the epoch lock: no ``quiesce`` since the offload was taken
-        (else :class:`Revoked`), and the put registered as a flight."""
+        (else :class:`Revoked`), and the put registered as a flight, landed
+        by the put thread once the call ended."""
         off = self.offloader
         with off.epoch_lock:
             if not off.current(self.epoch):
                 raise Revoked
-            return off.took_off(ready.keys)
-
-    def _put(self, ready: _Ready, flight: Flight) -> _Result:
-        """The put thread (or this one): one ``put_parts``; a put that timed
-        out waited for until it ended; then the region released and the
-        flight landed."""
-        off = self.offloader
-        try:
-            try:
-                off.store.put_parts(ready.keys, ready.ptrs, ready.sizes)
-            except StoreTimeout as exc:
-                off.late_put(+1)
-                try:
-                    if not exc.wait_finished():  # the slots are the call's until it ended
-                        return _Result(ready, _late_failure(exc))
-                finally:
-                    off.late_put(-1)
-                return _Result(ready, None, late=True)
-            except StoreError as exc:
-                return _Result(ready, exc)
-            return _Result(ready, None)
-        finally:
-            ready.region.release()
-            off.landed(flight)
+            flight = off.took_off(call.keys)
+        return lambda: off.landed(flight)
 
 
-def _late_failure(exc: StoreTimeout) -> StoreError:
-    """What a put that timed out ended with, once it ended and failed."""
-    future = exc.future
-    error = future.exception() if future is not None and not future.cancelled() else None
-    if isinstance(error, StoreError):
-        return error
-    return StoreIOError(f"a put timed out and then failed: {error or exc}")
-
-
-def _plan(items: Sequence[OffloadItem]) -> list[_Chunk]:
-    """The items' objects in order, cut into calls: the first of `FIRST_BYTES`
-    (its footers are all the put waits for), each next one twice the one
-    before, up to `PUT_BYTES` bytes and `PUT_BUFFERS` buffers (one object
-    at least)."""
-    chunks: list[_Chunk] = []
-    nbytes = count = 0
-    limit = FIRST_BYTES
-    for item in items:
-        layout = item.layout
-        size = layout.object_bytes
-        buffers = sum(len(lp.parts) for lp in layout.layers) + 1
-        footer = CHECK_BYTES * len(layout.layers)
-        for i in range(len(item.keys)):
-            if chunks and nbytes + size <= limit and count + buffers <= PUT_BUFFERS:
-                chunks[-1].objects.append((item, i))
-                chunks[-1].footer_bytes += footer
-                nbytes, count = nbytes + size, count + buffers
-            else:
-                if chunks:
-                    limit = min(2 * limit, PUT_BYTES)
-                chunks.append(_Chunk([(item, i)], footer))
-                nbytes, count = size, buffers
-    return chunks
-
-
-def _submit(putter: ThreadPoolExecutor | None, fn: Callable[[_Ready, Flight], _Result],
-            ready: _Ready, flight: Flight) -> Future[_Result]:
-    """``fn(ready, flight)`` on the put thread, or here and now (one chunk)."""
-    if putter is not None:
-        return putter.submit(fn, ready, flight)
-    done: Future[_Result] = Future()
-    done.set_result(fn(ready, flight))
-    return done
-
-
-def _account(result: _Result, outcome: OffloadOutcome) -> bool:
-    """``result`` into ``outcome``; whether the offload goes on."""
-    if result.error is not None:
-        outcome.error = result.error
-        return False
-    outcome.late += result.late
-    outcome.objects += len(result.ready.keys)
-    outcome.bytes += sum(sum(row) for row in result.ready.sizes)
-    return True
+def _plan(items: Sequence[OffloadItem]) -> list[list[tuple[OffloadItem, int]]]:
+    """The items' objects in order, cut into put calls (``linker/in_place.grow``)."""
+    objects = [(item, i) for item in items for i in range(len(item.keys))]
+    shape = {item.layout.name: (item.layout.object_bytes,
+                                sum(len(lp.parts) for lp in item.layout.layers) + 1)
+             for item in items}
+    runs = grow([shape[item.layout.name] for item, _ in objects], PUT_BYTES, PUT_BUFFERS,
+                FIRST_BYTES)
+    return [objects[r.start : r.stop] for r in runs]

@@ -23,10 +23,11 @@ import torch
 from layerlift.engine.threads import run_owned
 from layerlift.hosts.vllm.objects import KeyedItem, copy_page, group_runs
 from layerlift.hosts.vllm.worker_base import WorkerBase, log
+from layerlift.linker.in_place import Call, PipelinedPuts, grow
 from layerlift.linker.integrity import CHECK_BYTES, checksums, slice_seed
 from layerlift.linker.registered import register_spans
 from layerlift.linker.staged import OffloadOutcome, OffloadPart, OffloadSegment, StagedOffload
-from layerlift.linker.store_base import StoreError, StoreObjectLeased, StoreTimeout
+from layerlift.linker.store_base import StoreError, StoreObjectLeased
 
 __all__ = ["IN_PLACE_BYTES", "PUT_BUFFERS", "PUT_BYTES", "HeldSaves"]
 
@@ -59,22 +60,18 @@ class HeldSaves(WorkerBase):
         with self._lock:
             return self._reported.wait_for(lambda: jobs <= self._report.saved.keys(), timeout_s)
 
-    def _chunks(self, items: list[KeyedItem], budget: int,
-                buffers: int | None = None) -> list[list[KeyedItem]]:
-        """Consecutive runs of ``items`` of at most ``budget`` bytes and, given
-        ``buffers``, at most that many buffers of an in-place put (an object's
-        layers and its footer); one object at least."""
+    def _chunks(self, items: list[KeyedItem], budget: int) -> list[list[KeyedItem]]:
+        """Consecutive runs of ``items`` of at most ``budget`` bytes; one object at least."""
         out: list[list[KeyedItem]] = []
-        nbytes = count = 0
+        nbytes = 0
         for item in items:
-            group = self._groups[item[0]]
-            size, parts = self.layout.object_bytes(group), len(group.layer_names) + 1
-            if out and nbytes + size <= budget and (buffers is None or count + parts <= buffers):
+            size = self.layout.object_bytes(self._groups[item[0]])
+            if out and nbytes + size <= budget:
                 out[-1].append(item)
-                nbytes, count = nbytes + size, count + parts
+                nbytes += size
             else:
                 out.append([item])
-                nbytes, count = size, parts
+                nbytes = size
         return out
 
     def _remove_stale(self, keys: list[str]) -> set[str]:
@@ -181,50 +178,47 @@ class HeldSaves(WorkerBase):
 
     def _put_in_place(self, items: list[KeyedItem]) -> OffloadOutcome:
         """Worker thread: put ``items`` from vLLM's blocks where they are
-        (registered with the store once, `_register_cache`), one
-        ``put_parts`` per chunk of at most `PUT_BYTES` and `PUT_BUFFERS`:
-        each object its layers' blocks and its footer, computed over those
-        very bytes into the save ring. Chunks in order, the first failure
-        ends it; a put that timed out is waited for until it ended (the
-        store reads the blocks until then); returns once no call reads them."""
-        assert self._save_ring is not None
+        (registered with the store once, `_register_cache`): each object its
+        layers' blocks and its footer, computed over those very bytes into
+        the save ring. Calls grow from 8 MiB to `PUT_BYTES` and `PUT_BUFFERS`
+        (``linker/in_place.py``), the footers of the next computed while one
+        runs; in order, the first failure ends it; a put that timed out is
+        waited for until it ended (the store reads the blocks until then);
+        returns once no call reads them."""
         self._register_cache()
-        outcome = OffloadOutcome()
-        for chunk in self._chunks(items, PUT_BYTES, PUT_BUFFERS):
-            layers = [self._groups[g].layer_names for g, _, _ in chunk]
-            table = sum(CHECK_BYTES * len(names) for names in layers)
-            try:
-                region = self._save_ring.acquire(table, timeout_s=self.save_wait_s, overflow=True)
-            except StoreError as exc:
-                outcome.error = exc
-                return outcome
-            try:
-                keys, ptrs, sizes, at = [], [], [], region.ptr
-                for (_, key, block), names in zip(chunk, layers, strict=True):
-                    row = [self._block_span(n, block) for n in names]
-                    crcs = np.empty(len(row), dtype="<u4")
-                    for j, (ptr, size) in enumerate(row):
-                        crcs[j] = checksums([ptr], size, [slice_seed(key, j)])[0]
-                    ctypes.memmove(at, crcs.ctypes.data, crcs.nbytes)  # the footer
-                    keys.append(key)
-                    ptrs.append([ptr for ptr, _ in row] + [at])
-                    sizes.append([size for _, size in row] + [crcs.nbytes])
-                    at += crcs.nbytes
-                try:
-                    self.store.put_parts(keys, ptrs, sizes)
-                except StoreTimeout as exc:
-                    if not exc.wait_finished():
-                        outcome.error = exc
-                        return outcome
-                    outcome.late += 1
-                except StoreError as exc:
-                    outcome.error = exc
-                    return outcome
-                outcome.objects += len(keys)
-                outcome.bytes += sum(sum(row) for row in sizes)
-            finally:
-                region.release()
-        return outcome
+        shape = [(self.layout.object_bytes(self._groups[g]), len(self._groups[g].layer_names) + 1)
+                 for g, _, _ in items]
+        chunks = [items[r.start : r.stop] for r in grow(shape, PUT_BYTES, PUT_BUFFERS)]
+        return PipelinedPuts(self.store, self._in_place_call).run(chunks)
+
+    def _in_place_call(self, chunk: list[KeyedItem], outcome: OffloadOutcome) -> Call | None:
+        """One in-place call of ``chunk``: the footers computed over the
+        blocks into a region of the save ring (None, the error in
+        ``outcome``, when none came)."""
+        assert self._save_ring is not None
+        layers = [self._groups[g].layer_names for g, _, _ in chunk]
+        table = sum(CHECK_BYTES * len(names) for names in layers)
+        try:
+            region = self._save_ring.acquire(table, timeout_s=self.save_wait_s, overflow=True)
+        except StoreError as exc:
+            outcome.error = exc
+            return None
+        try:
+            call, at = Call(region), region.ptr
+            for (_, key, block), names in zip(chunk, layers, strict=True):
+                row = [self._block_span(n, block) for n in names]
+                crcs = np.empty(len(row), dtype="<u4")
+                for j, (ptr, size) in enumerate(row):
+                    crcs[j] = checksums([ptr], size, [slice_seed(key, j)])[0]
+                ctypes.memmove(at, crcs.ctypes.data, crcs.nbytes)  # the footer
+                call.keys.append(key)
+                call.ptrs.append([ptr for ptr, _ in row] + [at])
+                call.sizes.append([size for _, size in row] + [crcs.nbytes])
+                at += crcs.nbytes
+        except BaseException:
+            region.release()
+            raise
+        return call
 
     def _block_span(self, name: str, block: int) -> tuple[int, int]:
         """``(address, bytes)`` of block ``block`` of layer ``name``'s host cache."""
