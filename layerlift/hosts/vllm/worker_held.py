@@ -180,7 +180,7 @@ class HeldSaves(WorkerBase):
         """Worker thread: put ``items`` from vLLM's blocks where they are
         (registered with the store once, `_register_cache`): each object its
         layers' blocks and its footer, computed over those very bytes into
-        the save ring. Calls grow from 8 MiB to `PUT_BYTES` and `PUT_BUFFERS`
+        the save ring. Calls of at most `PUT_BYTES` and `PUT_BUFFERS`
         (``linker/in_place.py``), the footers of the next computed while one
         runs; in order, the first failure ends it; a put that timed out is
         waited for until it ended (the store reads the blocks until then);
@@ -188,7 +188,8 @@ class HeldSaves(WorkerBase):
         self._register_cache()
         shape = [(self.layout.object_bytes(self._groups[g]), len(self._groups[g].layer_names) + 1)
                  for g, _, _ in items]
-        chunks = [items[r.start : r.stop] for r in grow(shape, PUT_BYTES, PUT_BUFFERS)]
+        chunks = [items[r.start : r.stop]
+                  for r in grow(shape, PUT_BYTES, PUT_BUFFERS, first=PUT_BYTES)]
         return PipelinedPuts(self.store, self._in_place_call).run(chunks)
 
     def _in_place_call(self, chunk: list[KeyedItem], outcome: OffloadOutcome) -> Call | None:
