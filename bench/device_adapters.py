@@ -49,7 +49,8 @@ import torch
 from layerlift.hosts.sglang.device import DevicePath, gather_units, scatter_units
 from layerlift.hosts.sglang.layout import PoolLayout, mha_layers
 from layerlift.hosts.sglang.load import BatchLoad, LoadCounter, LoadItem, LoopThread
-from layerlift.hosts.sglang.offload import Offloader, OffloadItem, Quarantine
+from layerlift.hosts.sglang.offload import Offloader, OffloadItem
+from layerlift.hosts.sglang.quarantine import Quarantine
 from layerlift.linker.memory_store import MemoryStore
 from layerlift.linker.ring import StagingRing
 from layerlift.linker.staged import DeviceSink

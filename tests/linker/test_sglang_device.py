@@ -37,7 +37,8 @@ from layerlift.hosts.sglang import load as load_mod
 from layerlift.hosts.sglang.device import DevicePath, gather_units, pool_device, scatter_units
 from layerlift.hosts.sglang.layout import PoolLayout, mamba_layout, mha_layers
 from layerlift.hosts.sglang.load import BatchLoad, LoadCounter, LoadItem
-from layerlift.hosts.sglang.offload import Offloader, OffloadItem, Quarantine
+from layerlift.hosts.sglang.offload import Offloader, OffloadItem
+from layerlift.hosts.sglang.quarantine import Quarantine
 from layerlift.linker.memory_store import MemoryStore
 from layerlift.linker.ring import Region, StagingRing
 from layerlift.linker.staged import DeviceSink, LoadPart, LoadSegment

@@ -29,7 +29,8 @@ import torch
 from test_sglang_device import SRC_KV, SRC_STATES, UNITS, Pools, keys
 
 from layerlift.hosts.sglang import offload_in_place as oip
-from layerlift.hosts.sglang.offload import Offloader, OffloadItem, Quarantine
+from layerlift.hosts.sglang.offload import Offloader, OffloadItem
+from layerlift.hosts.sglang.quarantine import Quarantine
 from layerlift.hosts.sglang.settings import LinkerSettings
 from layerlift.linker.memory_store import MemoryStore
 from layerlift.linker.ring import StagingRing

@@ -71,8 +71,9 @@ from .device import DevicePath, pool_device
 from .layout import PoolLayout, fingerprint, pool_layouts, refuse_unmoved_state
 from .load import BatchLoad, LoadCounter, LoadItem, LoopThread
 from .lookup import LookupGuard
-from .offload import Offloader, OffloadItem, Quarantine
+from .offload import Offloader, OffloadItem
 from .offload_in_place import in_place_ok
+from .quarantine import Quarantine
 from .settings import LinkerSettings
 
 __all__ = ["LayerLiftLinker", "LinkerSettings"]

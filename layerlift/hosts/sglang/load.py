@@ -10,7 +10,7 @@ staging ring (``linker/ring.py``; a chunk is at most ``capacity // depth``,
 so a request of any size streams through the default staging). A chunk is
 verified against its CRC-32s (the object's key and the layer are in the
 seed) and only then copied into SGLang's slots, under the batch's *gate*; a
-slice that fails its check quarantines its key (``offload.Quarantine``).
+slice that fails its check quarantines its key (``quarantine.Quarantine``).
 
 Promises (each a test in ``tests/hosts/sglang_host``):
 
@@ -74,7 +74,7 @@ from layerlift.overlap.readiness import LayerReadiness
 
 from .device import DevicePath, scatter_units, zero_units
 from .layout import PoolLayout
-from .offload import Quarantine
+from .quarantine import Quarantine
 
 __all__ = ["BatchLoad", "LoadCounter", "LoadItem", "LoopThread"]
 

@@ -44,8 +44,8 @@ offload took 155-175 ms against 215-245 ms staged.
 from __future__ import annotations
 
 import ctypes
-import threading
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -89,14 +89,10 @@ class OffloadHost(Protocol):
         """Where the footers go (registered; regions taken with ``overflow``)."""
         ...
 
-    @property
-    def epoch_lock(self) -> threading.Lock:
+    def unrevoked(self, epoch: int) -> AbstractContextManager[None]:
         """Held while footers are computed over the slots and while a put is
-        launched; ``quiesce`` takes it to move the epoch."""
-        ...
-
-    def current(self, epoch: int) -> bool:
-        """No ``quiesce`` since ``epoch`` (asked under :attr:`epoch_lock`)."""
+        launched (``quiesce`` waits for it to move the epoch); raises
+        :class:`Revoked` on entry when a ``quiesce`` ran since ``epoch``."""
         ...
 
     def register_pools(self) -> None:
@@ -104,7 +100,7 @@ class OffloadHost(Protocol):
         ...
 
     def took_off(self, keys: Sequence[str]) -> Flight:
-        """A put of ``keys`` is launched (under :attr:`epoch_lock`)."""
+        """A put of ``keys`` is launched (inside :meth:`unrevoked`)."""
         ...
 
     def landed(self, flight: Flight) -> None:
@@ -205,9 +201,7 @@ class InPlaceOffload:
             call = Call(region)
             table = region.tensor.numpy()
             at = 0
-            with off.epoch_lock:
-                if not off.current(self.epoch):
-                    raise Revoked
+            with off.unrevoked(self.epoch):
                 for item, i in chunk:
                     row, key = item.rows[i], item.keys[i]
                     pool = self._pools[item.layout.name]
@@ -235,9 +229,7 @@ class InPlaceOffload:
         (else :class:`Revoked`), and the put registered as a flight, landed
         by the put thread once the call ended."""
         off = self.offloader
-        with off.epoch_lock:
-            if not off.current(self.epoch):
-                raise Revoked
+        with off.unrevoked(self.epoch):
             flight = off.took_off(call.keys)
         return lambda: off.landed(flight)
 
