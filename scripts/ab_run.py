@@ -4,6 +4,9 @@ with the main venv: ``python scripts/ab_run.py ROOT bench replay ...``.
 The venv's editable finder maps ``layerlift.*`` to the main checkout; this
 points its mapping at ROOT before anything of layerlift is imported, so the
 same interpreter and packages run the other commit's code (no second venv).
+Processes it starts do the same (``ab_site/sitecustomize.py`` on
+``PYTHONPATH``, ``LAYERLIFT_AB_ROOT``): a namespace link's engine host runs
+ROOT's code too, not the main checkout's.
 Prints the process's CPU seconds (user + system) at exit: on a machine
 whose load others share, the CPU a run needs for the same work is steadier
 than its latencies."""
@@ -11,6 +14,7 @@ than its latencies."""
 from __future__ import annotations
 
 import importlib
+import os
 import resource
 import sys
 import time
@@ -21,6 +25,10 @@ def main() -> None:
     if len(sys.argv) < 2:
         raise SystemExit("usage: ab_run.py ROOT [layerlift arguments]")
     root = Path(sys.argv[1]).resolve()
+    site = Path(__file__).resolve().parent / "ab_site"
+    os.environ["LAYERLIFT_AB_ROOT"] = str(root)
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [str(site), *filter(None, [os.environ.get("PYTHONPATH")])])
     finder = importlib.import_module("__editable___layerlift_0_1_0_finder")
     mapping: dict[str, str] = finder.MAPPING
     for name, path in list(mapping.items()):
