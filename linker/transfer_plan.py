@@ -190,10 +190,35 @@ def require_fit(ring: StagingRing, layout: ObjectLayout) -> None:
 
 
 def pack_runs(runs: Sequence[tuple[int, int, int]], budget: int,
-          ring: StagingRing) -> list[list[tuple[int, int, int]]]:
+              ring: StagingRing) -> list[list[tuple[int, int, int]]]:
     """Cut ``runs`` (``(index, rows, row_bytes)``, in order) into chunks of
     ``(index, lo, hi)`` pieces: a chunk holds at most ``budget`` bytes (or one
-    row, if a row is larger) and always fits the ring; order is kept."""
+    row, if a row is larger) and always fits the ring; order is kept.
+
+    As few chunks as a greedy fill of ``budget`` makes, but evened out: the
+    smallest budget that still needs no more chunks cuts them (a binary
+    search; the fewest chunks of a sequence cut in order never grows with
+    the budget). Filled greedily, a layer one row over two chunks' budget
+    was two full chunks and one of a row, a store call whose round trip
+    carried almost nothing (64 rows of 512 KiB at a 16 MiB budget: 31, 31
+    and 2 rows; evened: 22, 21, 21)."""
+    greedy = _fill(runs, budget, ring)
+    if len(greedy) <= 1:
+        return greedy
+    total = sum(rows * row for _, rows, row in runs)
+    lo, hi = max(1, -(-total // len(greedy))) - 1, budget  # hi needs no more chunks
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if len(_fill(runs, mid, ring)) <= len(greedy):
+            hi = mid
+        else:
+            lo = mid
+    return _fill(runs, hi, ring)
+
+
+def _fill(runs: Sequence[tuple[int, int, int]], budget: int,
+          ring: StagingRing) -> list[list[tuple[int, int, int]]]:
+    """:func:`pack_runs`' greedy cut: each chunk filled up to ``budget``."""
     chunks: list[list[tuple[int, int, int]]] = []
     cur: list[tuple[int, int, int]] = []
     used = 0
