@@ -1,8 +1,7 @@
-"""A host's own memory registered with the store for in-place transfers.
+"""A host's own memory registered with the store for in-place puts.
 
 The hosts' in-place offloads (SGLang's pools, vLLM's host cache) put objects
-straight from the host's tensors, and vLLM's asynchronous restores read
-straight into its host cache: the store must know those spans first.
+straight from the host's tensors: the store must know those spans first.
 A host's tensors are many (one per layer, K and V apart) and may sit back to
 back or share one allocation; Mooncake refuses a span that overlaps one
 already registered. :func:`register_spans` merges them and registers each

@@ -82,15 +82,14 @@ layer lands once the chunk holding its last slice was copied.
 thread, the jobs in order: the first reads everything, the others return
 once their layer is in).
 
-In place (the engine's loads, vLLM's asynchronous restores on a host)
-=====================================================================
+In place (the engine's loads)
+=============================
 
 With a :class:`Placement` instead of a sink, a layer is one chunk (one
 ``get_ranges`` call, whatever its size: the engine's "one store call per
-layer, all requests together"; or calls of at most ``call_rows`` rows, the
-layer landing after its last) whose slices land straight in the
+layer, all requests together") whose slices land straight in the
 placement's registered memory (the engine's pool pages, or its pinned
-per-batch staging on a device; vLLM's blocks); only the checks of step 2 go through the
+per-batch staging on a device); only the checks of step 2 go through the
 ring, in a region that never waits (``overflow``). Step 3 verifies the
 slices where they landed: a corrupt slice is in the destination then, and
 :class:`CorruptSlices` tells the adapter to treat the layer as not

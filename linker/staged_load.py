@@ -91,31 +91,6 @@ class _SegmentRead:
     known: np.ndarray | None
 
 
-def _calls(layer: int, segments: list[LoadSegment], rows: int | None) -> list[LoadChunk]:
-    """An in-place layer's ``segments`` as calls of at most ``rows`` rows
-    each (None: one call), in order."""
-    if not segments:
-        return []
-    if rows is None:
-        return [LoadChunk(layer, tuple(segments))]
-    calls: list[LoadChunk] = []
-    cur: list[LoadSegment] = []
-    room = rows
-    for seg in segments:
-        lo = seg.lo
-        while lo < seg.hi:
-            hi = min(seg.hi, lo + room)
-            cur.append(LoadSegment(layer, seg.part, seg.local, lo, hi))
-            room -= hi - lo
-            lo = hi
-            if room == 0:
-                calls.append(LoadChunk(layer, tuple(cur)))
-                cur, room = [], rows
-    if cur:
-        calls.append(LoadChunk(layer, tuple(cur)))
-    return calls
-
-
 class StagedLoad:
     """One load: per-layer fetches through ``ring`` into ``sink`` (see the
     module docstring), or, with ``placement``, in place (``sink`` None): each
@@ -123,13 +98,9 @@ class StagedLoad:
     there, only the checksums going through the ring ("In place" in the
     module docstring; ``depth`` bounds staged chunks only, as an in-place
     load holds no staging). ``verify=False`` reads the slices alone and checks
-    nothing (the in-place negative control). ``call_rows`` (in place only)
-    cuts each layer into calls of at most that many rows, in order (a store
-    call's buffers are bounded by the transport's queue); the layer lands
-    after its last call verified. ``ValueError`` when a slice does not fit
-    the ring, a ``layers`` entry names no part or slice, ``depth`` < 1,
-    ``call_rows`` < 1 or given for a staged load, or neither or both of
-    ``sink`` and ``placement`` are given."""
+    nothing (the in-place negative control). ``ValueError`` when a slice does
+    not fit the ring, a ``layers`` entry names no part or slice, ``depth`` <
+    1, or neither or both of ``sink`` and ``placement`` are given."""
 
     def __init__(self, ring: StagingRing, store: Store, parts: Sequence[LoadPart],
                  layers: Sequence[Sequence[tuple[int, int]]], sink: Sink | None, *,
@@ -137,8 +108,7 @@ class StagedLoad:
                  timeout_s: float | None = None,
                  on_corrupt: Callable[[list[str]], None] | None = None,
                  on_layer: Callable[[int, DeviceEvent | None], None] | None = None,
-                 placement: Placement | None = None, verify: bool = True,
-                 call_rows: int | None = None) -> None:
+                 placement: Placement | None = None, verify: bool = True) -> None:
         if depth < 1:
             raise ValueError(f"a staged load needs depth >= 1, got {depth}")
         if (sink is None) == (placement is None):
@@ -147,10 +117,6 @@ class StagedLoad:
         if not verify and placement is None:
             raise ValueError("only an in-place load can skip verification: a staged one "
                              "copies verified rows only")
-        if call_rows is not None and (call_rows < 1 or placement is None):
-            raise ValueError("call_rows cuts an in-place load's layers into calls of at "
-                             f"least one row; got {call_rows} for a "
-                             f"{'staged' if placement is None else 'in-place'} load")
         self.ring, self.store, self.sink = ring, store, sink
         self.placement, self.verify = placement, verify
         self.parts = tuple(parts)
@@ -181,9 +147,9 @@ class StagedLoad:
                         f"{ring.span(row)} bytes")
                 runs.append((len(runs), len(part.keys), row))
             if placement is not None:
-                segments = [LoadSegment(layer, p, local, 0, len(self.parts[p].keys))
-                            for p, local in reads if self.parts[p].keys]
-                self.chunks.append(_calls(layer, segments, call_rows))
+                segments = tuple(LoadSegment(layer, p, local, 0, len(self.parts[p].keys))
+                                 for p, local in reads if self.parts[p].keys)
+                self.chunks.append([LoadChunk(layer, segments)] if segments else [])
                 continue
             self.chunks.append([
                 LoadChunk(layer, tuple(LoadSegment(layer, reads[i][0], reads[i][1], lo, hi)
@@ -227,7 +193,7 @@ class StagedLoad:
         event: DeviceEvent | None = None
         for i, chunk in enumerate(chunks):
             if self.placement is not None:
-                self._chunk_in_place(chunk, self.placement, land=i == len(chunks) - 1)
+                self._chunk_in_place(chunk, self.placement)
             else:
                 event = self._chunk(chunk, (layer,) if i == len(chunks) - 1 else ())
         if not chunks:
@@ -557,14 +523,13 @@ class StagedLoad:
                 self._crcs[r.seg.part][r.seg.lo : r.seg.hi] = table
                 self._have[r.seg.part][r.seg.lo : r.seg.hi] = True
 
-    def _chunk_in_place(self, chunk: LoadChunk, placement: Placement, *, land: bool) -> None:
+    def _chunk_in_place(self, chunk: LoadChunk, placement: Placement) -> None:
         """In place: one ``get_ranges`` of every segment's slices straight into
         the placement's addresses, their checks (as in ``_chunk``) into a region
         of the ring (``overflow``: never waits for it); then every CRC verified
         where the slices landed. The gate is looked at before the read (a read
         in flight cannot be revoked: the placement's memory is the adapter's
-        until the load is quiet) and held while the layer is marked landed,
-        after its last call (``land``)."""
+        until the load is quiet) and held while the layer is marked landed."""
         if not self.gate.open:
             raise TransferRevoked(f"layer {chunk.layer}: the load was stopped before its read")
         plan: list[tuple[_SegmentRead, list[int]]] = []
@@ -613,8 +578,6 @@ class StagedLoad:
                 if not open_:
                     raise TransferRevoked(f"layer {chunk.layer}: the load was stopped while "
                                           "it read")
-                if not land:
-                    return
                 self.events[chunk.layer] = None
                 if self.on_layer is not None:
                     self.on_layer(chunk.layer, None)

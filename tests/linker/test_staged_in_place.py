@@ -154,45 +154,6 @@ def test_a_corrupt_slice_fails_its_layer_and_is_reported() -> None:
     dest.close()
 
 
-def test_call_rows_cut_each_layer_into_calls_and_it_lands_after_the_last() -> None:
-    """``call_rows=4``: each layer of 6 rows is two calls (rows 0-3, 4-5),
-    the footers still read once per row with the first slice; the bytes
-    land where they belong and each layer lands once, after its last call."""
-    spy, src = _stored()
-    ring = StagingRing(spy, 64 << 10)
-    dest = Pages(spy, N)
-    landed: list[int] = []
-    load = _load(ring, spy, dest, call_rows=4, on_layer=lambda layer, event: landed.append(layer))
-    for layer in range(len(LAYOUT.slices)):
-        load.fetch_layer(layer)
-    for row in range(N):
-        assert torch.equal(dest.page(row), src[row])
-    assert [len(c) for c in spy.calls] == [4, 2] * len(LAYOUT.slices)
-    assert spy.calls[0] == [[LAYOUT.slices[0], WHOLE]] * 4
-    assert spy.calls[1] == [[LAYOUT.slices[0], WHOLE]] * 2
-    assert spy.calls[2] == [[LAYOUT.slices[1]]] * 4  # the footers are in
-    assert landed == [0, 1, 2]
-    assert load.wait_quiet(5.0) and ring.close()
-    dest.close()
-
-
-def test_a_layer_whose_second_call_is_corrupt_never_lands() -> None:
-    """Row 5 (in layer 1's second call) is corrupt: the first call's rows
-    verified, but the layer raises CorruptSlices and is never marked landed."""
-    src = pages(N, 9)
-    spy, _ = _stored(_spoiled(src, 5, LAYOUT.slices[1][0] + 2))
-    ring = StagingRing(spy, 64 << 10)
-    dest = Pages(spy, N)
-    landed: list[int] = []
-    load = _load(ring, spy, dest, call_rows=4, on_layer=lambda layer, event: landed.append(layer))
-    load.fetch_layer(0)
-    with pytest.raises(CorruptSlices) as info:
-        load.fetch_layer(1)
-    assert info.value.keys == (KEYS[5],) and landed == [0]
-    assert load.wait_quiet(5.0) and ring.close()
-    dest.close()
-
-
 def test_without_verification_the_slices_are_read_alone_and_corruption_lands() -> None:
     """The negative control (the engine's ``verify_restores=False``): no
     checksum is read or checked, so the flipped byte is served."""
@@ -348,10 +309,6 @@ def test_a_load_is_staged_or_in_place_never_both() -> None:
         StagedLoad(ring, store, [part], [[(0, 0)]], sink, verify=False)
     with pytest.raises(ValueError, match="only an in-place load reads whole"):
         StagedLoad(ring, store, [part], [[(0, 0)]], sink).fetch_whole()
-    with pytest.raises(ValueError, match="call_rows"):
-        StagedLoad(ring, store, [part], [[(0, 0)]], sink, call_rows=2)
-    with pytest.raises(ValueError, match="call_rows"):
-        StagedLoad(ring, store, [part], [[(0, 0)]], None, placement=dest, call_rows=0)
     dest.close()
 
 

@@ -16,13 +16,7 @@ Threads and ownership:
   vLLM's blocks, under the load's `Gate`; the gate is closed before vLLM
   hears a load failed, so nothing writes into its blocks afterwards. A region
   lent to a store call that timed out returns to the ring only once that
-  call ended (`Region.hand_over`). Except asynchronous restores on the host
-  path with blocks of at least ``LOAD_IN_PLACE_BYTES`` a layer: their
-  slices are read straight into vLLM's blocks (the cache registered with
-  the store once, as for in-place saves) and verified there; such a
-  restore is reported (done or failed) only once no read can write its
-  blocks: every job returned and every read that timed out ended (the
-  request waits; vLLM keeps an aborted request's blocks until then).
+  call ended (`Region.hand_over`).
 * Offloads whose blocks the scheduler holds (a `SaveSpec` with a ``job``:
   vLLM's block pool keeps one reference of the job on each attention block
   until every worker reported the job, ``planner.BlockHolds``) run after the

@@ -25,10 +25,9 @@ from layerlift.hosts.vllm.layout import GroupKind, GroupLayout, Layout
 from layerlift.hosts.vllm.meta import Item, LoadSpec, WorkerReport
 from layerlift.hosts.vllm.objects import BlockSink, KeyedItem, host_blocks
 from layerlift.linker.keys import KeySchema
-from layerlift.linker.registered import register_spans
 from layerlift.linker.ring import StagingRing
 from layerlift.linker.staged import Gate, ObjectLayout, StagedLoad
-from layerlift.linker.store_base import Store, StoreTimeout
+from layerlift.linker.store_base import Store
 from layerlift.overlap import CpuLane, LayerReadiness, LoadPolicy, LoadScheduler
 from layerlift.overlap.device import CudaDevice, Device
 
@@ -57,11 +56,6 @@ class _Load:
     # Keys of this load's objects that failed their check: removed from the
     # store once the load's session has ended (never while its reads run).
     corrupt: set[str] = field(default_factory=set)
-    # In place (the host path's asynchronous restores): reads into vLLM's
-    # blocks that timed out and may still write them; the load is reported
-    # only once each ended.
-    in_place: bool = False
-    late: list[StoreTimeout] = field(default_factory=list)
     # Per global layer (load order), monotonic: when its copies were issued
     # (the host path: done), when the forward reached it, how long it waited.
     ready: list[float] = field(default_factory=list)
@@ -120,7 +114,7 @@ class WorkerBase:
                                       timeout_s=self.save_wait_s) \
             if self.device is None else None
         self._save_turn = asyncio.Lock()
-        self._cache_registered: list[int] | None = None  # in place: the cache's spans
+        self._cache_registered: list[int] | None = None  # in-place saves: the cache's spans
         self._register_lock = threading.Lock()  # held across the registration's store calls
         self._lock = threading.Lock()
         self._reported = threading.Condition(self._lock)
@@ -202,19 +196,6 @@ class WorkerBase:
             for _, key, _ in load.items:
                 if key not in self._corrupt:
                     self._pages.pop(key, None)
-
-    def _register_cache(self) -> None:
-        """Worker thread: register vLLM's host cache with the store, once, for
-        in-place saves and restores (each layer's span of blocks; spans that
-        touch are registered as one; all or nothing: ``StoreError`` with none
-        left registered, and the next call tries again).
-        Under a lock of its own: vLLM's thread never waits for this store call."""
-        with self._register_lock:
-            if self._cache_registered is not None:
-                return
-            self._cache_registered = register_spans(
-                self.store, ((h.base, h.base + (h.count - 1) * h.stride + h.nbytes)
-                             for h in self._host_blocks.values() if h is not None))
 
     # ---- on the loop ----------------------------------------------------------------
 

@@ -21,23 +21,12 @@ from layerlift.hosts.vllm.meta import LoadSpec
 from layerlift.hosts.vllm.objects import BlockSink, block_bytes, scatter_rows
 from layerlift.hosts.vllm.worker_base import WorkerBase, _Load, log
 from layerlift.linker.staged import HostSink, LoadPart, LoadSegment, Sink, StagedLoad
-from layerlift.linker.store_base import StoreError, StoreObjectLeased, StoreTimeout
+from layerlift.linker.store_base import StoreError, StoreObjectLeased
 from layerlift.overlap import LayerLoadError, LayerReadiness, LayerWaitTimeout, LoadScheduler
 from layerlift.overlap.base import LayerJob
 from layerlift.overlap.device import DeviceEvent
 
-__all__ = ["LOAD_CALL_ROWS", "LOAD_IN_PLACE_BYTES", "LoadSide"]
-
-# An asynchronous restore on the host path whose every layer's block is at
-# least this large reads straight into vLLM's blocks (registered with the
-# store once): no staging, no copy, each slice verified where it landed.
-# 8192 tokens at block 128 (512 KiB a layer's block), loopback: see
-# docs/guide/vllm.md for the figures against the staged restore.
-LOAD_IN_PLACE_BYTES = 256 << 10
-# One in-place call reads at most this many blocks of a layer (a slice and
-# its check each: 256 buffers; Mooncake's TCP transport queues at most 1024
-# transfers per peer, and four layers are in flight).
-LOAD_CALL_ROWS = 128
+__all__ = ["LoadSide"]
 
 
 class LoadSide(WorkerBase):
@@ -215,27 +204,11 @@ class LoadSide(WorkerBase):
         if load.sink is not None:
             load.sink.drain()  # vLLM hears of it once every copy issued into its blocks ran
 
-    def _in_place_ok(self, load: _Load) -> bool:
-        """Whether ``load`` reads straight into vLLM's blocks: an asynchronous
-        restore (vLLM hears of it only once no read writes its blocks, which
-        a forward waiting layer by layer could not wait for: a timed-out
-        read goes on) on the host path, every layer's block of its groups at
-        least `LOAD_IN_PLACE_BYTES`, in a host cache of evenly strided blocks."""
-        if load.spec.sync or self.device is not None:
-            return False
-        for g in {g for g, _, _ in load.items}:
-            for name in self._groups[g].layer_names:
-                if self._host_blocks.get(name) is None or \
-                        self.layout.layer_bytes[name] < LOAD_IN_PLACE_BYTES:
-                    return False
-        return True
-
     def _staged(self, load: _Load) -> StagedLoad:
         """The load as a `StagedLoad`: one part per KV cache group (row ``i``:
         the group's ``i``-th item, its block the target), global layer ``i``
-        reads its slice of its group's part; in place (`_Blocks`) where
-        ``load.in_place``. ValueError when one slice does not fit the
-        staging ring."""
+        reads its slice of its group's part. ValueError when one slice does
+        not fit the staging ring."""
         rows: dict[int, list[tuple[str, int]]] = {}
         for g, key, block in load.items:
             rows.setdefault(g, []).append((key, block))
@@ -247,17 +220,15 @@ class LoadSide(WorkerBase):
                                   (g, [b for _, b in group_rows])))
         layers = [[(part_of[g.index], j)] if g.index in part_of else []
                   for g, j in self._layers]
+        sink: Sink = load.sink if load.sink is not None else HostSink(self._scatter)
+
         def landed(layer: int, event: DeviceEvent | None) -> None:
             load.ready[layer] = time.monotonic()
 
-        common: dict[str, Any] = {
-            "gate": load.gate, "timeout_s": self.load_timeout_s, "on_layer": landed,
-            "on_corrupt": lambda keys: self._mark_corrupt(load, keys)}
-        if load.in_place:
-            return StagedLoad(self._ring, self.store, parts, layers, None,
-                              placement=_Blocks(self, load), call_rows=LOAD_CALL_ROWS, **common)
-        sink: Sink = load.sink if load.sink is not None else HostSink(self._scatter)
-        return StagedLoad(self._ring, self.store, parts, layers, sink, **common)
+        return StagedLoad(self._ring, self.store, parts, layers, sink,
+                          gate=load.gate, timeout_s=self.load_timeout_s,
+                          on_corrupt=lambda keys: self._mark_corrupt(load, keys),
+                          on_layer=landed)
 
     def _scatter(self, seg: LoadSegment, part: LoadPart, rows: torch.Tensor) -> None:
         """Lane thread, under the load's gate: verified rows into vLLM's
@@ -286,16 +257,7 @@ class LoadSide(WorkerBase):
     async def _run_load(self, load: _Load) -> None:
         """One request's restore: a session, one staged job per layer, the
         outcome; its staging returns to the ring once no thread or store call
-        touches it (the ring's regions see to it). In place, the outcome is
-        reported only once no read writes the request's blocks
-        (`_in_place_quiet`)."""
-        if self._in_place_ok(load):
-            try:
-                await run_owned(self._register_cache)
-                load.in_place = True
-            except StoreError as exc:
-                log.warning("LayerLift: registering vLLM's cache with the store failed (%s); "
-                            "restoring %s through staging", exc, load.spec.req_id)
+        touches it (the ring's regions see to it)."""
         try:
             staged = load.staged = self._staged(load)
         except ValueError as exc:
@@ -314,20 +276,15 @@ class LoadSide(WorkerBase):
             self._forget(load)
             return
         task = None
-        quiet = not load.in_place  # whether no read can write the blocks any more
         try:
             sched, jobs = self._schedule(load, staged)
             task = sched.start(jobs, load.readiness)
             ok = await self._outcome(load, task.done())
-            if not quiet:
-                quiet = await self._in_place_quiet(load, task)
             if load.sink is None:
                 self._settle(load, ok=ok)
             else:  # off the loop: settling waits for the device copies to end
                 await run_owned(lambda: self._settle(load, ok=ok))
         finally:
-            if not quiet:  # cancelled in the wait: never reported (vLLM keeps the blocks)
-                quiet = await self._in_place_quiet(load, task)
             self._settle(load, ok=False)  # no-op once settled
             if task is not None:
                 await task.wait_quiescent()
@@ -335,20 +292,6 @@ class LoadSide(WorkerBase):
             if load.corrupt:
                 await run_owned(lambda: self._remove_corrupt(sorted(load.corrupt)))
             self._forget(load)
-
-    async def _in_place_quiet(self, load: _Load, task: Any) -> bool:
-        """An in-place load: wait until no read can write its blocks (before
-        vLLM hears of it; a failed one's blocks are recomputed or freed then):
-        the gate closed (a read not started never starts), every job of the
-        scheduler returned, every read that timed out ended (the store call
-        goes on after its timeout; bounded by the store's own end of it, not
-        by LayerLift). Returns True."""
-        load.gate.close()
-        if task is not None:
-            await task.wait_quiescent()
-        if load.late:
-            await run_owned(lambda: _wait_late(load))
-        return True
 
     def _schedule(self, load: _Load, staged: StagedLoad) -> tuple[LoadScheduler, list[LayerJob]]:
         """How a restore runs. Asynchronous (the request waits for all of it)
@@ -402,39 +345,6 @@ class LoadSide(WorkerBase):
             pass  # expected: removed before the next put of the key
         except StoreError as exc:
             log.warning("LayerLift: removing %d corrupt objects failed: %s", len(keys), exc)
-
-
-class _Blocks:
-    """An in-place restore's `Placement`: each slice read straight into its
-    block of vLLM's host cache (`HostBlocks`; registered with the store)."""
-
-    def __init__(self, side: LoadSide, load: _Load) -> None:
-        self.side, self.load = side, load
-
-    def addresses(self, seg: LoadSegment, part: LoadPart) -> list[int]:
-        g, blocks = part.target
-        name = self.side._groups[g].layer_names[seg.local]
-        host = self.side._host_blocks[name]
-        assert host is not None  # `_in_place_ok` checked
-        size = self.side.layout.layer_bytes[name]
-        return [host.address(b, size) for b in blocks[seg.lo : seg.hi]]
-
-    def pages(self, part: LoadPart) -> list[int]:
-        raise ValueError("vLLM's blocks are per layer: an object is never read whole into them")
-
-    def timed_out(self, part: LoadPart, lo: int, hi: int, exc: StoreTimeout) -> None:
-        """The read may still write these blocks: the load keeps ``exc`` and
-        is reported only once the call ended (`LoadSide._in_place_quiet`)."""
-        exc.owned = True
-        with self.side._lock:
-            self.load.late.append(exc)
-
-
-def _wait_late(load: _Load) -> None:
-    """Worker thread, once the load's jobs returned (none adds to
-    ``load.late`` any more): until every read of it that timed out ended."""
-    for exc in load.late:
-        exc.wait_finished(None)
 
 
 def _end_session(session: Any) -> None:
