@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from layerlift.linker.ring import Region
-from layerlift.linker.staged_offload import OffloadOutcome
 from layerlift.linker.store_base import Store, StoreError, StoreIOError, StoreTimeout
+from layerlift.linker.transfer_plan import OffloadOutcome
 
 __all__ = ["FIRST_BYTES", "Call", "PipelinedPuts", "grow", "late_failure"]
 

@@ -122,7 +122,9 @@ landings, the first error); a failure stops the offload (later chunks are not
 sent).
 
 In place (the engine's offloads): with a :class:`Source` instead of a
-snapshot, every object goes in one ``put_parts`` call, each page from where
+snapshot, the objects go in ``put_parts`` calls growing from 8 MiB (the
+hosts' in-place pipeline, ``linker/in_place.py``: in order, the next call's
+footers computed while one runs, the first failure ends it), each page from where
 it is (the engine's pinned pool pages, or its registered host copy of
 device pages), its footer computed over those very bytes into a region of
 the ring that never waits (``overflow``); the adapter keeps the pages

@@ -14,39 +14,38 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from layerlift.linker.in_place import FIRST_BYTES, Call, PipelinedPuts, grow
 from layerlift.linker.integrity import footers
 from layerlift.linker.ring import Region, StagingRing
 from layerlift.linker.sinks import Snapshot, Source
 from layerlift.linker.staged_load import DEFAULT_DEPTH
 from layerlift.linker.store_base import Store, StoreError, StoreTimeout
-from layerlift.linker.transfer_plan import OffloadChunk, OffloadPart, OffloadSegment, pack_runs
+from layerlift.linker.transfer_plan import (
+    OffloadChunk,
+    OffloadOutcome,
+    OffloadPart,
+    OffloadSegment,
+    pack_runs,
+)
 
-__all__ = ["OffloadOutcome", "StagedOffload"]
+__all__ = ["IN_PLACE_PUT_BUFFERS", "IN_PLACE_PUT_BYTES", "OffloadOutcome", "StagedOffload"]
 
-
-@dataclass(slots=True)
-class OffloadOutcome:
-    """What one :meth:`StagedOffload.run` did: ``objects`` and ``bytes`` put
-    (``late``: puts that landed after their timeout, waited for), and the first
-    error (None: everything was put)."""
-
-    objects: int = 0
-    bytes: int = 0
-    late: int = 0
-    error: StoreError | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None
+# An in-place offload's put calls grow from ``in_place.FIRST_BYTES`` to at
+# most this many bytes and buffers (SGLang's in-place offloads' bounds: the
+# per-peer queue of 1024 transfers of Mooncake's TCP transport is shared with
+# the same client's loads).
+IN_PLACE_PUT_BYTES, IN_PLACE_PUT_BUFFERS = 128 << 20, 512
 
 
 class StagedOffload:
     """One offload: snapshot → footers → put, chunk by chunk through ``ring``
     (see the module docstring); or, with ``source`` (``snapshot`` None), in
-    place: one ``put_parts`` of every object, each page from the source's
-    registered memory, its footer computed over those bytes into a region
-    of the ring (``overflow``: never waits); it waits for a put that timed
-    out (``wait_timed_out``: the source is the put's memory until it ended).
+    place: ``put_parts`` calls growing from 8 MiB (`IN_PLACE_PUT_BYTES`,
+    `IN_PLACE_PUT_BUFFERS` at most), each page from the source's registered
+    memory, its footer computed over those bytes into a region of the ring
+    (``overflow``: never waits), the next call's footers while one runs; it
+    waits for a put that timed out (``wait_timed_out``: the source is the
+    put's memory until it ended).
     ``ValueError`` when one object does not fit the ring, or neither or both
     of ``snapshot`` and ``source`` are given."""
 
@@ -111,9 +110,7 @@ class StagedOffload:
         outcome = OffloadOutcome()
         try:
             if self.source is not None:
-                if self.chunks:
-                    self._chunk_in_place(self.chunks[0], outcome, self.source)
-                return outcome
+                return self._in_place(self.chunks[0], self.source) if self.chunks else outcome
             pipelined = self.regions_held() == 2 and len(self.chunks) >= 2
             with (ThreadPoolExecutor(1, thread_name_prefix="layerlift-put") if pipelined
                   else contextlib.nullcontext()) as putter:
@@ -146,58 +143,63 @@ class StagedOffload:
             if on_source_free is not None:
                 on_source_free()
 
-    def _chunk_in_place(self, chunk: OffloadChunk, outcome: OffloadOutcome,
-                        source: Source) -> None:
-        """In place: the footers of every object computed over its page where
-        it is, into one region; one ``put_parts`` of page and footer per
-        object; a put that timed out is waited for (counted ``late`` if it
-        then succeeded)."""
-        plan: list[tuple[OffloadSegment, OffloadPart, int, list[int]]] = []
-        total = 0
+    def _in_place(self, chunk: OffloadChunk, source: Source) -> OffloadOutcome:
+        """In place: every object of ``chunk`` put from the source's pages in
+        ``put_parts`` calls growing from ``FIRST_BYTES`` to `IN_PLACE_PUT_BYTES`
+        and `IN_PLACE_PUT_BUFFERS` (``grow``), each object's footer computed
+        over its page where it is into a region of the ring, the footers of
+        the next call while one runs (`PipelinedPuts`: calls in order, the
+        first failure ends it, a put that timed out is waited for and counted
+        ``late`` if it then succeeded; returns once no call reads the pages)."""
+        rows: list[tuple[OffloadPart, str, int]] = []
         for seg in chunk.segments:
             part = self.parts[seg.part]
-            plan.append((seg, part, total, source.pages(seg, part)))
-            total += seg.rows * part.layout.footer_bytes
+            rows += zip([part] * seg.rows, part.keys[seg.lo : seg.hi],
+                        source.pages(seg, part), strict=True)
+        shape = [(r[0].layout.object_bytes, 2 if r[0].layout.footer_bytes else 1) for r in rows]
+        calls = [rows[r.start : r.stop]
+                 for r in grow(shape, IN_PLACE_PUT_BYTES, IN_PLACE_PUT_BUFFERS, FIRST_BYTES)]
+        return PipelinedPuts(self.store, self._in_place_call).run(calls)
+
+    def _in_place_call(self, rows: list[tuple[OffloadPart, str, int]],
+                       outcome: OffloadOutcome) -> Call | None:
+        """One in-place call of ``rows`` (``(part, key, page address)``): the
+        footers computed over the pages into a region of the ring
+        (``overflow``: never waits; None, the error in ``outcome``, when none
+        came), a run of one part's rows at a time."""
+        total = sum(part.layout.footer_bytes for part, _, _ in rows)
         try:
-            region = (self.ring.acquire(total, timeout_s=self.timeout_s, overflow=True)
-                      if total else None)
+            region = self.ring.acquire(max(total, 1), timeout_s=self.timeout_s, overflow=True)
         except StoreError as exc:
             outcome.error = exc
-            return
+            return None
         try:
-            keys: list[str] = []
-            ptrs: list[list[int]] = []
-            sizes: list[list[int]] = []
-            for seg, part, start, addrs in plan:
-                layout, n = part.layout, seg.rows
-                seg_keys = list(part.keys[seg.lo : seg.hi])
+            call, at, lo = Call(region), region.ptr, 0
+            while lo < len(rows):
+                part = rows[lo][0]
+                hi = lo + 1
+                while hi < len(rows) and rows[hi][0] is part:
+                    hi += 1
+                keys = [key for _, key, _ in rows[lo:hi]]
+                addrs = [addr for _, _, addr in rows[lo:hi]]
+                layout, n = part.layout, hi - lo
                 fb = layout.footer_bytes
                 if fb:
-                    assert region is not None
+                    start = at - region.ptr
                     table = region.tensor[start : start + n * fb].view(n, fb)
-                    table.numpy()[:] = footers(addrs, layout.slices, seg_keys).view(np.uint8)
-                    at = region.ptr + start
-                    ptrs += [[a, at + i * fb] for i, a in enumerate(addrs)]
-                    sizes += [[layout.page_bytes, fb]] * n
+                    table.numpy()[:] = footers(addrs, layout.slices, keys).view(np.uint8)
+                    call.ptrs += [[a, at + i * fb] for i, a in enumerate(addrs)]
+                    call.sizes += [[layout.page_bytes, fb]] * n
+                    at += n * fb
                 else:  # a page no layer reads: no footer
-                    ptrs += [[a] for a in addrs]
-                    sizes += [[layout.page_bytes]] * n
-                keys += seg_keys
-            try:
-                self.store.put_parts(keys, ptrs, sizes)
-            except StoreTimeout as exc:
-                if not exc.wait_finished():
-                    outcome.error = exc
-                    return
-                outcome.late += 1
-            except StoreError as exc:
-                outcome.error = exc
-                return
-            outcome.objects += len(keys)
-            outcome.bytes += sum(sum(row) for row in sizes)
-        finally:
-            if region is not None:
-                region.release()
+                    call.ptrs += [[a] for a in addrs]
+                    call.sizes += [[layout.page_bytes]] * n
+                call.keys += keys
+                lo = hi
+        except BaseException:
+            region.release()
+            raise
+        return call
 
     def _stage(self, chunk: OffloadChunk, outcome: OffloadOutcome,
                snapshotted: Callable[[], None] | None) -> _Staged | None:

@@ -61,6 +61,7 @@ from typing import Any
 
 from layerlift.linker.integrity import CHECK_BYTES, component_slices
 from layerlift.linker.ring import StagingRing
+from layerlift.linker.store_base import StoreError
 from layerlift.pools.spec import Component, ModelSpec
 
 __all__ = [
@@ -69,11 +70,28 @@ __all__ = [
     "LoadSegment",
     "ObjectLayout",
     "OffloadChunk",
+    "OffloadOutcome",
     "OffloadPart",
     "OffloadSegment",
     "pack_runs",
     "require_fit",
 ]
+
+
+@dataclass(slots=True)
+class OffloadOutcome:
+    """What one offload did: ``objects`` and ``bytes`` put (``late``: puts
+    that landed after their timeout, waited for), and the first error (None:
+    everything was put)."""
+
+    objects: int = 0
+    bytes: int = 0
+    late: int = 0
+    error: StoreError | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,6 +20,7 @@ import torch
 from test_staged import LAYOUT, SENTINEL, encode, offload, pages, put_raw
 from test_staged_footers import RangeSpy
 
+import layerlift.linker.staged_offload as staged_offload
 from layerlift.linker.master import EmbeddedMaster
 from layerlift.linker.memory_store import MemoryStore
 from layerlift.linker.mooncake_store import MooncakeStore
@@ -390,6 +391,84 @@ def test_a_failed_in_place_put_is_the_outcome_and_frees_the_source() -> None:
     assert not outcome.ok and outcome.objects == 0 and freed == [1]
     assert ring_for(store).idle()
     store.unregister(ptr)
+
+
+@pytest.fixture
+def small_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In-place put calls of one object, then two, then three (at most)."""
+    monkeypatch.setattr(staged_offload, "FIRST_BYTES", LAYOUT.object_bytes)
+    monkeypatch.setattr(staged_offload, "IN_PLACE_PUT_BYTES", 3 * LAYOUT.object_bytes)
+
+
+@pytest.mark.usefixtures("small_calls")
+def test_an_in_place_offload_in_several_calls_stores_every_object_exactly() -> None:
+    """Calls of 1, 2 and 3 objects, in order; each object the independent
+    encoding of its page; the in-place load reads them back exactly."""
+    spy = PutSpy(MemoryStore())
+    src = pages(N, 24)
+    ptr = spy.register(src)
+    outcome = _in_place_offload(spy, KEYS, src).run()
+    assert outcome.ok and outcome.objects == N and outcome.bytes == N * LAYOUT.object_bytes
+    assert spy.puts == [1, 2, 3]
+    for i, key in enumerate(KEYS):
+        assert spy.inner.object_bytes(key) == encode(key, src[i])  # type: ignore[attr-defined]
+    assert ring_for(spy).idle()
+    spy.unregister(ptr)
+
+
+@pytest.mark.usefixtures("small_calls")
+def test_a_failed_second_call_keeps_the_first_and_sends_nothing_after_it() -> None:
+    """The second call fails: the first call's object stays stored, the third
+    call is never sent (a deeper page never without the earlier ones), the
+    source is freed once, no region is left."""
+    spy = PutSpy(MemoryStore())
+    src = pages(N, 25)
+    ptr = spy.register(src)
+    spy.inner.fail_keys([KEYS[2]])  # type: ignore[attr-defined]  (in the second call)
+    freed: list[int] = []
+    outcome = _in_place_offload(spy, KEYS, src).run(lambda: freed.append(1))
+    assert not outcome.ok and outcome.objects == 1 and freed == [1]
+    assert spy.puts == [1, 2]
+    assert spy.exists(KEYS) == [True] + [False] * (N - 1)
+    assert ring_for(spy).idle()
+    spy.unregister(ptr)
+
+
+@pytest.mark.usefixtures("small_calls")
+def test_the_next_call_is_sent_only_once_the_one_before_ended() -> None:
+    """The second call is held inside the store: the third call's footers may
+    be computed, but it is not sent until the second returned; the source
+    is freed only after the last call ended."""
+    held, release = threading.Event(), threading.Event()
+    spy = PutSpy(MemoryStore())
+    real = spy.put_parts
+    freed: list[int] = []
+
+    def holding(keys: Sequence[str], ptrs: Sequence[Sequence[int]],
+                sizes: Sequence[Sequence[int]]) -> None:
+        if len(spy.puts) == 1:  # the second call
+            held.set()
+            assert release.wait(30.0), "the test never released the held put"
+        real(keys, ptrs, sizes)
+
+    spy.put_parts = holding  # type: ignore[method-assign]
+    src = pages(N, 26)
+    ptr = spy.register(src)
+    result: list[object] = []
+    runner = threading.Thread(target=lambda: result.append(
+        _in_place_offload(spy, KEYS, src).run(lambda: freed.append(1))))
+    runner.start()
+    assert held.wait(30.0)
+    assert spy.puts == [1] and freed == []  # bounded below: the second call is still held
+    runner.join(0.2)
+    assert runner.is_alive() and spy.puts == [1] and freed == []
+    release.set()
+    runner.join(30.0)
+    outcome = result[0]
+    assert isinstance(outcome, staged_offload.OffloadOutcome) and outcome.ok
+    assert spy.puts == [1, 2, 3] and freed == [1]
+    assert ring_for(spy).idle()
+    spy.unregister(ptr)
 
 
 def test_an_offload_is_staged_or_in_place_never_both() -> None:
