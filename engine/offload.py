@@ -262,8 +262,9 @@ class Offloader:
                      ptrs: list[int], sizes: list[int]) -> None:
         """Worker thread: one in-place `StagedOffload` of every page (put from
         ``ptrs``, zero-copy) plus its checksum footer (computed over those
-        bytes into a region of the store's staging ring, ``ring_for``), in one
-        batch put; parts are the runs of one component in the given order (the
+        bytes into a region of the store's staging ring, ``ring_for``), in put
+        calls growing from 8 MiB, in order (a failed call sends nothing after
+        it); parts are the runs of one component in the given order (the
         prefix order). A put that times out is waited for until it really
         ended (the pages and the footers are its memory until then); one that
         then succeeded counts as landed (``report.late``); a failure raises

@@ -127,6 +127,9 @@ class StagedLoad:
         self.on_layer = on_layer
         budget = max(1, ring.capacity // depth)
         self.chunks: list[list[LoadChunk]] = []
+        # Layers usually read the same rows of the same sizes: each distinct
+        # shape is cut once (`pack_runs` searches its cut).
+        cuts: dict[tuple[tuple[int, int, int], ...], list[list[tuple[int, int, int]]]] = {}
         for layer, reads in enumerate(layers):
             runs: list[tuple[int, int, int]] = []
             for p, local in reads:
@@ -151,10 +154,13 @@ class StagedLoad:
                                  for p, local in reads if self.parts[p].keys)
                 self.chunks.append([LoadChunk(layer, segments)] if segments else [])
                 continue
+            shape = tuple(runs)
+            if shape not in cuts:
+                cuts[shape] = pack_runs(runs, budget, ring)
             self.chunks.append([
                 LoadChunk(layer, tuple(LoadSegment(layer, reads[i][0], reads[i][1], lo, hi)
                                        for i, lo, hi in pieces))
-                for pieces in pack_runs(runs, budget, ring)])
+                for pieces in cuts[shape]])
         self.events: list[DeviceEvent | None] = [None] * len(self.chunks)
         self.timed_out: list[StoreTimeout] = []
         self._slots = threading.Semaphore(depth)

@@ -11,6 +11,7 @@ import contextlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from itertools import groupby
 
 import numpy as np
 
@@ -174,15 +175,13 @@ class StagedOffload:
             outcome.error = exc
             return None
         try:
-            call, at, lo = Call(region), region.ptr, 0
-            while lo < len(rows):
-                part = rows[lo][0]
-                hi = lo + 1
-                while hi < len(rows) and rows[hi][0] is part:
-                    hi += 1
-                keys = [key for _, key, _ in rows[lo:hi]]
-                addrs = [addr for _, _, addr in rows[lo:hi]]
-                layout, n = part.layout, hi - lo
+            call, at = Call(region), region.ptr
+            for _, run in groupby(rows, key=lambda r: id(r[0])):
+                same = list(run)
+                part = same[0][0]
+                keys = [key for _, key, _ in same]
+                addrs = [addr for _, _, addr in same]
+                layout, n = part.layout, len(same)
                 fb = layout.footer_bytes
                 if fb:
                     start = at - region.ptr
@@ -195,7 +194,6 @@ class StagedOffload:
                     call.ptrs += [[a] for a in addrs]
                     call.sizes += [[layout.page_bytes]] * n
                 call.keys += keys
-                lo = hi
         except BaseException:
             region.release()
             raise

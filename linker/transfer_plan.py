@@ -219,7 +219,7 @@ def pack_runs(runs: Sequence[tuple[int, int, int]], budget: int,
     the budget). Filled greedily, a layer one row over two chunks' budget
     was two full chunks and one of a row, a store call whose round trip
     carried almost nothing (64 rows of 512 KiB at a 16 MiB budget: 31, 31
-    and 2 rows; evened: 22, 21, 21)."""
+    and 2 rows; evened: 22, 22, 20)."""
     greedy = _fill(runs, budget, ring)
     if len(greedy) <= 1:
         return greedy

@@ -29,10 +29,11 @@ def main() -> None:
     os.environ["LAYERLIFT_AB_ROOT"] = str(root)
     os.environ["PYTHONPATH"] = os.pathsep.join(
         [str(site), *filter(None, [os.environ.get("PYTHONPATH")])])
-    finder = importlib.import_module("__editable___layerlift_0_1_0_finder")
-    mapping: dict[str, str] = finder.MAPPING
-    for name, path in list(mapping.items()):
-        mapping[name] = str(root / Path(path).name)
+    sys.path.insert(0, str(site))
+    from ab_mapping import point_at
+
+    if not point_at(root):
+        raise SystemExit("ab_run.py: this environment has no editable install of layerlift")
     sys.argv = ["layerlift", *sys.argv[2:]]
     cli = importlib.import_module("layerlift.cli")
     where = Path(cli.__file__).resolve()

@@ -8,16 +8,10 @@ ran the other commit's."""
 
 from __future__ import annotations
 
-import importlib
 import os
-from pathlib import Path
+
+from ab_mapping import point_at
 
 _root = os.environ.get("LAYERLIFT_AB_ROOT")
 if _root:
-    try:
-        _finder = importlib.import_module("__editable___layerlift_0_1_0_finder")
-    except ImportError:  # another environment (a host's venv without layerlift)
-        pass
-    else:
-        for _name, _path in list(_finder.MAPPING.items()):
-            _finder.MAPPING[_name] = str(Path(_root) / Path(_path).name)
+    point_at(_root)
