@@ -12,6 +12,7 @@ import re
 import time
 from typing import Any
 
+from layerlift.engine.model.architectures import prefill_ms_per_layer
 from layerlift.testing.sglang_harness import HybridShape, SGLangHost
 
 __all__ = ["LAYOUTS", "LEASE_S", "LINKERS", "NETNS_LEASE_S", "NETNS_SEGMENT", "SEGMENT_CAP_MIB",
@@ -71,18 +72,6 @@ def layer_kv_bytes(shape: HybridShape, tokens: int) -> int:
 def kv_bytes(shape: HybridShape, tokens: int) -> int:
     """Bytes of K and V of ``tokens`` tokens in ``shape``'s attention layers (bf16)."""
     return layer_kv_bytes(shape, tokens) * sum(1 for k in shape.kinds if k != "M")
-
-
-def prefill_ms_per_layer(tokens: int, device: str = "h100") -> float:
-    """One Llama-3-8B layer's prefill of ``tokens`` new tokens on ``device``
-    (the roofline model), in ms: the real layout's compute stand-in."""
-    from layerlift.engine.model.architectures import LLAMA3_8B
-    from layerlift.engine.model.compute_model import DEVICES, RooflineCompute, SeqWork
-    from layerlift.pools.spec import Component
-
-    roofline = RooflineCompute(LLAMA3_8B, DEVICES[device])
-    kinds = [Component.FULL] * len(LLAMA3_8B.layers)
-    return roofline.layer_seconds(kinds, [SeqWork(0, tokens)])[0] * 1e3
 
 
 # With one master for both linkers and 2176 MiB segments, SGLang's puts failed

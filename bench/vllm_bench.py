@@ -35,10 +35,21 @@ prefix. ``layerlift-sync`` (the scheduler class) splits a Mamba hybrid's
 prefill so a step ends on the last page boundary before the prompt's end:
 there any prompt leaves a checkpoint.
 
-The link is real Mooncake TCP on loopback (no emulated NIC: the store is
-vLLM's own, not LayerLift's). vLLM's connector refuses Mamba groups outside
-``mamba_cache_mode='align'`` (prefix caching, which fails on this CPU build),
-so ``--model nemotron_h`` compares no connector with LayerLift only.
+The link is real Mooncake TCP (no emulated NIC: the store is vLLM's own, not
+LayerLift's): loopback by default; ``--link netns:RATE`` puts a master and a
+storage node on namespace hosts of their own and every vLLM instance on a
+third host behind a link throttled to RATE (this benchmark runs again there,
+with the hidden ``--cluster``; needs root). ``--compute-ms`` adds a forward
+compute stand-in per attention layer, a sleep after each connector's wait
+for the layer (``layerlift.testing.vllm_standin``), in every connector
+alike: on this CPU a layer's forward is not a GPU's, and per-layer overlap
+needs compute to hide behind. The real layout's default is a Llama-3-8B
+layer's prefill of the prompt on one H100 (the roofline model, as ``bench
+sglang --layout real``); the small layout's is none.
+
+vLLM's connector refuses Mamba groups outside ``mamba_cache_mode='align'``
+(prefix caching, which fails on this CPU build), so ``--model nemotron_h``
+compares no connector with LayerLift only.
 """
 
 from __future__ import annotations
@@ -49,14 +60,18 @@ import os
 import random
 import re
 import statistics
+import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from layerlift.bench.netns_link import rate_gbps
 from layerlift.bench.output import add_output_options, write_outputs
 from layerlift.bench.stats import percentile_ci
+from layerlift.engine.model.architectures import prefill_ms_per_layer
 
 __all__ = ["hidden_fractions", "layer_overlaps", "main", "render"]
 
@@ -92,7 +107,7 @@ def _prompts(n: int, pages: int, suffix: int, seed: int) -> tuple[list[list[int]
     return prefixes, [p + [rng.randrange(3, 500) for _ in range(suffix)] for p in prefixes]
 
 
-def _mooncake_env(master: Any, tmp: Path) -> dict[str, str]:
+def _mooncake_env(master_address: str, metadata: str, tmp: Path) -> dict[str, str]:
     """vLLM's MooncakeStoreConnector reads its client settings from a JSON file.
     ``standalone-store``: it contributes no memory, as LayerLift's connector
     (``segment_bytes=0``), so both read every object from the bench's storage
@@ -102,7 +117,7 @@ def _mooncake_env(master: Any, tmp: Path) -> dict[str, str]:
     (median); without that instance LayerLift restored every prompt."""
     path = tmp / "mooncake_vllm.json"
     path.write_text(json.dumps({
-        "metadata_server": master.metadata_url, "master_server_address": master.master_address,
+        "metadata_server": metadata, "master_server_address": master_address,
         "protocol": "tcp", "device_name": "", "mode": "standalone-store",
         "global_segment_size": 0, "local_buffer_size": 64 << 20}))
     return {"MOONCAKE_CONFIG_PATH": str(path)}
@@ -144,22 +159,32 @@ def layout_for(name: str, prompt_tokens: int) -> Layout:
                   max_model_len=max(4096, -(-(prompt_tokens + 16) // PAGE) * PAGE))
 
 
-def _start(connector: str, model: str, master: Any, tmp: Path,
-           layout: Layout = Layout(), layers: int = 8) -> Any:
+def _start(connector: str, model: str, store: tuple[str, str], tmp: Path,
+           layout: Layout = Layout(), layers: int = 8, compute_ms: float = 0.0) -> Any:
+    """One instance; ``store``: the master's address and the metadata
+    (its HTTP URL, or ``P2PHANDSHAKE`` on a cluster of namespace hosts)."""
     from layerlift.testing.vllm_verify import Instance
 
+    master_address, metadata = store
     extra: dict[str, Any] = {}
     env: dict[str, str] = {}
     if connector.startswith("layerlift"):
-        extra = {"store": f"mooncake://{master.master_address}", "metadata": master.metadata_url,
+        extra = {"store": f"mooncake://{master_address}", "metadata": metadata,
                  "namespace": f"bench-{connector}"}
     elif connector == "mooncake":
-        env = _mooncake_env(master, tmp)
+        env = _mooncake_env(master_address, metadata, tmp)
     sync = connector == "layerlift-sync"
     return Instance(model, "layerlift" if sync else connector, extra or None,
                     tmp / f"{connector}.log", env=env, scheduler_cls=SCHED if sync else "",
                     dtype=layout.dtype, max_model_len=layout.max_model_len,
-                    kv_bytes=layout.kv_cache_bytes(layers))
+                    kv_bytes=layout.kv_cache_bytes(layers), compute_ms=compute_ms)
+
+
+def stored_bytes(connectors: list[str], n: int, pages: int, layout: Layout, layers: int) -> int:
+    """The store's segment for a run: every connector's objects of every
+    prompt at once, a quarter more, and 256 MiB (at least 512 MiB)."""
+    stored = sum(c != "none" for c in connectors) * n * pages * PAGE * layout.token_bytes(layers)
+    return max(512 << 20, stored * 5 // 4 + (256 << 20))
 
 
 def hidden_fractions(log_text: str) -> list[float]:
@@ -292,7 +317,11 @@ def _interleaved(instances: dict[str, Any], prefixes: list[list[int]],
 
 def run(kind: str, n: int, pages: int, suffix: int, repeats: int,
         connectors: list[str], hidden: int = 512, layers: int = 8,
-        warm_with: str = "prefixes", layout: Layout = Layout()) -> dict[str, Any]:
+        warm_with: str = "prefixes", layout: Layout = Layout(), compute_ms: float = 0.0,
+        cluster: str | None = None) -> dict[str, Any]:
+    """One run on loopback (a master and a storage client of this process),
+    or, with ``cluster`` (a master's address), against that cluster's
+    storage node: a namespace link's engine host (:func:`run_netns`)."""
     from layerlift.linker.master import EmbeddedMaster
     from layerlift.linker.mooncake_store import MooncakeStore
     from layerlift.testing.vllm_verify import make_tiny_model
@@ -302,22 +331,27 @@ def run(kind: str, n: int, pages: int, suffix: int, repeats: int,
                             kv_heads=layout.kv_heads, head_dim=layout.head_dim,
                             max_positions=layout.max_model_len)
     prefixes, prompts = _prompts(n, pages, suffix, seed=11)
-    # The store holds every connector's objects of every prompt at once.
-    stored = sum(c != "none" for c in connectors) * n * pages * PAGE * layout.token_bytes(layers)
-    segment = max(512 << 20, stored * 5 // 4 + (256 << 20))
-    with EmbeddedMaster(log_path=tmp / "mooncake_master.log", lease_ttl_ms=5000) as master:
-        holder = MooncakeStore(master.config(global_segment_size=segment,
-                                             local_buffer_size=16 << 20))
+    with ExitStack() as stack:
+        if cluster is None:
+            master = stack.enter_context(EmbeddedMaster(
+                log_path=tmp / "mooncake_master.log", lease_ttl_ms=5000))
+            holder = MooncakeStore(master.config(
+                global_segment_size=stored_bytes(connectors, n, pages, layout, layers),
+                local_buffer_size=16 << 20))
+            stack.callback(holder.close)
+            store = (master.master_address, master.metadata_url)
+        else:
+            store = (cluster, "P2PHANDSHAKE")
         instances: dict[str, Any] = {}
         try:
             for connector in connectors:
-                instances[connector] = _start(connector, model, master, tmp, layout, layers)
+                instances[connector] = _start(connector, model, store, tmp, layout, layers,
+                                              compute_ms)
             rounds, warm = _interleaved(instances, prompts if warm_with == "prompts" else prefixes,
                                         prompts, repeats)
         finally:
             for inst in instances.values():
                 inst.close()
-            holder.close()
     rows = [_summary(c, rounds[c], tmp / f"{c}.log") for c in connectors]
     paired_to(rows, "mooncake")
     for row in rows:  # the first (offloading) pass: a Mamba split's extra step is in it
@@ -341,8 +375,35 @@ def run(kind: str, n: int, pages: int, suffix: int, repeats: int,
             "prompt_tokens": pages * PAGE + suffix, "repeats": repeats,
             "traffic": TRAFFIC if warm_with == "prefixes" else TRAFFIC_PROMPTS,
             "warm_with": warm_with, "load_avg": list(os.getloadavg()), "cpus": os.cpu_count(),
+            "compute_ms": compute_ms, "link": "loopback" if cluster is None else "cluster",
             "first_tokens_ref": None if ref_row is None else ref_row["connector"],
             "rows": rows}
+
+
+def run_netns(rate: str, args: argparse.Namespace, connectors: list[str],
+              layout: Layout) -> dict[str, Any]:
+    """The run of ``args`` over a namespace link throttled to ``rate``: a
+    master and a storage node on namespace hosts of their own, every vLLM
+    instance on a third host behind the link (this benchmark again there,
+    with ``--cluster``), so every restored and offloaded byte crosses it."""
+    from layerlift.bench.netns_link import engine_host_json, netns_cluster
+
+    segment = stored_bytes(connectors, args.prompts, args.prefix_pages, layout, args.layers)
+    with tempfile.TemporaryDirectory(prefix="layerlift-bench-vllm-netns-") as tmp, \
+            netns_cluster(rate, segment, tmp) as (hosts, master):
+        out = Path(tmp) / "vllm.json"
+        child = [sys.executable, "-m", "layerlift.cli", "bench", "vllm", "--model", args.model,
+                 "--layout", args.layout, "--hidden", str(args.hidden),
+                 "--layers", str(args.layers), "--prompts", str(args.prompts),
+                 "--prefix-pages", str(args.prefix_pages), "--suffix", str(args.suffix),
+                 "--repeats", str(args.repeats), "--warm", args.warm,
+                 "--connectors", ",".join(connectors), "--compute-ms", repr(args.compute_ms),
+                 "--cluster", master, "--json", str(out)]
+        record: dict[str, Any] = engine_host_json(hosts, child, tmp, out)
+    record.pop("meta", None)  # the child's command: this run's is stamped by write_outputs
+    record.pop("benchmark", None)
+    record["link"] = f"netns:{rate}"
+    return record
 
 
 def _ref_name(connector: str | None) -> str:
@@ -355,10 +416,17 @@ def render(record: dict[str, Any]) -> str:
     layered = any("per_layer" in row for row in record["rows"])
     shape = (f", {record['kv_heads']} KV heads x {record['head_dim']} {record['dtype']} "
              f"({record['token_bytes'] >> 10} KiB a token)" if "kv_heads" in record else "")
+    setting = ""
+    if record.get("link", "loopback") != "loopback":
+        setting += f"; link {record['link']}"
+    if record.get("compute_ms"):
+        setting += (f"; compute stand-in {record['compute_ms']:g} ms a layer after each layer's "
+                    "wait, every connector")
     lines = [f"TTFT inside vLLM, {record['model']} hidden {record.get('hidden', 128)} x "
              f"{record.get('layers', 4)} layers{shape} ({record['prompt_tokens']}-token "
              f"prompts, {record['prefix_tokens']} restorable; {record['prompts']} prompts x "
-             f"{record['repeats']} repeats; load average {record['load_avg'][0]:.2f})", "",
+             f"{record['repeats']} repeats; load average {record['load_avg'][0]:.2f}{setting})",
+             "",
              "| connector | TTFT median (ms) | 95% interval (ms) | cached tokens (median) "
              f"| first tokens = {_ref_name(record.get('first_tokens_ref', 'none'))} | "
              + ("hidden, load time (median, 95%) | hidden, per layer (median, 95%, restores) "
@@ -458,6 +526,18 @@ def build_parser() -> argparse.ArgumentParser:
                     help="comma list of none,mooncake,layerlift,layerlift-sync (LayerLift with "
                          "scheduler_cls=LayerLiftScheduler: hybrids restore during the forward) "
                          "(default: all four; no mooncake for nemotron_h)")
+    ap.add_argument("--compute-ms", type=float, default=None,
+                    help="a forward compute stand-in per attention layer, a sleep after the "
+                         "connector's wait for the layer, in every connector alike (default: "
+                         "none for the small layout; real: a Llama-3-8B layer's prefill of the "
+                         "prompt on one H100 from the roofline model, 9.3 ms at 8192 tokens); "
+                         "not with the none connector, which has no per-layer wait")
+    ap.add_argument("--link", default="loopback",
+                    help="loopback (a master and a storage client of this process) or "
+                         "netns:RATE (a master and a storage node on namespace hosts, the vLLM "
+                         "instances behind a link throttled to RATE, e.g. netns:10gbit; needs "
+                         "root) (default: loopback)")
+    ap.add_argument("--cluster", default=None, help=argparse.SUPPRESS)  # the engine host's run
     return ap
 
 
@@ -482,8 +562,30 @@ def main(argv: list[str] | None = None) -> int:
     if args.hidden % layout.head_dim or args.layers < 2:
         ap.error(f"--hidden must be a multiple of {layout.head_dim} (the {layout.name} layout's "
                  "head size) and --layers at least 2")
-    out = run(args.model, args.prompts, args.prefix_pages, args.suffix, args.repeats, connectors,
-              args.hidden, args.layers, args.warm, layout)
+    if args.compute_ms is None:
+        args.compute_ms = round(prefill_ms_per_layer(args.prefix_pages * PAGE + args.suffix), 3) if real else 0.0
+    if not args.compute_ms >= 0:
+        ap.error(f"--compute-ms must be >= 0, got {args.compute_ms}")
+    if args.compute_ms and "none" in connectors:
+        ap.error("--compute-ms runs in a connector's per-layer wait, and 'none' has no connector: "
+                 "leave it out of --connectors, or give --compute-ms 0")
+    if args.link != "loopback":
+        try:
+            rate_gbps(args.link)
+        except ValueError as exc:
+            ap.error(f"--link: {exc}")
+        if args.cluster:
+            ap.error("--cluster is the engine host's own option: not with --link")
+        from layerlift.testing.netns import netns_available
+
+        ok, why = netns_available()
+        if not ok:
+            ap.error(f"--link {args.link} needs network namespaces: {why}")
+        out = run_netns(args.link.removeprefix("netns:"), args, connectors, layout)
+    else:
+        out = run(args.model, args.prompts, args.prefix_pages, args.suffix, args.repeats,
+                  connectors, args.hidden, args.layers, args.warm, layout, args.compute_ms,
+                  args.cluster)
     print(render(write_outputs("vllm", out, args, argv, render, plot)))
     return 0
 

@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import math
 
+from layerlift.engine.model.compute_model import DEVICES, MoE, Recurrent, RooflineCompute, SeqWork
 from layerlift.engine.model.compute_model import Architecture as Arch
-from layerlift.engine.model.compute_model import MoE, Recurrent
-from layerlift.pools.spec import MambaSpec, ModelSpec, StateTensorSpec
+from layerlift.pools.spec import Component, MambaSpec, ModelSpec, StateTensorSpec
 
-__all__ = ["ARCHITECTURES", "LLAMA3_8B", "real_state_bytes", "simulated_spec"]
+__all__ = ["ARCHITECTURES", "LLAMA3_8B", "prefill_ms_per_layer", "real_state_bytes",
+           "simulated_spec"]
 
 # Qwen/Qwen3-Next-80B-A3B-Instruct config.json (= transformers Qwen3NextConfig
 # defaults): hidden_size 2048, 48 layers, layer_types linear x3 + full
@@ -165,3 +166,12 @@ def simulated_spec(name: str, *, token_scale: int = 1, page_size: int = 16,
     return ModelSpec(layers=a.layers, num_kv_heads=a.kv_heads, head_dim=a.head_dim,
                      page_size=page_size, swa_window=window, track_interval=track,
                      dtype="bfloat16", state=_state(name, token_scale), name=name)
+
+
+def prefill_ms_per_layer(tokens: int, device: str = "h100") -> float:
+    """One Llama-3-8B layer's prefill of ``tokens`` new tokens on ``device``
+    (the roofline model), in ms: the host benchmarks' compute stand-in at a
+    real layout (``bench sglang``, ``bench vllm``)."""
+    roofline = RooflineCompute(LLAMA3_8B, DEVICES[device])
+    kinds = [Component.FULL] * len(LLAMA3_8B.layers)
+    return roofline.layer_seconds(kinds, [SeqWork(0, tokens)])[0] * 1e3

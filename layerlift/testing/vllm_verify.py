@@ -90,19 +90,27 @@ def make_tiny_model(kind: str, path: str, seed: int = 0, *, hidden: int = 128,
     return path
 
 
-def kv_transfer_config(connector: str, extra: dict[str, Any]) -> dict[str, Any] | None:
+def kv_transfer_config(connector: str, extra: dict[str, Any], *,
+                       standin: bool = False) -> dict[str, Any] | None:
     """The ``kv_transfer_config`` of a run: LayerLift's connector, vLLM's
-    MooncakeStoreConnector, or None (no connector)."""
+    MooncakeStoreConnector, or None (no connector). ``standin``: the same
+    connector with ``vllm_standin``'s forward compute stand-in after each
+    layer's wait (its milliseconds from that module's ``COMPUTE_ENV``)."""
     if connector == "none":
+        if standin:
+            raise ValueError("the compute stand-in runs in a connector's per-layer wait: "
+                             "a run with no connector has none")
         return None
-    if connector == "layerlift":
-        return {"kv_connector": "LayerLiftConnector",
-                "kv_connector_module_path": "layerlift.hosts.vllm", "kv_role": "kv_both",
-                "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
-    if connector == "mooncake":
-        return {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both",
-                "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
-    raise ValueError(f"unknown connector {connector!r}; choose layerlift, mooncake or none")
+    names = {"layerlift": ("LayerLiftConnector", "layerlift.hosts.vllm"),
+             "mooncake": ("MooncakeStoreConnector", None)}
+    if connector not in names:
+        raise ValueError(f"unknown connector {connector!r}; choose layerlift, mooncake or none")
+    name, module = names[connector]
+    if standin:
+        name, module = f"StandIn{name}", "layerlift.testing.vllm_standin"
+    return {"kv_connector": name, **({"kv_connector_module_path": module} if module else {}),
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": extra}
 
 
 class Instance:
@@ -121,7 +129,7 @@ class Instance:
                  prefix_caching: bool = False, scheduler_cls: str = "",
                  failure_policy: str = "", in_process: bool = False,
                  wait: bool = True, dtype: str = "float32", max_model_len: int = 4096,
-                 kv_bytes: int | None = None) -> None:
+                 kv_bytes: int | None = None, compute_ms: float = 0.0) -> None:
         env = dict(os.environ, MC_LOG_LEVEL="ERROR", GLOG_minloglevel="2",
                    PYTHONUNBUFFERED="1", **(IN_PROCESS_ENV if in_process else {}), **(env or {}))
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override the serve's KV bytes
@@ -132,6 +140,7 @@ class Instance:
              "--connector", connector, "--extra", json.dumps(extra or {}),
              "--dtype", dtype, "--max-model-len", str(max_model_len),
              *(["--kv-bytes", str(kv_bytes)] if kv_bytes else []),
+             *(["--compute-ms", repr(compute_ms)] if compute_ms else []),
              *(["--prefix-caching"] if prefix_caching else []),
              *(["--scheduler-cls", scheduler_cls] if scheduler_cls else []),
              *(["--failure-policy", failure_policy] if failure_policy else [])],
@@ -265,7 +274,11 @@ def _reset_prefix_cache(llm: Any, timeout_s: float) -> bool:
 def _serve(args: argparse.Namespace) -> int:
     from vllm import LLM
 
-    kv = kv_transfer_config(args.connector, json.loads(args.extra))
+    if args.compute_ms:
+        from layerlift.testing.vllm_standin import COMPUTE_ENV
+
+        os.environ[COMPUTE_ENV] = repr(args.compute_ms)  # vLLM's worker inherits it
+    kv = kv_transfer_config(args.connector, json.loads(args.extra), standin=args.compute_ms > 0)
     if kv is not None and args.failure_policy:
         kv["kv_load_failure_policy"] = args.failure_policy
     sched: dict[str, Any] = ({"scheduler_cls": args.scheduler_cls, "async_scheduling": False}
@@ -311,6 +324,9 @@ def main(argv: list[str] | None = None) -> int:
                        help="vLLM's local prefix caching on (default: off)")
     serve.add_argument("--failure-policy", default="", choices=("", "recompute", "fail"),
                        help="kv_load_failure_policy (default: recompute)")
+    serve.add_argument("--compute-ms", type=float, default=0.0,
+                       help="a forward compute stand-in after each attention layer's wait, "
+                            "ms (the connector's StandIn class; default: 0, none)")
     serve.add_argument("--scheduler-cls", default="",
                        help="vLLM's scheduler_cls (async scheduling then off), e.g. "
                             "layerlift.hosts.vllm.LayerLiftScheduler")

@@ -1,7 +1,8 @@
 """``layerlift bench vllm``'s per-layer overlap: the worker's per-layer record
 (``LayerLift: per-layer restore of REQ: {json}``) parsed into the hidden
 fraction and the share of layers ready before the forward reached them, and
-both rendered with intervals beside the load-time measure."""
+both rendered with intervals beside the load-time measure; the compute
+stand-in and the namespace link, checked before anything starts."""
 
 from __future__ import annotations
 
@@ -10,7 +11,17 @@ from typing import Any
 
 import pytest
 
-from layerlift.bench.vllm_bench import _median_ci, hidden_fractions, layer_overlaps, render
+from layerlift.bench.vllm_bench import (
+    PAGE,
+    _median_ci,
+    hidden_fractions,
+    layer_overlaps,
+    layout_for,
+    main,
+    render,
+    stored_bytes,
+)
+from layerlift.testing.vllm_verify import kv_transfer_config
 
 
 def _line(req: str, ready: list[float], reached: list[float | None], waited: list[float],
@@ -109,3 +120,60 @@ def test_a_record_without_per_layer_data_renders_as_before() -> None:
     text = render(record)
     assert "load hidden by the forward (median, 95%)" in text and "per layer" not in text
     assert "| layerlift-sync | 30 | 20-40 | 1024 | True | 60% (50%-70%) | 50 |" in text
+
+
+def test_render_names_the_link_and_the_compute_stand_in() -> None:
+    row = _row("layerlift-sync", [])
+    base = {"model": "llama", "prompt_tokens": 1074, "prefix_tokens": 1024, "prompts": 1,
+            "repeats": 1, "load_avg": [0.5], "rows": [row], "meta": {"command": "c"}}
+    first = render(base).splitlines()[0]
+    assert "link" not in first and "stand-in" not in first  # loopback, none: as before
+    first = render({**base, "link": "netns:10gbit", "compute_ms": 9.285}).splitlines()[0]
+    assert "; link netns:10gbit" in first
+    assert "compute stand-in 9.285 ms a layer after each layer's wait, every connector" in first
+
+
+def _main_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2  # argparse's usage error: nothing started
+    return capsys.readouterr().err
+
+
+def test_the_stand_in_and_the_link_are_checked_before_anything_starts(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    err = _main_error(["--connectors", "none,layerlift", "--compute-ms", "5"], capsys)
+    assert "'none' has no connector" in err
+    # the real layout's default stand-in is a compute, so 'none' needs --compute-ms 0
+    err = _main_error(["--layout", "real", "--connectors", "none,layerlift"], capsys)
+    assert "'none' has no connector" in err
+    assert "must be >= 0" in _main_error(["--compute-ms", "-1"], capsys)
+    assert "netns:RATE" in _main_error(["--link", "wan"], capsys)
+    err = _main_error(["--link", "netns:10gbit", "--cluster", "10.0.0.1:50051"], capsys)
+    assert "engine host's own option" in err
+
+
+def test_the_stand_in_names_the_connectors_stand_in_class() -> None:
+    assert kv_transfer_config("layerlift", {}, standin=True) == {
+        "kv_connector": "StandInLayerLiftConnector",
+        "kv_connector_module_path": "layerlift.testing.vllm_standin", "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {}}
+    msc = kv_transfer_config("mooncake", {"a": 1}, standin=True)
+    assert msc is not None and msc["kv_connector"] == "StandInMooncakeStoreConnector"
+    assert msc["kv_connector_module_path"] == "layerlift.testing.vllm_standin"
+    plain = kv_transfer_config("mooncake", {})
+    assert plain is not None and "kv_connector_module_path" not in plain  # vLLM's own registry
+    assert kv_transfer_config("layerlift", {})["kv_connector"] == "LayerLiftConnector"  # type: ignore[index]
+    assert kv_transfer_config("none", {}) is None
+    with pytest.raises(ValueError, match="no connector has none"):
+        kv_transfer_config("none", {}, standin=True)
+    with pytest.raises(ValueError, match="unknown connector"):
+        kv_transfer_config("lmcache", {})
+
+
+def test_the_segment_holds_every_connectors_objects() -> None:
+    real = layout_for("real", 64 * PAGE + 50)
+    one = 64 * PAGE * real.token_bytes(32)  # one prompt's objects, 1 GiB
+    assert stored_bytes(["none"], 1, 64, real, 32) == 512 << 20  # the floor
+    assert stored_bytes(["none", "mooncake", "layerlift"], 1, 64, real, 32) == (
+        2 * one * 5 // 4 + (256 << 20))
