@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import numpy as np
@@ -89,6 +90,24 @@ class _SegmentRead:
     check: int
     keys: list[str]
     known: np.ndarray | None
+
+
+class _Halt:
+    """The first failure among a load's chunks run at once
+    (:meth:`StagedLoad._fetch_merged`); once there is one, no chunk begins
+    or copies."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.cause: BaseException | None = None
+
+    def fail(self, exc: BaseException) -> None:
+        with self._lock:
+            if self.cause is None:
+                self.cause = exc
+
+    def is_set(self) -> bool:
+        return self.cause is not None
 
 
 class StagedLoad:
@@ -211,6 +230,16 @@ class StagedLoad:
         load fits one chunk of ``capacity // depth`` bytes). Staged loads only."""
         return self.sink is not None and len(self._merged()) <= 1
 
+    def fetches_all(self) -> bool:
+        """Whether :meth:`fetch_all` is the way to run this load when nobody
+        waits on it layer by layer: it fits one call (:meth:`one_call`), or
+        its sink is the host's (``strided_rows``), whose copies are done when
+        they return, so :meth:`fetch_all` reads its chunks ``depth`` at a
+        time and lands the layers in order after them. A device sink's
+        layer event must follow every copy of the layer on its stream: such
+        a load of several chunks keeps one job a layer (:meth:`job`)."""
+        return self.one_call() or bool(getattr(self.sink, "strided_rows", False))
+
     def fetch_all(self) -> DeviceEvent | None:
         """Worker thread: every layer, in as few store calls as the chunk
         budget allows (one when :meth:`one_call`): each chunk holds the
@@ -233,12 +262,61 @@ class StagedLoad:
             return self._fetch_objects()
         event: DeviceEvent | None = None
         merged = self._merged()
+        if len(merged) > 1 and self.depth > 1 and getattr(self.sink, "strided_rows", False):
+            self._fetch_merged(merged)
+            return None
         for chunk, landing in merged:
             event = self._chunk(chunk, landing)
         if not merged:  # nothing to read: every layer lands at once
             for layer in range(len(self.chunks)):
                 self._landed(layer, None)
         return event
+
+    def _fetch_merged(self, merged: list[tuple[LoadChunk, tuple[int, ...]]]) -> None:
+        """:meth:`fetch_all` of several chunks into a host sink: up to
+        ``depth`` chunks read, verified and copied at once, each on a thread
+        of this call (at most ``depth`` regions, as ever: ``_take``); the
+        layers land in chunk order, each once every chunk up to the one
+        holding its last slice returned (a host copy is done when it
+        returns: no event to order). At the first failure no chunk not yet
+        begun is read and a chunk still reading copies nothing once it
+        verified; every thread returns before this does (a timed-out
+        read keeps its region until its call ends, as in :meth:`_chunk`);
+        then the first failure is raised, the layers of the chunks before
+        the first that failed landed."""
+        halt = _Halt()
+
+        def run(chunk: LoadChunk) -> bool:
+            if halt.is_set():
+                return False
+            try:
+                self._chunk(chunk, (), halt)
+            except BaseException as exc:
+                halt.fail(exc)
+                raise
+            return True
+
+        with ThreadPoolExecutor(max_workers=min(self.depth, len(merged)),
+                                thread_name_prefix="layerlift-merged") as pool:
+            futures = [pool.submit(run, chunk) for chunk, _ in merged]
+            try:
+                for future, (_, landing) in zip(futures, merged, strict=True):
+                    if not future.result():  # skipped: only after a failure
+                        break
+                    for layer in landing:
+                        self._landed(layer, None)
+                else:
+                    return
+            except BaseException as exc:  # a chunk's, or a landing's (the gate closed)
+                halt.fail(exc)
+            finally:
+                wait(futures)  # (the pool's exit waits too: both say it)
+        # The first failure, not what it made of the chunks in flight (they
+        # copy nothing once it happened: their TransferRevoked is its echo).
+        if halt.cause is not None:
+            raise halt.cause
+        raise TransferRevoked("a chunk was skipped with no failure before it; nothing "
+                              "after it landed")
 
     def _objects_whole(self) -> bool:
         """Whether :meth:`fetch_all` reads whole objects: the load is one
@@ -391,9 +469,13 @@ class StagedLoad:
             self._out -= 1
             self._lock.notify_all()
 
-    def _chunk(self, chunk: LoadChunk, landing: Sequence[int]) -> DeviceEvent | None:
+    def _chunk(self, chunk: LoadChunk, landing: Sequence[int],
+               halt: _Halt | None = None) -> DeviceEvent | None:
         """One staged chunk; ``landing``: the layers whose last segment it
-        holds (they land, under the gate, after its copies)."""
+        holds (they land, under the gate, after its copies). ``halt`` (the
+        chunks of :meth:`_fetch_merged`): checked with the gate, once another
+        chunk failed nothing of this one is copied (:class:`TransferRevoked`);
+        a corrupt chunk halts it before ``on_corrupt`` hears of it."""
         assert self.sink is not None  # staged (a placement reads in place)
         # Region layout, per segment in order: its rows of ``size`` bytes, then
         # their checks (``_check_bytes`` a row: whole footers for a part's
@@ -451,14 +533,20 @@ class StagedLoad:
                     bad_layer = r.seg.layer  # segments are in layer order
                 corrupt += [r.keys[b] for b in bad]
             if corrupt:
+                exc = CorruptSlices(bad_layer, corrupt)
+                if halt is not None:
+                    halt.fail(exc)
                 if self.on_corrupt is not None:
                     self.on_corrupt(corrupt)
-                raise CorruptSlices(bad_layer, corrupt)
+                raise exc
             self._keep_footers(footers)
             with self.gate.held() as open_:
                 if not open_:
                     raise TransferRevoked(f"layer {chunk.layer}: the load was stopped before "
                                           "its copy; nothing was written")
+                if halt is not None and halt.is_set():
+                    raise TransferRevoked(f"layer {chunk.layer}: another chunk of the load "
+                                          "failed first; nothing was written")
                 for r in plan:
                     rows = region.tensor[r.start : r.start + r.seg.rows * r.size].view(
                         r.seg.rows, r.size)

@@ -139,7 +139,7 @@ class WorkerBase:
         self._lane = CpuLane(max(1, min(max_in_flight, 4)), name="vllm")
         self._sched = LoadScheduler(self._lane, LoadPolicy.OVERLAP, max_in_flight=max_in_flight)
         # One unit of every layer, run in order by one lane call: an
-        # asynchronous restore that fits one store call (`LoadSide._schedule`).
+        # asynchronous restore, read by `StagedLoad.fetch_all` (`LoadSide._schedule`).
         self._streamed = LoadScheduler(self._lane, LoadPolicy.OVERLAP,
                                        max_in_flight=max_in_flight,
                                        stream_size=max(1, len(self._layers)))

@@ -69,12 +69,25 @@ class HeldStore(ForwardingStore):
             self.returned.set()
 
 
-@pytest.fixture(params=["merged", "per-layer"])
+STAGING = {"merged": 1 << 20, "per-layer": 1 << 20, "chunks": 32 << 10}
+"""The worker's staging by schedule: ``chunks`` cuts the restore below into
+chunks of one block-row (8 KiB at depth 4), so ``fetch_all`` reads several
+chunks at once (`StagedLoad._fetch_merged`)."""
+
+
+@pytest.fixture(params=list(STAGING))
 def schedule(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Each test under both schedules of an asynchronous restore (`LoadSide._schedule`)."""
+    """Each test under every schedule of an asynchronous restore
+    (`LoadSide._schedule`): one call (``merged``), a job a layer
+    (``per-layer``: `fetches_all` off) and several chunks read at once by
+    one lane call (``chunks``: a small staging, ``_worker``)."""
     if request.param == "per-layer":
-        monkeypatch.setattr(StagedLoad, "one_call", lambda self: False)
+        monkeypatch.setattr(StagedLoad, "fetches_all", lambda self: False)
+    monkeypatch.setitem(_STAGING_NOW, "bytes", STAGING[request.param])
     return str(request.param)
+
+
+_STAGING_NOW = {"bytes": 1 << 20}  # the staging `_worker` gives, set by `schedule`
 
 
 @pytest.fixture
@@ -101,8 +114,9 @@ def _kv(fill: bool, seed: int = 3) -> dict[str, torch.Tensor]:
 def _worker(store: Store, kv: dict[str, torch.Tensor], ns: str, timeout_s: float = 10.0,
             layout: Layout | None = None) -> BlockWorker:
     layout = layout or _layout()
-    return BlockWorker(store, layout, kv, schema=layout.schema(ns), staging_bytes=1 << 20,
-                       max_in_flight=2, load_timeout_s=timeout_s)
+    return BlockWorker(store, layout, kv, schema=layout.schema(ns),
+                       staging_bytes=_STAGING_NOW["bytes"], max_in_flight=2,
+                       load_timeout_s=timeout_s)
 
 
 def _key(ns: str, page: int, layout: Layout | None = None) -> str:
@@ -142,15 +156,20 @@ def test_a_restore_takes_the_schedule_its_size_calls_for(
         store: MooncakeStore, mooncake_namespace: str, schedule: str) -> None:
     """Two layers of 4 KiB a block, restored asynchronously: within one
     staging chunk, so one store call and one lane call for both layers;
-    with that path off, a call and a lane call a layer. Either way every
-    byte arrives, and a synchronous restore is always one call a layer."""
+    with that path off, a call and a lane call a layer; in chunks of a
+    block-row, one lane call reading the four rows' chunks. Every byte
+    arrives each way, and a synchronous restore is always a lane call a
+    layer (a call a chunk of the layer)."""
     src = _offload(store, mooncake_namespace)
     for sync in (False, True):
         kv = _kv(fill=False)
         calls, reads = _counted_restore(store, mooncake_namespace, kv, sync)
-        merged = schedule == "merged" and not sync
-        assert calls == ([[0, 1]] if merged else [[0], [1]])
-        assert reads == (1 if merged else 2)
+        one_lane_call = schedule != "per-layer" and not sync
+        assert calls == ([[0, 1]] if one_lane_call else [[0], [1]])
+        if schedule == "chunks":
+            assert reads == 4  # a block-row a chunk, either way
+        else:
+            assert reads == (1 if one_lane_call else 2)
         for name in LAYERS:
             assert torch.equal(kv[name][5], src[name][1])
             assert torch.equal(kv[name][6], src[name][2])
