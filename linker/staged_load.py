@@ -249,7 +249,8 @@ class StagedLoad:
         holding its last slice was copied (one without reads with the layer
         before it), so layers land in order. Into a host sink, a load of one
         chunk reading every slice of its objects reads them whole instead
-        (one range an object, :meth:`_fetch_objects`). For a load nobody
+        (one range an object, :meth:`_fetch_objects`), and a load of several
+        chunks reads ``depth`` of them at once (:meth:`_fetch_merged`). For a load nobody
         waits on layer by layer (a restore the request waits for whole): a
         store call and a thread's turn a layer cost more than the layer's
         bytes when layers are small. Raises as

@@ -40,6 +40,7 @@ from layerlift.hosts.vllm.objects import BlockSink
 from layerlift.hosts.vllm.worker import BlockWorker, device_for
 from layerlift.linker.memory_store import MemoryStore
 from layerlift.linker.ring import Region
+from layerlift.linker.staged import StagedLoad
 from layerlift.linker.store_base import ForwardingStore, Store
 from layerlift.overlap.device import Device, DeviceEvent
 from layerlift.testing.simdevice import SimDevice, SimEvent, SimStream, block_stream
@@ -555,13 +556,21 @@ class AfterCorruptStore(ForwardingStore):
         self.removed.set()
 
 
+@pytest.mark.parametrize("schedule", ["per-layer", "chunks"])
 def test_a_corrupt_object_is_removed_only_after_its_loads_reads(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, schedule: str) -> None:
     """Layer 1's slice of one object fails its check while layer 0's read of
     the same object has not started (CI found this order under load: the
     object was removed at once and layer 0 then failed as a miss, so its
-    verified bytes never landed). Layer 0 lands; the failure is layer 1's;
-    the object leaves the store once the load's session ended."""
+    verified bytes never landed). The failure is layer 1's; the object
+    leaves the store once the load's session ended. A job a layer (as a
+    device sink's asynchronous restore of several chunks runs): layer 0
+    lands. The host path's chunks read at once (`StagedLoad.fetch_all`):
+    the chunk of the corrupt object's layer-0 slice, verified after the
+    failure halted the load, copies nothing; chunks done before it copied
+    their own bytes (the request is recomputed whole either way)."""
+    if schedule == "per-layer":
+        monkeypatch.setattr(StagedLoad, "fetches_all", lambda self: False)
     store = MemoryStore()
     src = _offload(store)
     key = _layout().schema("dev").key("full0", HASHES[1])
@@ -579,8 +588,15 @@ def test_a_corrupt_object_is_removed_only_after_its_loads_reads(
     try:
         worker.start_loads([_spec(sync=False)])
         assert worker.results(wait_s=WAIT_S) == ({"r"}, {"r"})
-        assert torch.equal(kv[LAYERS[0]][TARGET], _expected(src, LAYERS[0])), \
-            "layer 0 was verified but did not land"
+        if schedule == "per-layer":
+            assert torch.equal(kv[LAYERS[0]][TARGET], _expected(src, LAYERS[0])), \
+                "layer 0 was verified but did not land"
+        else:  # what chunks copied before the failure is the source's; the rest untouched
+            got, want = kv[LAYERS[0]][TARGET], _expected(src, LAYERS[0])
+            for block in range(PAGES):
+                assert (torch.equal(got[block], want[block]) or not got[block].any()), \
+                    f"block {block} of layer 0 holds bytes that are neither its own nor zero"
+            assert not got[1].any(), "the corrupt object's layer-0 chunk copied after the failure"
         assert wrapped.removed.wait(WAIT_S), "the corrupt object was never removed"
         assert wrapped.removed_keys == [key]
         assert store.exists([key]) == [False]
