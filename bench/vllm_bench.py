@@ -326,33 +326,36 @@ def run(kind: str, n: int, pages: int, suffix: int, repeats: int,
     from layerlift.linker.mooncake_store import MooncakeStore
     from layerlift.testing.vllm_verify import make_tiny_model
 
-    tmp = Path(tempfile.mkdtemp(prefix="layerlift-bench-vllm-"))
-    model = make_tiny_model(kind, str(tmp / kind), hidden=hidden, layers=layers,
-                            kv_heads=layout.kv_heads, head_dim=layout.head_dim,
-                            max_positions=layout.max_model_len)
-    prefixes, prompts = _prompts(n, pages, suffix, seed=11)
-    with ExitStack() as stack:
-        if cluster is None:
-            master = stack.enter_context(EmbeddedMaster(
-                log_path=tmp / "mooncake_master.log", lease_ttl_ms=5000))
-            holder = MooncakeStore(master.config(
-                global_segment_size=stored_bytes(connectors, n, pages, layout, layers),
-                local_buffer_size=16 << 20))
-            stack.callback(holder.close)
-            store = (master.master_address, master.metadata_url)
-        else:
-            store = (cluster, "P2PHANDSHAKE")
-        instances: dict[str, Any] = {}
-        try:
-            for connector in connectors:
-                instances[connector] = _start(connector, model, store, tmp, layout, layers,
-                                              compute_ms)
-            rounds, warm = _interleaved(instances, prompts if warm_with == "prompts" else prefixes,
-                                        prompts, repeats)
-        finally:
-            for inst in instances.values():
-                inst.close()
-    rows = [_summary(c, rounds[c], tmp / f"{c}.log") for c in connectors]
+    # The model (over a GiB at the real layout) and the instances' logs: gone
+    # once the rows are read from them.
+    with tempfile.TemporaryDirectory(prefix="layerlift-bench-vllm-") as tmp_dir:
+        tmp = Path(tmp_dir)
+        model = make_tiny_model(kind, str(tmp / kind), hidden=hidden, layers=layers,
+                                kv_heads=layout.kv_heads, head_dim=layout.head_dim,
+                                max_positions=layout.max_model_len)
+        prefixes, prompts = _prompts(n, pages, suffix, seed=11)
+        with ExitStack() as stack:
+            if cluster is None:
+                master = stack.enter_context(EmbeddedMaster(
+                    log_path=tmp / "mooncake_master.log", lease_ttl_ms=5000))
+                holder = MooncakeStore(master.config(
+                    global_segment_size=stored_bytes(connectors, n, pages, layout, layers),
+                    local_buffer_size=16 << 20))
+                stack.callback(holder.close)
+                store = (master.master_address, master.metadata_url)
+            else:
+                store = (cluster, "P2PHANDSHAKE")
+            instances: dict[str, Any] = {}
+            try:
+                for connector in connectors:
+                    instances[connector] = _start(connector, model, store, tmp, layout, layers,
+                                                  compute_ms)
+                rounds, warm = _interleaved(instances, prompts if warm_with == "prompts" else prefixes,
+                                            prompts, repeats)
+            finally:
+                for inst in instances.values():
+                    inst.close()
+        rows = [_summary(c, rounds[c], tmp / f"{c}.log") for c in connectors]
     paired_to(rows, "mooncake")
     for row in rows:  # the first (offloading) pass: a Mamba split's extra step is in it
         row["warm_s"] = [r["wall_s"] for r in warm[row["connector"]]]
