@@ -561,12 +561,13 @@ def main(argv: list[str] | None = None) -> int:
         connectors = [c for c in CONNECTORS if not (c == "mooncake" and args.model == "nemotron_h")]
     if args.prompts < 1 or args.prefix_pages < 1 or args.repeats < 1 or args.suffix < 1:
         ap.error("--prompts, --prefix-pages, --suffix and --repeats must be at least 1")
-    layout = layout_for(args.layout, args.prefix_pages * PAGE + args.suffix)
+    prompt_tokens = args.prefix_pages * PAGE + args.suffix
+    layout = layout_for(args.layout, prompt_tokens)
     if args.hidden % layout.head_dim or args.layers < 2:
         ap.error(f"--hidden must be a multiple of {layout.head_dim} (the {layout.name} layout's "
                  "head size) and --layers at least 2")
     if args.compute_ms is None:
-        args.compute_ms = round(prefill_ms_per_layer(args.prefix_pages * PAGE + args.suffix), 3) if real else 0.0
+        args.compute_ms = round(prefill_ms_per_layer(prompt_tokens), 3) if real else 0.0
     if not args.compute_ms >= 0:
         ap.error(f"--compute-ms must be >= 0, got {args.compute_ms}")
     if args.compute_ms and "none" in connectors:

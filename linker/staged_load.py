@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -238,7 +238,7 @@ class StagedLoad:
         time and lands the layers in order after them. A device sink's
         layer event must follow every copy of the layer on its stream: such
         a load of several chunks keeps one job a layer (:meth:`job`)."""
-        return self.one_call() or bool(getattr(self.sink, "strided_rows", False))
+        return self.one_call() or self._strided_sink()
 
     def fetch_all(self) -> DeviceEvent | None:
         """Worker thread: every layer, in as few store calls as the chunk
@@ -263,7 +263,7 @@ class StagedLoad:
             return self._fetch_objects()
         event: DeviceEvent | None = None
         merged = self._merged()
-        if len(merged) > 1 and self.depth > 1 and getattr(self.sink, "strided_rows", False):
+        if len(merged) > 1 and self.depth > 1 and self._strided_sink():
             self._fetch_merged(merged)
             return None
         for chunk, landing in merged:
@@ -297,27 +297,27 @@ class StagedLoad:
                 raise
             return True
 
+        # The pool's exit waits for every chunk, begun or skipped.
         with ThreadPoolExecutor(max_workers=min(self.depth, len(merged)),
                                 thread_name_prefix="layerlift-merged") as pool:
             futures = [pool.submit(run, chunk) for chunk, _ in merged]
             try:
                 for future, (_, landing) in zip(futures, merged, strict=True):
-                    if not future.result():  # skipped: only after a failure
+                    if not future.result():  # skipped: a failure came first
                         break
                     for layer in landing:
                         self._landed(layer, None)
-                else:
-                    return
             except BaseException as exc:  # a chunk's, or a landing's (the gate closed)
                 halt.fail(exc)
-            finally:
-                wait(futures)  # (the pool's exit waits too: both say it)
         # The first failure, not what it made of the chunks in flight (they
         # copy nothing once it happened: their TransferRevoked is its echo).
         if halt.cause is not None:
             raise halt.cause
-        raise TransferRevoked("a chunk was skipped with no failure before it; nothing "
-                              "after it landed")
+
+    def _strided_sink(self) -> bool:
+        """Whether the sink takes strided rows (``strided_rows``: a host
+        sink, whose copies are done when ``write`` returns)."""
+        return bool(getattr(self.sink, "strided_rows", False))
 
     def _objects_whole(self) -> bool:
         """Whether :meth:`fetch_all` reads whole objects: the load is one
@@ -326,7 +326,7 @@ class StagedLoad:
         device sink's H2D copy wants contiguous rows). One range an object
         instead of two a slice: on Mooncake a range costs ~40 us, more than a
         small slice's bytes."""
-        return (bool(getattr(self.sink, "strided_rows", False)) and len(self._merged()) == 1
+        return (self._strided_sink() and len(self._merged()) == 1
                 and reads_every_slice_once(self.chunks, self.parts))
 
     def _fetch_objects(self) -> DeviceEvent | None:
