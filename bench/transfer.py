@@ -71,7 +71,6 @@ from layerlift.bench.results import plot, render
 from layerlift.bench.stats import spread
 from layerlift.bench.transfer_profile import PARTS as PROFILE_PARTS
 from layerlift.bench.transfer_profile import profiled
-from layerlift.linker import staged_load
 from layerlift.linker.integrity import copy_checksum, footers, slice_seed
 from layerlift.linker.master import EmbeddedMaster
 from layerlift.linker.mooncake_config import MooncakeConfig
@@ -369,7 +368,7 @@ class Bench:
     def profile_load(self, *, in_place: bool) -> dict[str, Any]:
         """One sequential run (depth 1, this thread), split by where the time went."""
         load = self._staged(in_place=in_place, depth=1)
-        with profiled(self.store, self.ring, staged_load) as prof, \
+        with profiled(self.store, self.ring) as prof, \
                 self.store.open_session(list(self.keys)):
             for j in range(self.layout.layers):
                 load.fetch_layer(j)
@@ -408,7 +407,7 @@ class Bench:
 
     def profile_offload(self, *, in_place: bool) -> dict[str, Any]:
         ring = self.ring if in_place else self.offload_ring
-        with profiled(self.store, ring, staged_load, (_RowSnapshot,)) as prof:
+        with profiled(self.store, ring, (_RowSnapshot,)) as prof:
             self.offload(in_place=in_place)
         return prof.split(self.layout.layers, self.n * self.layout.layers)
 

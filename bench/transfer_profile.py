@@ -34,11 +34,20 @@ from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
-from layerlift.linker import sinks, staged_offload
+from layerlift.linker import (
+    load_core,
+    load_in_place,
+    sinks,
+    staged_load,
+    staged_offload,
+)
 
 __all__ = ["Profile", "profiled"]
 
 PARTS = ("store", "session", "crc", "copy", "ring", "python")
+
+CHECKING = (load_core, load_in_place, staged_load)
+"""The load's modules that look ``mismatches`` up (the CRC checks of a load)."""
 
 
 class Profile:
@@ -80,12 +89,11 @@ class Profile:
 
 
 @contextlib.contextmanager
-def profiled(store: Any, ring: Any, staged_load: ModuleType,
+def profiled(store: Any, ring: Any,
              snapshots: tuple[type, ...] = ()) -> Iterator[Profile]:
     """Time one run of a staged transfer over ``store`` and ``ring`` (see
-    the module docstring); ``staged_load`` is the module whose checks it
-    times (``layerlift.linker.staged_load``); ``snapshots``: more snapshot
-    classes whose ``read`` counts as ``copy``."""
+    the module docstring); ``snapshots``: more snapshot classes whose
+    ``read`` counts as ``copy``."""
     prof = Profile()
     patches: list[tuple[Any, str, Any]] = []
 
@@ -113,7 +121,8 @@ def profiled(store: Any, ring: Any, staged_load: ModuleType,
     patches.append((store, "open_session", None))
     store.open_session = session
     patch(ring, "acquire", "ring")
-    patch(staged_load, "mismatches", "crc")
+    for module in CHECKING:
+        patch(module, "mismatches", "crc")
     patch(staged_offload, "footers", "crc")
     patch(sinks.HostSink, "write", "copy")
     patch(sinks.HostSnapshot, "read", "copy")

@@ -10,8 +10,10 @@ behind two small seams each adapter supplies: a **sink** (where verified rows
 go) and a **snapshot** (where an offload's page bytes come from). Nothing in
 here knows a host's vocabulary.
 
-The loads are in ``linker/staged_load.py`` (:class:`StagedLoad`, its
-errors), the offloads in ``linker/staged_offload.py``
+The loads are in ``linker/staged_load.py`` (:class:`StagedLoad` and its
+per-layer staged read; what its readers share, its errors among it, in
+``load_core.py``; the whole-load reads in ``load_whole.py``; the in-place
+reads in ``load_in_place.py``), the offloads in ``linker/staged_offload.py``
 (:class:`StagedOffload`); the plain data of a transfer (layouts, parts,
 segments, chunks, the packing) in ``linker/transfer_plan.py``; the sinks,
 snapshots, placements, sources and the gate in ``linker/sinks.py``. All are
