@@ -50,7 +50,6 @@ import argparse
 import asyncio
 import ctypes
 import json
-import os
 import sys
 import tempfile
 import time
@@ -69,8 +68,8 @@ from layerlift.bench.netns_link import add_link_options, per_link
 from layerlift.bench.output import add_output_options, write_outputs
 from layerlift.bench.results import plot, render
 from layerlift.bench.stats import spread
-from layerlift.bench.transfer_profile import PARTS as PROFILE_PARTS
 from layerlift.bench.transfer_profile import profiled
+from layerlift.bench.transfer_report import RAW_LOAD, RAW_PUT, plot_record, render_table
 from layerlift.linker.integrity import copy_checksum, footers, slice_seed
 from layerlift.linker.master import EmbeddedMaster
 from layerlift.linker.mooncake_config import MooncakeConfig
@@ -120,7 +119,6 @@ class Layout:
         return self.objects.object_bytes
 
 
-RAW_LOAD, RAW_PUT = "raw ranged d4", "raw put"  # the host transfer benchmarks' raw rows
 
 
 class Clock:
@@ -559,208 +557,6 @@ def _child_args(argv: Sequence[str]) -> list[str]:
             continue
         out.append(a)
     return out
-
-
-def _q(x: dict[str, float]) -> str:
-    return f"{x['min']:.2f}/{x['median']:.2f}/{x['max']:.2f}"
-
-
-def _cores(case: dict[str, Any], key: str, mode: str) -> str:
-    """The median cores busy of ``mode`` (``-`` in a record from before they were kept)."""
-    spread = case.get(key, {}).get(mode)
-    return "-" if spread is None else f"{spread['median']:.2f}"
-
-
-def render_table(record: dict[str, Any]) -> str:
-    """The results page's tables: GB/s and ratios per link and case, then the profile."""
-    lines = ["Loads (GB/s of page bytes, min/median/max; `/ ranged`: to the raw ranged "
-             "read at the same depth, per-repeat ratios)", ""]
-    lines += ["| link | case | mode | GB/s | / ranged | / whole | cores |",
-              "|---|---|---|---|---|---|---|"]
-    for link, cases in record["links"].items():
-        for case, c in cases.items():
-            for mode, g in c["loads"].items():
-                lines.append(f"| {link} | {case} | {mode} | {_q(g)} | "
-                             f"{_q(c['loads / ranged'][mode])} | {_q(c['loads / whole'][mode])} | "
-                             f"{_cores(c, 'loads cores', mode)} |")
-    lines += ["", "Offloads (`/ raw put`: per-repeat ratios)", "",
-              "| link | case | mode | GB/s | / raw put | cores |", "|---|---|---|---|---|---|"]
-    for link, cases in record["links"].items():
-        for case, c in cases.items():
-            for mode, g in c["offloads"].items():
-                lines.append(f"| {link} | {case} | {mode} | {_q(g)} | "
-                             f"{_q(c['offloads / raw put'][mode])} | "
-                             f"{_cores(c, 'offloads cores', mode)} |")
-    lines += ["", "`cores`: this process's CPU time over the wall time, median (every "
-              "thread, the store's transfer threads included; on loopback the storage "
-              "node's too, it is in the process; over a namespace link it is not)."]
-    lines += ["", "Where the time goes (one run at depth 1, ms; `python`: the rest of the wall "
-              "time; `overlapped`: the staged offload's puts run beside its staging, so its "
-              "parts add up to more than the wall time; the ring offload's snapshot "
-              "checksums each slice as it copies it: its CRC is in `copy`)", "", "| link | case | run | wall | " + " | ".join(PROFILE_PARTS)
-              + " | python µs/slice |", "|---|---|---|---|" + "---|" * (len(PROFILE_PARTS) + 1)]
-    for link, cases in record["links"].items():
-        for case, c in cases.items():
-            for run, p in c["profile"].items():
-                over = p.get("overlapped", False)
-                cells = " | ".join("-" if over and k == "python" else f"{p['ms'][k]:.1f}"
-                                   for k in PROFILE_PARTS)
-                per_slice = "-" if over else f"{p['python_us_per_slice']:.2f}"
-                lines.append(f"| {link} | {case} | {run}{' (overlapped)' if over else ''} | "
-                             f"{p['wall_ms']:.1f} | {cells} | {per_slice} |")
-    lines += ["", f"{record.get('layout', '')}; {record.get('timing', '')}."]
-    return "\n".join(lines)
-
-
-def bar_groups(ax: Any, record: dict[str, Any], kind: str) -> None:
-    """On ``ax``, the median GB/s of every row of ``kind`` (``loads`` or
-    ``offloads``), one group of bars per link and case of ``record``; a row a
-    case did not measure has no bar there."""
-    groups = [(link, case, c) for link, cases in record["links"].items()
-              for case, c in cases.items()]
-    rows = list(dict.fromkeys(row for _, _, c in groups for row in c[kind]))
-    width = 0.8 / len(rows)
-    for k, row in enumerate(rows):
-        ax.bar([i + k * width for i in range(len(groups))],
-               [c[kind][row]["median"] if row in c[kind] else 0.0 for _, _, c in groups],
-               width, label=row)
-    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))],
-                  [f"{link.replace('mooncake-tcp-', '')}\n{case}" for link, case, _ in groups],
-                  fontsize=7)
-    ax.set_ylabel("GB/s (median)")
-
-
-def plot_kinds(record: dict[str, Any], path: str, kinds: Sequence[str],
-               title: Callable[[str], str]) -> None:
-    """One axis per kind of ``kinds`` (``loads``, ``offloads``) with its
-    :func:`bar_groups`, titled ``title(kind)``, saved as a PNG at ``path``."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    groups = sum(len(cases) for cases in record["links"].values())
-    fig, axes = plt.subplots(1, len(kinds), figsize=(max(6, 2.0 * groups) * len(kinds), 4),
-                             squeeze=False)
-    for ax, kind in zip(axes[0], kinds, strict=True):
-        bar_groups(ax, record, kind)
-        ax.set_title(title(kind))
-        ax.legend(fontsize=7, ncol=2 if len(kinds) == 1 else 1)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def plot_record(record: dict[str, Any], path: str) -> None:
-    """Median GB/s of every load mode, one group per link and case."""
-    plot_kinds(record, path, ["loads"],
-               lambda kind: "Loads: LayerLift's staged transfer against raw Mooncake reads")
-
-
-def host_rows_table(record: dict[str, Any], *, host: str,
-                    paired: Callable[[dict[str, Any], str, str], dict[str, float] | None],
-                    not_measured_in: Callable[[str, str], bool]) -> str:
-    """The hosts' transfer tables (``transfer-sglang``, ``transfer-vllm``):
-    loads, then offloads, per link and case, each row's GB/s, its ratio to
-    the raw row and ``paired(case, kind, row)`` (its ratio to ``host``'s own
-    path, or None); a row a case did not measure is listed under ``kind``
-    where ``not_measured_in(kind, row)``, with the reason."""
-    lines: list[str] = []
-    for kind, ratio in (("loads", "loads / raw"), ("offloads", "offloads / raw")):
-        base = RAW_LOAD if kind == "loads" else RAW_PUT
-        lines += [f"{kind.capitalize()} (GB/s min/median/max; `/ raw`: to `{base}` of the "
-                  "same round, per-repeat ratios)", "",
-                  f"| link | case | row | GB/s | / raw | / {host} | cores |",
-                  "|---|---|---|---|---|---|---|"]
-        for link, cases in record["links"].items():
-            for case, c in cases.items():
-                for row, g in c[kind].items():
-                    vs = paired(c, kind, row)
-                    lines.append(f"| {link} | {case} | {row} | {_q(g)} | {_q(c[ratio][row])} | "
-                                 f"{'' if vs is None else _q(vs)} | "
-                                 f"{c[kind + ' cores'][row]['median']:.2f} |")
-                for row, why in c.get("not measured", {}).items():
-                    if not_measured_in(kind, row):
-                        lines.append(f"| {link} | {case} | {row} | not measured: {why} | | | |")
-        lines.append("")
-    lines.append(f"{record.get('layout', '')}; {record.get('timing', '')}.")
-    return "\n".join(lines)
-
-
-class NotMeasured(RuntimeError):
-    """A unit of a host transfer benchmark could not do its job this time (a
-    host's offloads that never end, a host's save that stored less than it
-    was given): its rows of the case are ``not measured``, with the reason."""
-
-
-class Rounds:
-    """The host transfer benchmarks' rounds: round -1 warms up (checked,
-    not timed), then ``repeats`` rounds of ``units`` (each returns its rows'
-    ``(GB/s, cores)``) in an order rotated per round. A unit that raises
-    :class:`NotMeasured` leaves the case (``failed``: unit -> why), in every
-    round, so ratios stay paired over the same rounds."""
-
-    def __init__(self, units: dict[str, Callable[[], dict[str, tuple[float, float]]]],
-                 repeats: int) -> None:
-        order = list(units)
-        self.runs: list[dict[str, tuple[float, float]]] = []
-        self.failed: dict[str, str] = {}
-        for rep in range(-1, repeats):
-            got: dict[str, tuple[float, float]] = {}
-            for unit in order[rep % len(order):] + order[: rep % len(order)]:
-                if unit in self.failed:
-                    continue
-                try:
-                    got.update(units[unit]())
-                except NotMeasured as exc:
-                    print(f"    {exc}: not measured", flush=True)
-                    self.failed[unit] = str(exc)
-            if rep >= 0:
-                self.runs.append(got)
-
-    def of(self, row: str, i: int = 0) -> list[float]:
-        """Row ``row``'s GB/s (``i`` 0) or cores (1), per round."""
-        return [r[row][i] for r in self.runs]
-
-    def ratio(self, a: str, b: str) -> dict[str, float]:
-        """The spread of row ``a``'s GB/s over row ``b``'s, per round."""
-        return spread([x / y for x, y in zip(self.of(a), self.of(b), strict=True)])
-
-
-def add_case_options(parser: argparse.ArgumentParser, *, sizes: str, default: list[int],
-                     sizes_help: str) -> None:
-    """The host transfer benchmarks' case options: ``--tokens``, ``sizes``
-    (``--page-sizes``, ``--block-sizes``) with its ``default``,
-    ``--repeats``, ``--timeout``."""
-    parser.add_argument("--tokens", type=int_list(256, "8192"), default=[8192],
-                        help="prompt lengths in tokens, comma-separated")
-    parser.add_argument(sizes, type=int_list(16, ",".join(map(str, default))), default=default,
-                        help=sizes_help)
-    parser.add_argument("--repeats", type=int_at_least(1), default=5, help="rounds per case")
-    parser.add_argument("--timeout", type=float, default=60.0,
-                        help="the stores' timeout per call and the restores' bound (s)")
-
-
-def run_host_bench(name: str, args: argparse.Namespace, argv: list[str] | None, *,
-                   loopback: Callable[[], Any], cluster: Callable[[str], Any],
-                   netns: Callable[[str], Any], layout: str, timing: str) -> int:
-    """A host transfer benchmark's run: on a namespace link's engine host
-    (``--cluster``) ``cluster(master)``'s cases to ``--json``; else every
-    link (:func:`per_link`), the record and its table."""
-    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
-    if args.cluster:
-        cases = cluster(args.cluster)
-        if args.json is not None:
-            Path(args.json).write_text(json.dumps({"cases": cases}))
-        return 0
-    links = per_link(None if args.no_loopback else loopback, args.netns, netns)
-    report: dict[str, Any] = {
-        "links": links, "layout": layout, "timing": timing,
-        "meta": {"loadavg": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count()},
-    }
-    record = write_outputs(name, report, args, argv, render, plot)
-    print(render(record))
-    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:

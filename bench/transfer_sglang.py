@@ -78,19 +78,9 @@ from layerlift.bench.sglang_setup import (
     shape_for,
 )
 from layerlift.bench.stats import spread
-from layerlift.bench.transfer import (
-    RAW_LOAD,
-    RAW_PUT,
-    Bench,
-    Clock,
-    Layout,
-    NotMeasured,
-    Rounds,
-    add_case_options,
-    host_rows_table,
-    plot_kinds,
-    run_host_bench,
-)
+from layerlift.bench.transfer import Bench, Clock, Layout
+from layerlift.bench.transfer_hosts import NotMeasured, Rounds, add_case_options, run_host_bench
+from layerlift.bench.transfer_report import RAW_LOAD, RAW_PUT, host_rows_table, plot_kinds
 from layerlift.linker.master import EmbeddedMaster
 from layerlift.linker.mooncake_config import MooncakeConfig
 from layerlift.linker.mooncake_store import MooncakeStore

@@ -72,19 +72,10 @@ from layerlift.bench.args import BenchParser
 from layerlift.bench.netns_link import add_link_options
 from layerlift.bench.output import add_output_options
 from layerlift.bench.stats import spread
-from layerlift.bench.transfer import (
-    RAW_LOAD,
-    RAW_PUT,
-    Bench,
-    Clock,
-    NotMeasured,
-    Rounds,
-    add_case_options,
-    host_rows_table,
-    plot_kinds,
-    run_host_bench,
-)
+from layerlift.bench.transfer import Bench, Clock
 from layerlift.bench.transfer import Layout as RawLayout
+from layerlift.bench.transfer_hosts import NotMeasured, Rounds, add_case_options, run_host_bench
+from layerlift.bench.transfer_report import RAW_LOAD, RAW_PUT, host_rows_table, plot_kinds
 from layerlift.engine.config import EngineConfig
 from layerlift.hosts.vllm.layout import GroupKind, GroupLayout, Layout
 from layerlift.hosts.vllm.meta import LoadSpec, SaveSpec
