@@ -19,6 +19,7 @@ from layerlift.linker.load_core import (
     _Halt,
     _object_mismatches,
 )
+from layerlift.linker.sinks import DeviceSink
 from layerlift.linker.transfer_plan import (
     LoadChunk,
     LoadPart,
@@ -42,12 +43,13 @@ class WholeReads(LoadCore):
     def fetches_all(self) -> bool:
         """Whether :meth:`fetch_all` is the way to run this load when nobody
         waits on it layer by layer: it fits one call (:meth:`one_call`), or
-        its sink is the host's (``strided_rows``), whose copies are done when
-        they return, so :meth:`fetch_all` reads its chunks ``depth`` at a
-        time and lands the layers in order after them. A device sink's
-        layer event must follow every copy of the layer on its stream: such
-        a load of several chunks keeps one job a layer (:meth:`job`)."""
-        return self.one_call() or self._strided_sink()
+        its sink is the host's (``strided_rows``: its copies are done when
+        they return) or a :class:`DeviceSink` (its copies run in issue order
+        on one stream, where :meth:`DeviceSink.mark` records an event after
+        all of them), so :meth:`fetch_all` reads its chunks ``depth`` at a
+        time and lands the layers in order after them. Another sink keeps
+        one job a layer (:meth:`job`) for a load of several chunks."""
+        return self.one_call() or self._strided_sink() or isinstance(self.sink, DeviceSink)
 
     def fetch_all(self) -> DeviceEvent | None:
         """Worker thread: every layer, in as few store calls as the chunk
@@ -58,9 +60,9 @@ class WholeReads(LoadCore):
         holding its last slice was copied (one without reads with the layer
         before it), so layers land in order. Into a host sink, a load of one
         chunk reading every slice of its objects reads them whole instead
-        (one range an object, :meth:`_fetch_objects`), and a load of several
-        chunks reads ``depth`` of them at once (:meth:`_fetch_merged`). For a load nobody
-        waits on layer by layer (a restore the request waits for whole): a
+        (one range an object, :meth:`_fetch_objects`); into a host or a
+        device sink a load of several chunks reads ``depth`` of them at once
+        (:meth:`_fetch_merged`). For a load nobody waits on layer by layer (a restore the request waits for whole): a
         store call and a thread's turn a layer cost more than the layer's
         bytes when layers are small. Raises as
         :meth:`fetch_layer`; a failure stops the load (later chunks are not
@@ -72,9 +74,9 @@ class WholeReads(LoadCore):
             return self._fetch_objects()
         event: DeviceEvent | None = None
         merged = self._merged()
-        if len(merged) > 1 and self.depth > 1 and self._strided_sink():
-            self._fetch_merged(merged)
-            return None
+        if len(merged) > 1 and self.depth > 1 and (
+                self._strided_sink() or isinstance(self.sink, DeviceSink)):
+            return self._fetch_merged(merged)
         for chunk, landing in merged:
             event = self._chunk(chunk, landing)
         if not merged:  # nothing to read: every layer lands at once
@@ -82,19 +84,27 @@ class WholeReads(LoadCore):
                 self._landed(layer, None)
         return event
 
-    def _fetch_merged(self, merged: list[tuple[LoadChunk, tuple[int, ...]]]) -> None:
-        """:meth:`fetch_all` of several chunks into a host sink: up to
-        ``depth`` chunks read, verified and copied at once, each on a thread
-        of this call (at most ``depth`` regions, as ever: ``_take``); the
-        layers land in chunk order, each once every chunk up to the one
-        holding its last slice returned (a host copy is done when it
-        returns: no event to order). At the first failure no chunk not yet
+    def _fetch_merged(self, merged: list[tuple[LoadChunk, tuple[int, ...]]]
+                      ) -> DeviceEvent | None:
+        """:meth:`fetch_all` of several chunks into a host or a device sink:
+        up to ``depth`` chunks read, verified and copied at once, each on a
+        thread of this call (at most ``depth`` regions, as ever: ``_take``);
+        the layers land in chunk order, each once every chunk up to the one
+        holding its last slice returned. A host copy is done when it returns;
+        a device sink's copies of those chunks were issued on its stream
+        when they returned, in whatever order the threads reached it, so the
+        layers landing then get an event :meth:`DeviceSink.mark` records
+        after everything issued so far (a chunk's own event would not follow
+        the copies of an earlier chunk issued after it); each chunk's region
+        is given back after its own event. Returns the last landing's event
+        (None into a host sink). At the first failure no chunk not yet
         begun is read and a chunk still reading copies nothing once it
         verified; every thread returns before this does (a timed-out
         read keeps its region until its call ends, as in :meth:`_chunk`);
         then the first failure is raised, the layers of the chunks before
         the first that failed landed."""
         halt = _Halt()
+        event: DeviceEvent | None = None
 
         def run(chunk: LoadChunk) -> bool:
             if halt.is_set():
@@ -114,14 +124,24 @@ class WholeReads(LoadCore):
                 for future, (_, landing) in zip(futures, merged, strict=True):
                     if not future.result():  # skipped: a failure came first
                         break
+                    if not landing:
+                        continue
+                    event = self._after_copies()
                     for layer in landing:
-                        self._landed(layer, None)
+                        self._landed(layer, event)
             except BaseException as exc:  # a chunk's, or a landing's (the gate closed)
                 halt.fail(exc)
         # The first failure, not what it made of the chunks in flight (they
         # copy nothing once it happened: their TransferRevoked is its echo).
         if halt.cause is not None:
             raise halt.cause
+        return event
+
+    def _after_copies(self) -> DeviceEvent | None:
+        """An event after every copy the sink issued so far (a
+        :class:`DeviceSink`'s :meth:`~DeviceSink.mark`); None into a host
+        sink, whose copies are done when ``write`` returns."""
+        return self.sink.mark() if isinstance(self.sink, DeviceSink) else None
 
     def _strided_sink(self) -> bool:
         """Whether the sink takes strided rows (``strided_rows``: a host

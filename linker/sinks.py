@@ -174,6 +174,15 @@ class DeviceSink:
             event.record(self.stream)
         return event
 
+    def mark(self) -> DeviceEvent:
+        """An event recorded on the load stream after everything issued on it
+        so far (every ``write`` and ``issue`` that returned): it completes
+        once all of those ran. No host sync."""
+        with self._lock:
+            event = self.device.event()
+            event.record(self.stream)
+        return event
+
     def write(self, seg: LoadSegment, part: LoadPart, rows: torch.Tensor) -> DeviceEvent | None:
         target = self.device.torch_device
         scatter = self.scatter

@@ -80,10 +80,13 @@ together, in layer order, into chunks of the same budget: a load within one
 chunk is one ``get_ranges`` for every layer. Each chunk goes through steps
 1-5 as one: nothing of it is copied unless every slice in it verified; a
 layer lands once the chunk holding its last slice was copied. Into a host
-sink, a load of several chunks reads ``depth`` of them at once, on threads
-of the call, and lands its layers in chunk order after them; the first
-failure halts the rest (no chunk begins, none still reading copies), and
-the call returns once every thread of it returned.
+or a device sink, a load of several chunks reads ``depth`` of them at once,
+on threads of the call, and lands its layers in chunk order after them (on
+a device with an event recorded after every copy issued by then,
+:meth:`DeviceSink.mark`: the chunks' copies reach the stream in the order
+their threads finish); the first failure halts the rest (no chunk begins,
+none still reading copies), and the call returns once every thread of it
+returned.
 :meth:`StagedLoad.all_jobs` gives it to a streamed scheduler unit (one
 thread, the jobs in order: the first reads everything, the others return
 once their layer is in).

@@ -29,7 +29,7 @@ from layerlift.hosts.vllm.layout import GroupLayout, Layout
 from layerlift.linker.integrity import CHECK_BYTES, checksums, copy_checksum, slice_seed
 from layerlift.linker.ring import Region
 from layerlift.linker.staged import DeviceSink, LoadPart, LoadSegment
-from layerlift.overlap.device import Device, DeviceEvent
+from layerlift.overlap.device import Device
 
 __all__ = ["BlockSink", "HostBlocks", "KeyedItem", "block_bytes", "block_table", "copy_page",
            "gather_pages", "group_runs", "host_blocks", "scatter_rows", "stage_objects", "stage_pages"]
@@ -227,6 +227,4 @@ class BlockSink(DeviceSink):
 
     def drain(self) -> None:
         """Host-wait for everything issued on the load stream so far."""
-        done: DeviceEvent = self.device.event()
-        done.record(self.stream)
-        done.synchronize()
+        self.mark().synchronize()

@@ -299,13 +299,13 @@ class LoadSide(WorkerBase):
         within one chunk of the staging one store call for every layer
         (whole objects, one range each; on a small model a call a layer
         costs more than the layer's bytes: gemma3's tiny model, 8 calls of
-        ~1.5 ms for 4 MiB, a restore 7-9 ms instead of 9-15); larger, on the
-        host path, its layers packed into full chunks, ``depth`` of them in
-        flight (a hybrid's window layers are one object each: a call a layer
-        would be 31 calls of one object for gemma3's real layout). Else (a
-        device sink's restore of several chunks), and always when the
-        forward waits layer by layer (synchronous), one job a layer, up to
-        ``max_in_flight`` on the lane's threads."""
+        ~1.5 ms for 4 MiB, a restore 7-9 ms instead of 9-15); larger, its
+        layers packed into full chunks, ``depth`` of them in flight, on the
+        host path and on a device alike (a hybrid's window
+        layers are one object each: a call a layer would be 31 calls of one
+        object for gemma3's real layout). When the forward waits layer by
+        layer (synchronous), one job a layer, up to ``max_in_flight`` on the
+        lane's threads."""
         if not load.spec.sync and staged.fetches_all():
             return self._streamed, staged.all_jobs()
         return self._sched, [staged.job(i) for i in range(len(self._layers))]

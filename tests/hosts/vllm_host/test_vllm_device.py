@@ -564,8 +564,8 @@ def test_a_corrupt_object_is_removed_only_after_its_loads_reads(
     object was removed at once and layer 0 then failed as a miss, so its
     verified bytes never landed). The failure is layer 1's; the object
     leaves the store once the load's session ended. A job a layer (as a
-    device sink's asynchronous restore of several chunks runs): layer 0
-    lands. The host path's chunks read at once (`StagedLoad.fetch_all`):
+    restore the forward waits for layer by layer runs): layer 0 lands.
+    The chunks read at once (`StagedLoad.fetch_all`):
     the chunk of the corrupt object's layer-0 slice, verified after the
     failure halted the load, copies nothing; chunks done before it copied
     their own bytes (the request is recomputed whole either way)."""
