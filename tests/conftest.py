@@ -1,4 +1,5 @@
-"""Shared fixtures. Mooncake: a real master for the whole session (never skipped)."""
+"""Shared fixtures. Mooncake: a real master for the whole session (never skipped).
+``any_device``: the simulated device, and CUDA (marked ``gpu``) where there is one."""
 
 from __future__ import annotations
 
@@ -6,8 +7,10 @@ import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 from layerlift.linker.master import EmbeddedMaster
 from layerlift.linker.mooncake_store import MooncakeStore
@@ -78,3 +81,23 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  
         if report.skipped and item.get_closest_marker(marker) is not None:
             report.outcome = "failed"
             report.longrepr = f"{marker} test {item.nodeid} was skipped; {marker} tests must run"
+
+
+_NO_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+@pytest.fixture(params=[pytest.param("sim", id="sim"),
+                        pytest.param("cuda", id="cuda", marks=[pytest.mark.gpu, _NO_GPU])])
+def any_device(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """A device path's test on the simulated device (streams that run late)
+    and, marked ``gpu``, on CUDA (skipped with its reason elsewhere)."""
+    if request.param == "sim":
+        from layerlift.testing.simdevice import SimDevice
+
+        device = SimDevice(seed=9, max_delay_s=0.001)
+        yield device
+        device.close()
+        return
+    from layerlift.overlap.device import CudaDevice
+
+    yield CudaDevice()

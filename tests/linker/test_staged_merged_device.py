@@ -24,7 +24,14 @@ from typing import Any
 import pytest
 import torch
 from test_staged import LAYOUT, SENTINEL, Rows, encode, pages, put_raw
-from test_staged_merged_parallel import WAIT_S, Held, Reports, in_thread, merged_threads_alive
+from test_staged_merged_parallel import (
+    WAIT_S,
+    Held,
+    Reports,
+    four_at_once,
+    in_thread,
+    merged_threads_alive,
+)
 
 from layerlift.linker.load_core import _Halt
 from layerlift.linker.memory_store import MemoryStore
@@ -143,13 +150,7 @@ def done_without_bytes(load: StagedLoad, dest: Rows, src: torch.Tensor) -> list[
 
 def test_depth_chunks_at_once_and_each_layer_event_follows_its_bytes(sim: SimDevice) -> None:
     load, store, ring, _, dest, src, _ = setup(sim, hold=range(4))
-    thread, errors = in_thread(load.fetch_all)
-    store.wait_for(lambda: store.in_flight == 4)
-    assert store.calls == 4  # a fifth waits for a slot
-    store.release_all()
-    thread.join(WAIT_S)
-    assert not thread.is_alive() and errors == []
-    assert store.most == 4 and store.calls == 8
+    four_at_once(load, store)
     for layer in range(LAYERS):
         event = load.events[layer]
         assert event is not None
@@ -234,22 +235,6 @@ def test_the_gate_closes_while_a_chunk_is_held(sim: SimDevice) -> None:
     assert sink.writes == writes and bool((dest.rows[:4, :1000] == SENTINEL).all())
     assert load.events == [None] * LAYERS
     assert ring.wait_idle(WAIT_S) and load.wait_quiet(WAIT_S) and not merged_threads_alive()
-
-
-_NO_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-
-
-@pytest.fixture(params=[pytest.param("sim", id="sim"),
-                        pytest.param("cuda", id="cuda", marks=[pytest.mark.gpu, _NO_GPU])])
-def any_device(request: pytest.FixtureRequest) -> Iterator[Any]:
-    if request.param == "sim":
-        device = SimDevice(seed=13, max_delay_s=0.001)
-        yield device
-        device.close()
-        return
-    from layerlift.overlap.device import CudaDevice
-
-    yield CudaDevice()
 
 
 def test_a_whole_device_load_on_the_simulation_and_on_cuda(any_device: Any) -> None:

@@ -164,8 +164,10 @@ def merged_threads_alive() -> bool:
     return any(t.name.startswith("layerlift-merged") for t in threading.enumerate())
 
 
-def test_depth_chunks_at_once_and_every_layer_lands_in_order_after_its_bytes() -> None:
-    load, store, ring, dest, src, landed, _ = setup(hold=range(4), depth=4)
+def four_at_once(load: StagedLoad, store: Held) -> None:
+    """``fetch_all`` with its first four chunks held: four reads begin and
+    a fifth waits for a slot; once released, every chunk is read once and
+    never more than four at a time."""
     thread, errors = in_thread(load.fetch_all)
     store.wait_for(lambda: store.in_flight == 4)
     assert store.calls == 4  # a fifth waits for a slot
@@ -173,6 +175,11 @@ def test_depth_chunks_at_once_and_every_layer_lands_in_order_after_its_bytes() -
     thread.join(WAIT_S)
     assert not thread.is_alive() and errors == []
     assert store.most == 4 and store.calls == len(load._merged())
+
+
+def test_depth_chunks_at_once_and_every_layer_lands_in_order_after_its_bytes() -> None:
+    load, store, ring, dest, src, landed, _ = setup(hold=range(4), depth=4)
+    four_at_once(load, store)
     assert torch.equal(dest.rows, src) and landed == [0, 1, 2]
     assert ring.idle() and load.wait_quiet(WAIT_S) and not merged_threads_alive()
 

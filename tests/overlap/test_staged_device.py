@@ -207,22 +207,6 @@ def test_an_offload_gathers_after_the_forward_that_wrote_the_slots(sim: SimDevic
     assert stored_page != bytes([POISON]) * LAYOUT.page_bytes
 
 
-_NO_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-
-
-@pytest.fixture(params=[pytest.param("sim", id="sim"),
-                        pytest.param("cuda", id="cuda", marks=[pytest.mark.gpu, _NO_GPU])])
-def any_device(request: pytest.FixtureRequest) -> Iterator[Any]:
-    if request.param == "sim":
-        device = SimDevice(seed=9, max_delay_s=0.001)
-        yield device
-        device.close()
-        return
-    from layerlift.overlap.device import CudaDevice
-
-    yield CudaDevice()
-
-
 def test_the_same_device_path_on_the_simulation_and_on_cuda(any_device: Any) -> None:
     """Many chunks per layer through pinned staging on the load stream; the
     forward's stream waits on each layer's event, then reads exact bytes
