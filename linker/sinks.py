@@ -18,6 +18,9 @@ block indices) on its load stream through the device seam
 stream after the copies and returns it. The region is released only once that
 event completed; the layer's event (the last chunk's) is what the forward's
 stream waits on before it reads the layer (``event.wait(forward stream)``).
+A load whose chunks run on several threads at once (``fetch_all``) lands
+its layers with :meth:`DeviceSink.mark` instead: an event after every copy
+issued on the stream so far, whichever thread issued it.
 ``begin()`` orders the load stream after the caller's current stream (a fence,
 no host sync), as ``CudaLane.begin_load`` does. :class:`DeviceSnapshot` is the
 offload side: the gather of device slots into pinned staging runs on a stream
