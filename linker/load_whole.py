@@ -62,11 +62,12 @@ class WholeReads(LoadCore):
         chunk reading every slice of its objects reads them whole instead
         (one range an object, :meth:`_fetch_objects`); into a host or a
         device sink a load of several chunks reads ``depth`` of them at once
-        (:meth:`_fetch_merged`). For a load nobody waits on layer by layer (a restore the request waits for whole): a
-        store call and a thread's turn a layer cost more than the layer's
-        bytes when layers are small. Raises as
-        :meth:`fetch_layer`; a failure stops the load (later chunks are not
-        read), layers already landed stay landed. Staged loads only."""
+        (:meth:`_fetch_merged`). For a load nobody waits on layer by layer
+        (a restore the request waits for whole): a store call and a thread's
+        turn a layer cost more than the layer's bytes when layers are small.
+        Raises as :meth:`fetch_layer`; a failure stops the load (later
+        chunks are not read), layers already landed stay landed. Staged
+        loads only."""
         if self.sink is None:
             raise ValueError("fetch_all is for staged loads; an in-place load reads "
                              "one call a layer already (fetch_layer)")
