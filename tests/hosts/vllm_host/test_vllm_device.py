@@ -482,6 +482,38 @@ def test_an_asynchronous_restore_is_finished_only_once_its_copies_ran(
         worker.close()
 
 
+@pytest.mark.parametrize("sync", [False, True], ids=["asynchronous", "synchronous"])
+def test_a_device_restore_of_several_chunks_is_read_whole_only_when_asynchronous(
+        sim: SimDevice, monkeypatch: pytest.MonkeyPatch, sync: bool) -> None:
+    """An asynchronous restore on a device (the request waits for all of it)
+    of several chunks reads them whole, ``depth`` at once
+    (`StagedLoad.fetch_all`, every layer with an event); a synchronous one
+    keeps one job a layer (the forward waits layer by layer). Both exact."""
+    whole: list[int] = []
+    real = StagedLoad.fetch_all
+
+    def fetch_all(self: StagedLoad) -> DeviceEvent | None:
+        whole.append(len(self._merged()))
+        return real(self)
+
+    monkeypatch.setattr(StagedLoad, "fetch_all", fetch_all)
+    src, kv, worker = _restorer(sim)
+    try:
+        if sync:
+            reads = forward(sim, worker, kv, sim.new_stream())
+            assert worker.step_errors() == set()
+            sim.synchronize()
+            assert exact(reads, src)
+        else:
+            worker.start_loads([_spec(sync=False)])
+            assert worker.results(wait_s=WAIT_S) == ({"r"}, set())
+            assert all(torch.equal(kv[n][TARGET], _expected(src, n)) for n in LAYERS)
+    finally:
+        sim.synchronize()
+        worker.close()
+    assert whole == ([] if sync else [whole[0]]) and (sync or whole[0] > 1)
+
+
 class HeldStore(ForwardingStore):
     """Forwards to ``inner``; the ranged read of slice offset ``held_offset``
     reads, then waits for ``release`` before it returns (``returned`` set
