@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -106,11 +107,12 @@ class _Halt:
         return self.cause is not None
 
 
-class LoadCore:
+class LoadCore(ABC):
     """The state and bookkeeping :class:`StagedLoad`'s readers share (its
     constructor's contract is :class:`StagedLoad`'s): the chunks, each
     layer's event, the read timeouts seen, the regions out, the footers
-    verified so far."""
+    verified so far. Abstract, as are the readers over it: the class built
+    is :class:`StagedLoad`, which supplies the staged chunk."""
 
     def __init__(self, ring: StagingRing, store: Store, parts: Sequence[LoadPart],
                  layers: Sequence[Sequence[tuple[int, int]]], sink: Sink | None, *,
@@ -238,11 +240,11 @@ class LoadCore:
             self._out -= 1
             self._lock.notify_all()
 
+    @abstractmethod
     def _chunk(self, chunk: LoadChunk, landing: Sequence[int],
                halt: _Halt | None = None) -> DeviceEvent | None:
         """One staged chunk (:class:`StagedLoad`'s; the whole-load reads run
         it too)."""
-        raise NotImplementedError
 
     def adopt_footers(self, other: LoadCore) -> None:
         """Take the footers ``other`` verified so far for rows of this load
