@@ -49,7 +49,7 @@ class WholeReads(LoadCore):
         all of them), so :meth:`fetch_all` reads its chunks ``depth`` at a
         time and lands the layers in order after them. Another sink keeps
         one job a layer (:meth:`job`) for a load of several chunks."""
-        return self.one_call() or self._strided_sink() or isinstance(self.sink, DeviceSink)
+        return self.one_call() or self._chunks_at_once()
 
     def fetch_all(self) -> DeviceEvent | None:
         """Worker thread: every layer, in as few store calls as the chunk
@@ -75,8 +75,7 @@ class WholeReads(LoadCore):
             return self._fetch_objects()
         event: DeviceEvent | None = None
         merged = self._merged()
-        if len(merged) > 1 and self.depth > 1 and (
-                self._strided_sink() or isinstance(self.sink, DeviceSink)):
+        if len(merged) > 1 and self.depth > 1 and self._chunks_at_once():
             return self._fetch_merged(merged)
         for chunk, landing in merged:
             event = self._chunk(chunk, landing)
@@ -143,6 +142,12 @@ class WholeReads(LoadCore):
         :class:`DeviceSink`'s :meth:`~DeviceSink.mark`); None into a host
         sink, whose copies are done when ``write`` returns."""
         return self.sink.mark() if isinstance(self.sink, DeviceSink) else None
+
+    def _chunks_at_once(self) -> bool:
+        """Whether the sink lets chunks copy from several threads and land
+        in order after them (:meth:`_fetch_merged`): a host sink, or a
+        :class:`DeviceSink` (:meth:`_after_copies`)."""
+        return self._strided_sink() or isinstance(self.sink, DeviceSink)
 
     def _strided_sink(self) -> bool:
         """Whether the sink takes strided rows (``strided_rows``: a host
