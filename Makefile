@@ -9,12 +9,11 @@ setup:
 	bash scripts/setup.sh
 
 # The whole suite: LayerLift's own tests (the machine's kernels), the
-# transformers architecture tests again under the other CPU kernel sets, then
-# the host tests in each host's own environment (built here when missing).
+# transformers architecture tests again under the other CPU kernel sets, and
+# beside them the host tests in each host's own environment (built here when
+# missing): two lanes side by side (scripts/test_all.sh).
 test: setup
-	.venv/bin/python -m pytest -q
-	bash scripts/test_kernels.sh others
-	$(MAKE) test-hosts
+	bash scripts/test_all.sh
 
 test-hosts: test-sglang test-vllm test-vllm033
 
