@@ -38,7 +38,9 @@ or to the raw put (offloads), and ``/ whole`` to the first row. The
 ``profile`` rows split one more sequential (d1) run of each LayerLift mode:
 time inside store calls, CRC checks, copies, ring waits, session calls and
 the rest (Python bookkeeping), per layer and per slice. ``cores`` is the
-process's CPU time over the wall time of each mode (what it kept busy: on two
+process's CPU time over the wall time of each mode (what it kept busy),
+``machine`` the cores busy on the whole machine meanwhile (``machine_cpu``:
+the storage node of a namespace link and the kernel's work too; on two
 cores a mode at ~2 leaves nothing to overlap). ``--netns RATE``
 runs the same on a third namespace host behind a ``tbf`` link of RATE (the
 master and a storage node on hosts of their own).
@@ -63,6 +65,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from layerlift.bench import machine_cpu
 from layerlift.bench.args import BenchParser, int_at_least, int_list
 from layerlift.bench.netns_link import add_link_options, per_link
 from layerlift.bench.output import add_output_options, write_outputs
@@ -429,22 +432,30 @@ def _modes(b: Bench) -> tuple[dict[str, Callable[[], None]], dict[str, Callable[
 
 
 def _timed(modes: dict[str, Callable[[], None]], repeats: int, after: Callable[[], None],
-           nbytes: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
-    """GB/s of every repeat of every mode (rotated per repeat), and the cores
+           nbytes: int) -> tuple[dict[str, list[float]], dict[str, list[float]],
+                                 dict[str, list[float]]]:
+    """GB/s of every repeat of every mode (rotated per repeat), the cores
     this process kept busy meanwhile (its CPU time over the wall time, every
-    thread: the store's own transfer threads included)."""
+    thread: the store's own transfer threads included), and the cores busy
+    on the whole machine (`machine_cpu`: other processes and the kernel's
+    work too; empty where it cannot be read)."""
     names = list(modes)
     gbps: dict[str, list[float]] = {m: [] for m in names}
     cores: dict[str, list[float]] = {m: [] for m in names}
+    machine: dict[str, list[float]] = {m: [] for m in names}
     for rep in range(repeats):
         for mode in names[rep % len(names):] + names[: rep % len(names)]:
+            before = machine_cpu.sample()
             start, cpu = time.perf_counter(), time.process_time()
             modes[mode]()
             wall = time.perf_counter() - start
+            busy = machine_cpu.cores(before, machine_cpu.sample())
             gbps[mode].append(nbytes / wall / 1e9)
             cores[mode].append((time.process_time() - cpu) / wall)
+            if busy is not None:
+                machine[mode].append(busy)
             after()
-    return gbps, cores
+    return gbps, cores, {m: v for m, v in machine.items() if len(v) == repeats}
 
 
 def _ratios(gbps: dict[str, list[float]], base: Callable[[str], str]) -> dict[str, Any]:
@@ -470,8 +481,8 @@ def measure(store: Store, layout: Layout, tokens: int, repeats: int,
             b.check()
             b.dst[:, : layout.page_bytes].zero_()
 
-        load_gbps, load_cores = _timed(loads, repeats, cleared, b.payload)
-        off_gbps, off_cores = _timed(offloads, repeats, lambda: None, b.payload)
+        load_gbps, load_cores, load_machine = _timed(loads, repeats, cleared, b.payload)
+        off_gbps, off_cores, off_machine = _timed(offloads, repeats, lambda: None, b.payload)
         profile = {"in-place load": b.profile_load(in_place=True),
                    "ring load": b.profile_load(in_place=False),
                    "in-place offload": b.profile_offload(in_place=True),
@@ -486,9 +497,11 @@ def measure(store: Store, layout: Layout, tokens: int, repeats: int,
         "loads / ranged": _ratios(load_gbps, _ranged_of),
         "loads / whole": _ratios(load_gbps, lambda m: "raw whole"),
         "loads cores": {m: spread(v) for m, v in load_cores.items()},
+        "loads machine cores": {m: spread(v) for m, v in load_machine.items()},
         "offloads": {m: spread(v) for m, v in off_gbps.items()},
         "offloads / raw put": _ratios(off_gbps, lambda m: "raw put"),
         "offloads cores": {m: spread(v) for m, v in off_cores.items()},
+        "offloads machine cores": {m: spread(v) for m, v in off_machine.items()},
         "profile": profile,
     }  # fmt: skip
 

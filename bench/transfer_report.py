@@ -30,25 +30,31 @@ def render_table(record: dict[str, Any]) -> str:
     """The results page's tables: GB/s and ratios per link and case, then the profile."""
     lines = ["Loads (GB/s of page bytes, min/median/max; `/ ranged`: to the raw ranged "
              "read at the same depth, per-repeat ratios)", ""]
-    lines += ["| link | case | mode | GB/s | / ranged | / whole | cores |",
-              "|---|---|---|---|---|---|---|"]
+    lines += ["| link | case | mode | GB/s | / ranged | / whole | cores | machine |",
+              "|---|---|---|---|---|---|---|---|"]
     for link, cases in record["links"].items():
         for case, c in cases.items():
             for mode, g in c["loads"].items():
                 lines.append(f"| {link} | {case} | {mode} | {_q(g)} | "
                              f"{_q(c['loads / ranged'][mode])} | {_q(c['loads / whole'][mode])} | "
-                             f"{_cores(c, 'loads cores', mode)} |")
+                             f"{_cores(c, 'loads cores', mode)} | "
+                             f"{_cores(c, 'loads machine cores', mode)} |")
     lines += ["", "Offloads (`/ raw put`: per-repeat ratios)", "",
-              "| link | case | mode | GB/s | / raw put | cores |", "|---|---|---|---|---|---|"]
+              "| link | case | mode | GB/s | / raw put | cores | machine |",
+              "|---|---|---|---|---|---|---|"]
     for link, cases in record["links"].items():
         for case, c in cases.items():
             for mode, g in c["offloads"].items():
                 lines.append(f"| {link} | {case} | {mode} | {_q(g)} | "
                              f"{_q(c['offloads / raw put'][mode])} | "
-                             f"{_cores(c, 'offloads cores', mode)} |")
+                             f"{_cores(c, 'offloads cores', mode)} | "
+                             f"{_cores(c, 'offloads machine cores', mode)} |")
     lines += ["", "`cores`: this process's CPU time over the wall time, median (every "
               "thread, the store's transfer threads included; on loopback the storage "
-              "node's too, it is in the process; over a namespace link it is not)."]
+              "node's too, it is in the process; over a namespace link it is not); "
+              "`machine`: the cores busy on the whole machine meanwhile, every process "
+              "and the kernel's own work (a namespace link's storage node, veth and "
+              "`tbf`), median (`/proc/stat`; `-` where it was not kept)."]
     lines += ["", "Where the time goes (one run at depth 1, ms; `python`: the rest of the wall "
               "time; `overlapped`: the staged offload's puts run beside its staging, so its "
               "parts add up to more than the wall time; the ring offload's snapshot "
