@@ -26,29 +26,30 @@ def _cores(case: dict[str, Any], key: str, mode: str) -> str:
     return "-" if spread is None else f"{spread['median']:.2f}"
 
 
+def _mode_rows(record: dict[str, Any], kind: str, ratios: list[str]) -> list[str]:
+    """One table of ``kind`` (``loads``, ``offloads``): a row per link, case and
+    mode, its GB/s, its ``ratios`` (record keys, headed by what follows the
+    kind) and its cores, the process's and the machine's."""
+    heads = [r.removeprefix(kind).strip() for r in ratios]
+    lines = ["| link | case | mode | GB/s | " + " | ".join(heads) + " | cores | machine |",
+             "|---|---|---|---|" + "---|" * (len(ratios) + 2)]
+    for link, cases in record["links"].items():
+        for case, c in cases.items():
+            for mode, g in c[kind].items():
+                cells = [_q(g), *(_q(c[r][mode]) for r in ratios),
+                         _cores(c, f"{kind} cores", mode),
+                         _cores(c, f"{kind} machine cores", mode)]
+                lines.append(f"| {link} | {case} | {mode} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def render_table(record: dict[str, Any]) -> str:
     """The results page's tables: GB/s and ratios per link and case, then the profile."""
     lines = ["Loads (GB/s of page bytes, min/median/max; `/ ranged`: to the raw ranged "
              "read at the same depth, per-repeat ratios)", ""]
-    lines += ["| link | case | mode | GB/s | / ranged | / whole | cores | machine |",
-              "|---|---|---|---|---|---|---|---|"]
-    for link, cases in record["links"].items():
-        for case, c in cases.items():
-            for mode, g in c["loads"].items():
-                lines.append(f"| {link} | {case} | {mode} | {_q(g)} | "
-                             f"{_q(c['loads / ranged'][mode])} | {_q(c['loads / whole'][mode])} | "
-                             f"{_cores(c, 'loads cores', mode)} | "
-                             f"{_cores(c, 'loads machine cores', mode)} |")
-    lines += ["", "Offloads (`/ raw put`: per-repeat ratios)", "",
-              "| link | case | mode | GB/s | / raw put | cores | machine |",
-              "|---|---|---|---|---|---|---|"]
-    for link, cases in record["links"].items():
-        for case, c in cases.items():
-            for mode, g in c["offloads"].items():
-                lines.append(f"| {link} | {case} | {mode} | {_q(g)} | "
-                             f"{_q(c['offloads / raw put'][mode])} | "
-                             f"{_cores(c, 'offloads cores', mode)} | "
-                             f"{_cores(c, 'offloads machine cores', mode)} |")
+    lines += _mode_rows(record, "loads", ["loads / ranged", "loads / whole"])
+    lines += ["", "Offloads (`/ raw put`: per-repeat ratios)", ""]
+    lines += _mode_rows(record, "offloads", ["offloads / raw put"])
     lines += ["", "`cores`: this process's CPU time over the wall time, median (every "
               "thread, the store's transfer threads included; on loopback the storage "
               "node's too, it is in the process; over a namespace link it is not); "
