@@ -5,7 +5,8 @@ only the benchmark process's (``time.process_time``). A row whose machine
 figure is near the CPU count had no core left for anything to overlap with.
 
 ``sample()`` reads the counters; ``cores(before, after)`` is the machine's
-busy CPU time over that wall time, in cores. Busy is every state but idle,
+busy CPU time over that wall time, in cores; :class:`Busy` adds up several
+stretches (the repeats of one run). Busy is every state but idle,
 iowait and steal (time a hypervisor gave to another guest is not this
 machine's work). Where ``/proc/stat`` cannot be read (not Linux), both
 return None.
@@ -16,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["CpuSample", "cores", "sample"]
+__all__ = ["Busy", "CpuSample", "cores", "sample"]
 
 _STAT = Path("/proc/stat")
 _NOT_BUSY = (3, 4, 7)  # idle, iowait, steal: the fields after "cpu", from 0
@@ -56,3 +57,22 @@ def cores(before: CpuSample | None, after: CpuSample | None) -> float | None:
     if total <= 0:
         return None
     return (after.busy - before.busy) / total * after.cpus
+
+
+class Busy:
+    """The machine's busy cores over several stretches together (``add``
+    each one's samples; ``cores``: None until a tick passed in one)."""
+
+    def __init__(self) -> None:
+        self.busy = self.total = self.cpus = 0
+
+    def add(self, before: CpuSample | None, after: CpuSample | None) -> None:
+        if before is None or after is None:
+            return
+        self.busy += after.busy - before.busy
+        self.total += after.total - before.total
+        self.cpus = after.cpus
+
+    @property
+    def cores(self) -> float | None:
+        return self.busy / self.total * self.cpus if self.total > 0 else None

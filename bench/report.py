@@ -63,11 +63,16 @@ def behind_note(p: dict[str, Any]) -> str | None:
     load, compute = p.get("load_s"), p.get("compute_s")
     alone = (f" (the load alone {_ms(load)} ms, the forward alone {_ms(compute)} ms)"
              if load is not None and compute is not None else "")
+    busy = p.get("machine_cores") or {}
+    over, barrier, cpus = busy.get("overlap"), busy.get("barrier"), p.get("machine_cpus")
+    machine = (f"; the machine at {over:.1f} of its {cpus} cores in the overlap runs, "
+               f"{barrier:.1f} in the barrier's" if over is not None and barrier is not None
+               else "")
     return (f"note: {p['link']} P={p['prefix_tokens']} B={p['batch']}: overlap "
             f"{_ms(t['overlap'])} ms is behind the barrier's {_ms(t['barrier'])} ms: here "
-            f"Mooncake's reads and the forward run on the same CPU cores{alone}, so a layer's "
-            "read slows the layer computing beside it instead of hiding behind it (the "
-            "emulated rows model a NIC that costs no core).")
+            f"Mooncake's reads and the forward run on the same CPU cores{alone}{machine}, so "
+            "a layer's read slows the layer computing beside it instead of hiding behind it "
+            "(the emulated rows model a NIC that costs no core).")
 
 
 def table_notes(points: Sequence[dict[str, Any]]) -> list[str]:

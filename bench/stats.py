@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from layerlift.bench.machine_cpu import Busy
 from layerlift.bench.report import STRATEGIES
 from layerlift.bench.stores import Point
 
@@ -41,6 +42,8 @@ class Samples:
     computed: set[int] = field(default_factory=set)
     fallbacks: list[str] = field(default_factory=list)
     max_kl: float = 0.0
+    # the cores busy machine-wide during each strategy's measured runs
+    machine: dict[str, Busy] = field(default_factory=lambda: {s: Busy() for s in STRATEGIES})
 
 
 def pct(xs: Sequence[float], q: float) -> float:
@@ -132,6 +135,8 @@ def summarize(label: str, link: str, pt: Point, repeats: int, warmup: int,
         "problems": smp.fallbacks[:5],
         "max_kl": smp.max_kl,
         "kl_ok": smp.max_kl <= KL_TOL,
+        "machine_cores": {s: smp.machine[s].cores for s in STRATEGIES},
+        "machine_cpus": max(b.cpus for b in smp.machine.values()) or None,
     }
 
 

@@ -56,6 +56,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from layerlift.bench import machine_cpu
 from layerlift.bench.models import build_model
 from layerlift.bench.netns_link import emulated_twin, is_netns, run_netns_link
 from layerlift.bench.report import (
@@ -191,7 +192,10 @@ async def _run_point(label: str, link: str, pt: Point, spec: ModelSpec, engines:
         for s in rotated(STRATEGIES, rep):  # no strategy always runs first (warm caches)
             eng = engines[s]
             eng.drop_device_cache()
+            before = machine_cpu.sample()
             results[s] = await eng.prefill(prompts)
+            if measured:
+                smp.machine[s].add(before, machine_cpu.sample())
         ref = results["recompute"]
         for s, res in results.items():
             for r in res:

@@ -55,3 +55,12 @@ def test_no_proc_stat_is_none(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
 def test_this_machine() -> None:
     s = machine_cpu.sample()
     assert s is not None and 0 <= s.busy <= s.total and s.cpus >= 1
+
+
+def test_busy_adds_stretches_and_skips_missing_samples() -> None:
+    busy = machine_cpu.Busy()
+    assert busy.cores is None  # nothing added yet
+    busy.add(CpuSample(0, 0, 2), CpuSample(50, 100, 2))  # 1.0 core over 100 ticks
+    busy.add(None, CpuSample(500, 600, 2))  # a missing sample adds nothing
+    busy.add(CpuSample(100, 200, 2), CpuSample(190, 300, 2))  # 1.8 cores over 100 ticks
+    assert busy.cores == pytest.approx((50 + 90) / 200 * 2)

@@ -84,6 +84,9 @@ def test_summarize_charges_the_overhead_to_both() -> None:
     assert out["efficiency_model"] == pytest.approx(8 / 9)
     assert out["speedup"] == pytest.approx(barrier / overlap)
     assert out["restore_ok"] and out["kl_ok"]
+    # no /proc/stat samples were added: no machine figure, not a made-up one
+    assert out["machine_cores"] == {"recompute": None, "barrier": None, "overlap": None}
+    assert out["machine_cpus"] is None
 
 
 def test_paired_ratio_of_a_scaled_copy_is_exact() -> None:

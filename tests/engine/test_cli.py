@@ -118,8 +118,14 @@ def test_an_overlap_behind_its_barrier_on_shared_cores_says_why_in_one_line() ->
     assert note.startswith("note: mooncake-tcp-loopback P=2048 B=1: overlap 245.0 ms is behind "
                            "the barrier's 166.0 ms: here Mooncake's reads and the forward run on "
                            "the same CPU cores (the load alone 50.0 ms, the forward alone "
-                           "100.0 ms)")
+                           "100.0 ms), so")
     assert "\n" not in note
+    # with the machine's busy cores measured in each strategy's runs, it says them
+    measured = {**behind, "machine_cores": {"recompute": 1.0, "barrier": 1.1, "overlap": 1.9},
+                "machine_cpus": 2}
+    [note] = table_notes([measured])
+    assert ("(the load alone 50.0 ms, the forward alone 100.0 ms); the machine at 1.9 of its "
+            "2 cores in the overlap runs, 1.1 in the barrier's, so") in note
 
 
 def test_plot_legends_are_readable_and_shared_settings_are_in_the_title(
