@@ -538,7 +538,11 @@ def test_control_an_event_on_the_wrong_stream_reads_wrong_bytes(
     store = MemoryStore()
     src = store_source(store, "wrong")
     monkeypatch.setattr(load_mod, "DeviceSink", WrongStreamSink)
-    exact, _, _ = restore(sim, store, "wrong", src, open_path(sim))
+    # The forward's reads run before the load stream is let go: the events it
+    # waits on complete on the other stream, so nothing holds the reads back
+    # (without reads_first, a slow forward stream could run them after the
+    # copies on a busy machine and read the right bytes by luck).
+    exact, _, _ = restore(sim, store, "wrong", src, open_path(sim), reads_first=True)
     assert not any(exact.values()), \
         f"the control did not catch events recorded on the wrong stream: {exact}"
 
