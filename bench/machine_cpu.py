@@ -51,12 +51,9 @@ def sample() -> CpuSample | None:
 def cores(before: CpuSample | None, after: CpuSample | None) -> float | None:
     """Cores busy machine-wide between two samples (0 to ``cpus``); None
     when either is missing or no tick passed between them."""
-    if before is None or after is None:
-        return None
-    total = after.total - before.total
-    if total <= 0:
-        return None
-    return (after.busy - before.busy) / total * after.cpus
+    one = Busy()
+    one.add(before, after)
+    return one.cores
 
 
 class Busy:

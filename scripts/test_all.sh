@@ -10,9 +10,9 @@
 # starting, bounded waits run out on purpose, hosts' imports): run one lane
 # after the other it kept about half of two cores busy (24 min of wall time
 # for 13 min of CPU). The lanes share nothing but the machine: every
-# Mooncake master picks free ports, every namespace host is named after
-# its process. Lane 1 prints as it runs; lane 2 writes out/test/hosts.log,
-# printed once both ended. Exits non-zero when either lane failed (its exit
+# Mooncake master binds ports that were free as it started, every
+# namespace host is named after its process. Lane 1 prints as it runs;
+# lane 2 writes out/test/hosts.log, printed once both ended. Exits non-zero when either lane failed (its exit
 # status is printed). LAYERLIFT_TEST_LANES=1 runs the lanes one after the
 # other, printing as they go.
 set -uo pipefail
