@@ -39,6 +39,13 @@ from layerlift.linker.mooncake_config import MooncakeConfig
 from layerlift.linker.store_base import StoreUnavailable
 
 _BINARY = "mooncake_master"
+# strerror(EAGAIN): what a master's log ends with when the system refused it a
+# thread (Go's "runtime/cgo: pthread_create failed: ...", glog's own lines).
+_REFUSED = "Resource temporarily unavailable"
+
+
+class _TransientExit(StoreUnavailable):
+    """The master exited during startup because the system refused it a resource."""
 
 
 def find_master_binary() -> str:
@@ -93,7 +100,8 @@ class EmbeddedMaster:
     tests can `remove` soon after a read. `start()`
     raises FileNotFoundError if the binary is missing and StoreUnavailable
     (with the log's last lines) if the master does not accept connections
-    within `start_timeout_s`.
+    within `start_timeout_s`; a start the system refused a thread is tried
+    again (`start_attempts` in all; `restarts` counts them).
     """
 
     def __init__(
@@ -109,9 +117,14 @@ class EmbeddedMaster:
         binary: str | None = None,
         host: str = "127.0.0.1",
         http_metadata: bool = True,
+        start_attempts: int = 3,
     ) -> None:
         if lease_ttl_ms <= 0 or start_timeout_s <= 0 or stop_timeout_s <= 0:
             raise ValueError("lease_ttl_ms, start_timeout_s and stop_timeout_s must be positive.")
+        if start_attempts < 1:
+            raise ValueError(f"start_attempts must be at least 1, got {start_attempts}.")
+        self.start_attempts = start_attempts
+        self.restarts = 0
         self.host = host
         self.http_metadata = http_metadata
         self.rpc_port = rpc_port or free_port(host)
@@ -175,12 +188,44 @@ class EmbeddedMaster:
         ]  # fmt: skip
 
     def start(self) -> EmbeddedMaster:
-        """Start the master and wait until its RPC and metadata ports accept connections."""
+        """Start the master and wait until its RPC and metadata ports accept connections.
+
+        A master that dies during startup because the system refused it a
+        thread or memory for the moment (its log says "Resource temporarily
+        unavailable": EAGAIN from ``pthread_create``, seen on a machine
+        running two test lanes) is started again, `start_attempts` times in
+        all, after 0.5 s, 1 s, ...: such a refusal passes once the other
+        processes' threads ended. Any other exit, and a master that never
+        accepts connections, raise at once."""
         if self._proc is not None:
             raise RuntimeError("This EmbeddedMaster was already started.")
         command = self.command()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 — closed in stop()
+        for attempt in range(1, self.start_attempts + 1):
+            try:
+                self._spawn(command, append=attempt > 1)
+                self._wait_ready()
+            except _TransientExit as exc:
+                self.stop()
+                if attempt == self.start_attempts:
+                    raise StoreUnavailable(
+                        f"mooncake_master was refused resources at each of its "
+                        f"{self.start_attempts} starts; the last: {exc}"
+                    ) from None
+                time.sleep(0.5 * attempt)
+            except BaseException:
+                self.stop()
+                raise
+            else:
+                self.restarts = attempt - 1
+                return self
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _spawn(self, command: list[str], *, append: bool) -> None:
+        self._log = open(self.log_path, "ab" if append else "wb")  # noqa: SIM115 — closed in stop()
+        if append:
+            self._log.write(b"\n== started again: the start before was refused resources ==\n")
+            self._log.flush()
         # From a keeper thread of its own: start() often runs in a worker
         # thread, whose exit would fire the parent-death signal (linker/child.py).
         self._proc = spawn_child(
@@ -191,12 +236,6 @@ class EmbeddedMaster:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        try:
-            self._wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-        return self
 
     def _wait_ready(self) -> None:
         assert self._proc is not None
@@ -205,10 +244,13 @@ class EmbeddedMaster:
         for port in ports:
             while not port_open(self.host, port):
                 if self._proc.poll() is not None:
-                    raise StoreUnavailable(
+                    message = (
                         f"mooncake_master exited with code {self._proc.returncode} during "
                         f"startup. Last lines of {self.log_path}:\n{self.log_tail()}"
                     )
+                    if _REFUSED in self.log_tail(lines=5):
+                        raise _TransientExit(message)
+                    raise StoreUnavailable(message)
                 if time.monotonic() > deadline:
                     raise StoreUnavailable(
                         f"mooncake_master did not accept connections on port {port} within "

@@ -19,6 +19,20 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 MAKE="${MAKE:-make}"
 
+# One line on what this machine allows, printed first: a run that fails
+# for want of a thread or memory says so in its own log (CI's included).
+limits() {
+  local tasks pids_max="none" cg
+  tasks=$(ls -d /proc/[0-9]*/task/* 2>/dev/null | wc -l)
+  cg=$(awk -F: '$2 == "pids" {print $3}' /proc/self/cgroup 2>/dev/null)
+  for f in "/sys/fs/cgroup/pids$cg/pids.max" "/sys/fs/cgroup$(awk -F: '$1 == "0" {print $3}' /proc/self/cgroup 2>/dev/null)/pids.max"; do
+    [[ -r "$f" ]] && pids_max=$(<"$f") && break
+  done
+  echo "== machine: $(nproc) cores, $(awk '/MemAvailable/ {printf "%.1f", $2 / 1048576}' /proc/meminfo) GiB available;" \
+    "$tasks threads running; limits: ulimit -u $(ulimit -u), pid_max $(</proc/sys/kernel/pid_max)," \
+    "threads-max $(</proc/sys/kernel/threads-max), cgroup pids.max $pids_max"
+}
+
 lane_own() {
   .venv/bin/python -m pytest -q && bash scripts/test_kernels.sh others
 }
@@ -27,6 +41,7 @@ lane_hosts() {
   "$MAKE" --no-print-directory test-hosts
 }
 
+limits
 if [[ "${LAYERLIFT_TEST_LANES:-2}" == 1 ]]; then
   lane_own && lane_hosts
   exit
@@ -44,4 +59,5 @@ rc_hosts=$?
 echo "== the hosts' tests (lane 2, $log) =="
 cat "$log"
 echo "== make test: LayerLift's own tests and kernel sets exit $own, the hosts' tests exit $rc_hosts"
+((own == 0 && rc_hosts == 0)) || limits
 ((own == 0 && rc_hosts == 0))
