@@ -60,7 +60,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -94,7 +94,7 @@ from layerlift.overlap.lanes import CpuLane
 from layerlift.overlap.readiness import LayerReadiness
 from layerlift.overlap.scheduler import LoadScheduler
 
-__all__ = ["Layout", "build_parser", "main", "measure", "plot_record", "render_table"]
+__all__ = ["Clock", "Layout", "Step", "build_parser", "main", "measure", "plot_record", "render_table"]
 
 DEPTHS = (1, 4)
 OFFLOAD_RING_BYTES = 2 * DEFAULT_RING_BYTES  # SGLang's offload_staging_mib default
@@ -124,11 +124,27 @@ class Layout:
 
 
 
+class Step(NamedTuple):
+    """One timed step of a host transfer benchmark's unit: its GB/s, the
+    cores this process kept busy (its CPU time over the wall time, every
+    thread) and the cores busy on the whole machine meanwhile
+    (:mod:`machine_cpu`; None where ``/proc/stat`` was not read or no tick
+    passed)."""
+
+    gbps: float
+    cores: float
+    machine: float | None
+
+
 class Clock:
     """Wall and CPU time of one step since its start (now, or the given
-    clock readings): ``stop(nbytes)`` is ``(GB/s, cores)``."""
+    clock readings), and the machine's CPU counters then (read now when the
+    readings are not given, else ``machine``): ``stop(nbytes)`` is its
+    :class:`Step`; ``lap()`` the readings for a byte count known later."""
 
-    def __init__(self, wall: float | None = None, cpu: float | None = None) -> None:
+    def __init__(self, wall: float | None = None, cpu: float | None = None,
+                 machine: machine_cpu.CpuSample | None = None) -> None:
+        self.machine = machine_cpu.sample() if wall is None else machine
         self.wall = time.perf_counter() if wall is None else wall
         self.cpu = time.process_time() if cpu is None else cpu
 
@@ -136,9 +152,14 @@ class Clock:
         """Wall and CPU seconds since the start."""
         return time.perf_counter() - self.wall, time.process_time() - self.cpu
 
-    def stop(self, nbytes: int) -> tuple[float, float]:
+    def lap(self) -> Callable[[int], Step]:
+        """The readings now, as the step of a byte count given later."""
         wall, cpu = self.elapsed()
-        return nbytes / wall / 1e9, cpu / wall
+        busy = machine_cpu.cores(self.machine, machine_cpu.sample())
+        return lambda nbytes: Step(nbytes / wall / 1e9, cpu / wall, busy)
+
+    def stop(self, nbytes: int) -> Step:
+        return self.lap()(nbytes)
 
 
 def _require(ok: object, what: str) -> None:
@@ -253,11 +274,11 @@ class Bench:
                 time.sleep(0.25)  # the master's lease expires on its own clock
 
     def raw_rows(self, put_store: Store, *, before_put: Callable[[], None] = lambda: None
-                 ) -> dict[str, tuple[float, float]]:
+                 ) -> dict[str, Step]:
         """The host transfer benchmarks' raw rows: ``raw ranged d4`` (its
         destination checked, then cleared), ``before_put()``, then ``raw
         put`` of every object from ``put_store`` under new keys (removed
-        after: never read); each ``(GB/s, cores)``."""
+        after: never read); each a :class:`Step`."""
         clock = Clock()
         self.raw_ranged(4)
         load = clock.stop(self.payload)

@@ -17,6 +17,7 @@ from layerlift.bench.netns_link import per_link
 from layerlift.bench.output import write_outputs
 from layerlift.bench.results import plot, render
 from layerlift.bench.stats import spread
+from layerlift.bench.transfer import Step
 
 __all__ = ["NotMeasured", "Rounds", "add_case_options", "run_host_bench"]
 
@@ -30,17 +31,16 @@ class NotMeasured(RuntimeError):
 class Rounds:
     """The host transfer benchmarks' rounds: round -1 warms up (checked,
     not timed), then ``repeats`` rounds of ``units`` (each returns its rows'
-    ``(GB/s, cores)``) in an order rotated per round. A unit that raises
+    :class:`Step`) in an order rotated per round. A unit that raises
     :class:`NotMeasured` leaves the case (``failed``: unit -> why), in every
     round, so ratios stay paired over the same rounds."""
 
-    def __init__(self, units: dict[str, Callable[[], dict[str, tuple[float, float]]]],
-                 repeats: int) -> None:
+    def __init__(self, units: dict[str, Callable[[], dict[str, Step]]], repeats: int) -> None:
         order = list(units)
-        self.runs: list[dict[str, tuple[float, float]]] = []
+        self.runs: list[dict[str, Step]] = []
         self.failed: dict[str, str] = {}
         for rep in range(-1, repeats):
-            got: dict[str, tuple[float, float]] = {}
+            got: dict[str, Step] = {}
             for unit in order[rep % len(order):] + order[: rep % len(order)]:
                 if unit in self.failed:
                     continue
@@ -52,13 +52,30 @@ class Rounds:
             if rep >= 0:
                 self.runs.append(got)
 
-    def of(self, row: str, i: int = 0) -> list[float]:
-        """Row ``row``'s GB/s (``i`` 0) or cores (1), per round."""
-        return [r[row][i] for r in self.runs]
+    def of(self, row: str) -> list[float]:
+        """Row ``row``'s GB/s, per round."""
+        return [r[row].gbps for r in self.runs]
 
     def ratio(self, a: str, b: str) -> dict[str, float]:
         """The spread of row ``a``'s GB/s over row ``b``'s, per round."""
         return spread([x / y for x, y in zip(self.of(a), self.of(b), strict=True)])
+
+    def spreads(self, kind: str, rows: dict[str, str],
+                base: str) -> dict[str, dict[str, dict[str, float]]]:
+        """The record's entries of ``kind`` (``loads``, ``offloads``) for
+        ``rows`` (label -> row): GB/s, ``/ raw`` (the ratio to row ``base``,
+        per round), cores and machine cores, each ``{label: spread}``; a
+        row's machine figure only where every round read one (never made up
+        from some rounds)."""
+        machine = {label: [r[row].machine for r in self.runs] for label, row in rows.items()}
+        return {
+            kind: {label: spread(self.of(row)) for label, row in rows.items()},
+            f"{kind} / raw": {label: self.ratio(row, base) for label, row in rows.items()},
+            f"{kind} cores": {label: spread([r[row].cores for r in self.runs])
+                              for label, row in rows.items()},
+            f"{kind} machine cores": {label: spread([x for x in v if x is not None])
+                                      for label, v in machine.items() if v and None not in v},
+        }
 
 
 def add_case_options(parser: argparse.ArgumentParser, *, sizes: str, default: list[int],

@@ -132,18 +132,24 @@ def host_rows_table(record: dict[str, Any], *, host: str,
         base = RAW_LOAD if kind == "loads" else RAW_PUT
         lines += [f"{kind.capitalize()} (GB/s min/median/max; `/ raw`: to `{base}` of the "
                   "same round, per-repeat ratios)", "",
-                  f"| link | case | row | GB/s | / raw | / {host} | cores |",
-                  "|---|---|---|---|---|---|---|"]
+                  f"| link | case | row | GB/s | / raw | / {host} | cores | machine |",
+                  "|---|---|---|---|---|---|---|---|"]
         for link, cases in record["links"].items():
             for case, c in cases.items():
                 for row, g in c[kind].items():
                     vs = paired(c, kind, row)
                     lines.append(f"| {link} | {case} | {row} | {_q(g)} | {_q(c[ratio][row])} | "
                                  f"{'' if vs is None else _q(vs)} | "
-                                 f"{c[kind + ' cores'][row]['median']:.2f} |")
+                                 f"{_cores(c, kind + ' cores', row)} | "
+                                 f"{_cores(c, kind + ' machine cores', row)} |")
                 for row, why in c.get("not measured", {}).items():
                     if not_measured_in(kind, row):
-                        lines.append(f"| {link} | {case} | {row} | not measured: {why} | | | |")
+                        lines.append(f"| {link} | {case} | {row} | not measured: {why} "
+                                     "| | | | |")
         lines.append("")
+    lines.append("`cores`: the process's CPU time over the wall time, median; `machine`: "
+                 "the cores busy on the whole machine meanwhile, every process and the "
+                 "kernel's own work, median (`/proc/stat`; `-` where it was not kept).")
+    lines.append("")
     lines.append(f"{record.get('layout', '')}; {record.get('timing', '')}.")
     return "\n".join(lines)

@@ -34,7 +34,9 @@ attention layers (the Mamba state and each linker's metadata not counted);
 the raw rows' their page bytes. ``/ raw`` is the median of the per-repeat
 ratios of a load to ``raw ranged d4`` and of an offload to ``raw put``;
 ``/ MooncakeDirectLinker`` of LayerLift's GB/s to SGLang's own, per repeat.
-``cores``: the process's CPU time over the wall time of the step.
+``cores``: the process's CPU time over the wall time of the step;
+``machine``: the cores busy on the whole machine meanwhile (every process
+and the kernel's work: a namespace link's storage node, veth and ``tbf``).
 On loopback the raw client and each linker have a master of their own, and
 the store's segment is in this process: the producer's, as SGLang's
 instances contribute theirs (``bench sglang``'s set-up), so a linker's puts
@@ -77,8 +79,7 @@ from layerlift.bench.sglang_setup import (
     segment_mib,
     shape_for,
 )
-from layerlift.bench.stats import spread
-from layerlift.bench.transfer import Bench, Clock, Layout
+from layerlift.bench.transfer import Bench, Clock, Layout, Step
 from layerlift.bench.transfer_hosts import NotMeasured, Rounds, add_case_options, run_host_bench
 from layerlift.bench.transfer_report import RAW_LOAD, RAW_PUT, host_rows_table, plot_kinds
 from layerlift.linker.master import EmbeddedMaster
@@ -130,6 +131,7 @@ class Case:
             self.sweepers: dict[str, Sweeper] = {}
             for name in LINKERS:
                 pair = make_pair(name, self.shape, masters[name], seg, local, bounds)
+                pair[0].clock = Clock  # the offload's clock starts at the insert
                 stack.callback(pair[0].close)
                 stack.callback(pair[1].close)
                 self.pairs[name] = pair
@@ -141,7 +143,7 @@ class Case:
     def close(self) -> None:
         self._closing.close()
 
-    def raw_unit(self) -> dict[str, tuple[float, float]]:
+    def raw_unit(self) -> dict[str, Step]:
         """The raw rows (``Bench.raw_rows``), the put from the segment holder."""
         if not self.shared_master:
             return self.raw.raw_rows(self.put_store)
@@ -150,13 +152,13 @@ class Case:
         self.raw.reput()
         return self.raw.raw_rows(self.put_store, before_put=self.raw.remove_objects)
 
-    def linker_unit(self, name: str) -> dict[str, tuple[float, float]]:
+    def linker_unit(self, name: str) -> dict[str, Step]:
         """One offload and one restore of a new prompt through ``name``'s pair."""
         producer, consumer = self.pairs[name]
         tokens = random_prompt(self.rng, self.n)
         try:
             producer.compute(tokens, [self.n])
-            offload = Clock(*producer.insert_clock)
+            offload = producer.insert_clock  # a Clock (producer.clock), read at the insert
             try:
                 producer.settle_offloads(timeout_s=SETTLE_S)
             except RuntimeError as exc:  # the harness's "N offload(s) still pending"
@@ -170,11 +172,11 @@ class Case:
             consumer.start_loads()
             consumer.forward(adm, read=False)
             consumer.finish([adm])
-            wall, cpu = clock.elapsed()  # its bytes are counted by the check, after
+            lap = clock.lap()  # its bytes are counted by the check, after
             _require(adm.restore.ok, f"{NAMES[name]}'s load failed")
             self.load_bytes = self._check(consumer, adm.restore.tail, adm.restore.mamba_slot,
                                           tokens, name)
-            load = (self.load_bytes / wall / 1e9, cpu / wall)
+            load = lap(self.load_bytes)
         finally:
             for host in (producer, consumer):
                 host.flush_cache()
@@ -201,10 +203,10 @@ def measure(case: Case, repeats: int) -> dict[str, Any]:
     rotated units. A linker whose offloads stall (:class:`OffloadsStalled`)
     leaves the case: its rows are ``not measured`` with the reason, in every
     round (ratios stay paired over the same rounds)."""
-    units: dict[str, Callable[[], dict[str, tuple[float, float]]]] = {
+    units: dict[str, Callable[[], dict[str, Step]]] = {
         "raw": case.raw_unit, **{name: partial(case.linker_unit, name) for name in LINKERS}}
     rounds = Rounds(units, repeats)
-    of, ratio, stalled = rounds.of, rounds.ratio, rounds.failed
+    ratio, stalled = rounds.ratio, rounds.failed
     measured = [n for n in LINKERS if n not in stalled]
     loads = {RAW_LOAD: RAW_LOAD, **{NAMES[n]: n for n in measured}}
     offloads = {RAW_PUT: RAW_PUT, **{NAMES[n]: f"{n} offload" for n in measured}}
@@ -213,12 +215,8 @@ def measure(case: Case, repeats: int) -> dict[str, Any]:
         "tokens": case.n, "page": case.shape.page_size, "repeats": repeats,
         "load_bytes": case.load_bytes, "offload_bytes": case.offload_bytes,
         "raw_bytes": case.raw.payload,
-        "loads": {label: spread(of(k)) for label, k in loads.items()},
-        "loads / raw": {label: ratio(k, RAW_LOAD) for label, k in loads.items()},
-        "loads cores": {label: spread(of(k, 1)) for label, k in loads.items()},
-        "offloads": {label: spread(of(k)) for label, k in offloads.items()},
-        "offloads / raw": {label: ratio(k, RAW_PUT) for label, k in offloads.items()},
-        "offloads cores": {label: spread(of(k, 1)) for label, k in offloads.items()},
+        **rounds.spreads("loads", loads, RAW_LOAD),
+        **rounds.spreads("offloads", offloads, RAW_PUT),
         "not measured": {NAMES[n]: why for n, why in stalled.items()},
     }  # fmt: skip
     if not stalled:

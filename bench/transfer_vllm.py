@@ -43,7 +43,9 @@ connector with its defaults. GB/s is of page bytes (footers not counted);
 ``/ raw`` is the median of the per-repeat ratios of a load to ``raw ranged
 d4`` and of an offload to ``raw put``, ``/ MooncakeStoreConnector`` of a
 LayerLift row to vLLM's connector's load or save; ``cores`` the process's
-CPU time over the wall time. Every row's client has no segment of its own:
+CPU time over the wall time; ``machine`` the cores busy on the whole
+machine meanwhile (every process, vLLM's connector's child included, and
+the kernel's work). Every row's client has no segment of its own:
 on loopback the store's one segment is in a client of its own in this
 process (a storage node), so every put and read crosses TCP; ``--netns
 RATE``: a master and a storage node holding the only segment on namespace
@@ -71,8 +73,7 @@ import torch
 from layerlift.bench.args import BenchParser
 from layerlift.bench.netns_link import add_link_options
 from layerlift.bench.output import add_output_options
-from layerlift.bench.stats import spread
-from layerlift.bench.transfer import Bench, Clock
+from layerlift.bench.transfer import Bench, Clock, Step
 from layerlift.bench.transfer import Layout as RawLayout
 from layerlift.bench.transfer_hosts import NotMeasured, Rounds, add_case_options, run_host_bench
 from layerlift.bench.transfer_report import RAW_LOAD, RAW_PUT, host_rows_table, plot_kinds
@@ -210,20 +211,20 @@ class Case:
     def close(self) -> None:
         self._closing.close()
 
-    def raw_unit(self) -> dict[str, tuple[float, float]]:
+    def raw_unit(self) -> dict[str, Step]:
         """The raw rows (``Bench.raw_rows``). The objects are put again
         first, not timed: vLLM's connector empties the store before each of
         its rounds."""
         self.raw.reput()
         return self.raw.raw_rows(self.client)
 
-    def layerlift_unit(self) -> dict[str, tuple[float, float]]:
+    def layerlift_unit(self) -> dict[str, Step]:
         """A save of every block under new hashes, then both restores, each checked."""
         self._remove_restored()  # the last unit's objects: their read lease ran out meanwhile
         hashes = [uuid.uuid4().bytes for _ in range(self.blocks)]
         items = [(0, h, b) for b, h in enumerate(hashes)]
         keys = [key for _, key, _ in self.saver.keyed(items)]
-        out: dict[str, tuple[float, float]] = {}
+        out: dict[str, Step] = {}
         self._job += 1  # as vLLM's scheduler: the blocks held until the job is reported
         clock = Clock()
         self.saver.begin_step()
@@ -240,7 +241,7 @@ class Case:
         out[WHOLE] = self._restore(items, sync=False)
         return out
 
-    def msc_unit(self) -> dict[str, tuple[float, float]]:
+    def msc_unit(self) -> dict[str, Step]:
         """One round of vLLM's own connector in its child: a save and a load
         of a new prompt, checked there (``transfer_vllm_msc``)."""
         assert self.msc is not None
@@ -252,8 +253,10 @@ class Case:
         nbytes = int(got["bytes"])
         _require(nbytes == self.payload, f"vLLM's connector moved {nbytes} bytes a prompt, "
                                          f"LayerLift {self.payload}")
-        return {MSC_SAVE: (nbytes / got["save_s"] / 1e9, got["save_cpu"] / got["save_s"]),
-                MSC_LOAD: (nbytes / got["load_s"] / 1e9, got["load_cpu"] / got["load_s"])}
+        return {MSC_SAVE: Step(nbytes / got["save_s"] / 1e9, got["save_cpu"] / got["save_s"],
+                               got.get("save_machine")),
+                MSC_LOAD: Step(nbytes / got["load_s"] / 1e9, got["load_cpu"] / got["load_s"],
+                               got.get("load_machine"))}
 
     def _remove_restored(self) -> None:
         """Remove the objects the last unit saved (waiting out what is left
@@ -261,7 +264,7 @@ class Case:
         keys, self._restored = self._restored, []
         self.raw.remove_keys(keys)
 
-    def _restore(self, items: list[tuple[int, bytes, int]], *, sync: bool) -> tuple[float, float]:
+    def _restore(self, items: list[tuple[int, bytes, int]], *, sync: bool) -> Step:
         for t in self.dst.values():
             t.zero_()
         w = self.loader
@@ -287,12 +290,12 @@ def measure(case: Case, repeats: int) -> dict[str, Any]:
     rotated units. A unit that raises :class:`NotMeasured` leaves the case:
     its rows are ``not measured`` with the reason, in every round (ratios
     stay paired over the same rounds)."""
-    units: dict[str, Callable[[], dict[str, tuple[float, float]]]] = {
+    units: dict[str, Callable[[], dict[str, Step]]] = {
         "raw": case.raw_unit, "layerlift": case.layerlift_unit}
     if case.msc is not None:
         units["vllm"] = case.msc_unit
     rounds = Rounds(units, repeats)
-    of, ratio, failed = rounds.of, rounds.ratio, rounds.failed
+    ratio, failed = rounds.ratio, rounds.failed
 
     loads, offloads = [RAW_LOAD, PER_LAYER, WHOLE], [RAW_PUT, SAVE, SAVE_CALL]
     paired: dict[str, Any] = {}
@@ -304,12 +307,8 @@ def measure(case: Case, repeats: int) -> dict[str, Any]:
     return {
         "tokens": case.n, "block": case.layout.page_size, "repeats": repeats,
         "payload_bytes": case.payload, "LayerLift / MooncakeStoreConnector": paired,
-        "loads": {k: spread(of(k)) for k in loads},
-        "loads / raw": {k: ratio(k, RAW_LOAD) for k in loads},
-        "loads cores": {k: spread(of(k, 1)) for k in loads},
-        "offloads": {k: spread(of(k)) for k in offloads},
-        "offloads / raw": {k: ratio(k, RAW_PUT) for k in offloads},
-        "offloads cores": {k: spread(of(k, 1)) for k in offloads},
+        **rounds.spreads("loads", {k: k for k in loads}, RAW_LOAD),
+        **rounds.spreads("offloads", {k: k for k in offloads}, RAW_PUT),
         "not measured": {row: why for unit, why in failed.items()
                          for row in ((MSC_LOAD, MSC_SAVE) if unit == "vllm" else ())},
     }  # fmt: skip

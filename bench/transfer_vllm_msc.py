@@ -51,6 +51,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from layerlift.bench import machine_cpu
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -175,21 +177,24 @@ class Connector:
                        block_hasher=self.hasher)
 
     def _step(self, meta: Any, finished: set[str], done: Callable[[], bool],
-              what: str) -> tuple[Any, float, float]:
+              what: str) -> tuple[Any, float, float, float | None]:
         """The worker's calls of one step (vLLM's order after the forward),
-        then wait for ``done``; the transfer results, wall and CPU seconds."""
+        then wait for ``done``; the transfer results, wall and CPU seconds,
+        and the machine's busy cores meanwhile (None: not read)."""
         from vllm.forward_context import get_forward_context, set_forward_context
 
         with set_forward_context(None, self.vc):
             self.worker.bind_connector_metadata(meta)
+            before = machine_cpu.sample()
             wall, cpu = time.perf_counter(), time.process_time()
             self.worker.start_load_kv(get_forward_context())
             self.worker.wait_for_save()
             _until(done, self.args.timeout, f"the connector's {what}")
             took = time.perf_counter() - wall, time.process_time() - cpu
+            busy = machine_cpu.cores(before, machine_cpu.sample())
             results = self.worker.get_transfer_results(finished)
             self.worker.clear_connector_metadata()
-        return results, *took
+        return results, *took, busy
 
     def round(self) -> dict[str, Any]:
         import torch
@@ -227,8 +232,8 @@ class Connector:
                     completed[k] = completed.get(k, 0) + v
             return job in completed
 
-        results, save_s, save_cpu = self._step(out.kv_connector_metadata, out.finished_req_ids,
-                                               saved_all, "save")
+        results, save_s, save_cpu, save_machine = self._step(
+            out.kv_connector_metadata, out.finished_req_ids, saved_all, "save")
         sched.update_from_output(out, ModelRunnerOutput(
             req_ids=[saving], req_id_to_index={saving: 0}, sampled_token_ids=[[7]],
             kv_connector_output=KVConnectorOutput(
@@ -236,7 +241,8 @@ class Connector:
                 finished_recving=results.finished_recving,
                 kv_connector_worker_meta=MooncakeStoreWorkerMetadata(
                     completed_saves=dict(completed)))))
-        record: dict[str, Any] = {"bytes": self.payload, "save_s": save_s, "save_cpu": save_cpu}
+        record: dict[str, Any] = {"bytes": self.payload, "save_s": save_s, "save_cpu": save_cpu,
+                                  "save_machine": save_machine}
         # ---- load
         sched.add_request(self._request(loading, [*prompt, 11]))
         out = sched.schedule()
@@ -259,13 +265,14 @@ class Connector:
             received.update(got or ())
             return loading in received
 
-        results, load_s, load_cpu = self._step(out.kv_connector_metadata, out.finished_req_ids,
-                                               loaded, "load")
+        results, load_s, load_cpu, load_machine = self._step(
+            out.kv_connector_metadata, out.finished_req_ids, loaded, "load")
         if self.args.spoil:  # the tests' negative control: one restored byte flipped
             first = next(iter(self.kv.values()))
             first[index[0]].view(torch.uint8).view(-1)[0] ^= 0xFF
         errors = self.worker.get_block_ids_with_load_errors()
-        record.update(load_s=load_s, load_cpu=load_cpu, load_errors=len(errors),
+        record.update(load_s=load_s, load_cpu=load_cpu, load_machine=load_machine,
+                      load_errors=len(errors),
                       exact=not errors and all(
                           torch.equal(c[index].view(torch.int16), saved[name])
                           for name, c in self.kv.items()))

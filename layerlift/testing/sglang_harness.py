@@ -256,8 +256,11 @@ class SGLangHost:
         self.kv.register_layer_transfer_counter(self.linker.layer_done_counter)
         self._rid = 0
         self._started = 0.0
-        # When compute() began its inserts, (wall, CPU): a transfer benchmark times offloads from it.
-        self.insert_clock = (0.0, 0.0)
+        # When compute() began its inserts: ``clock()``'s reading then (by
+        # default (wall, CPU)); a transfer benchmark times offloads from it
+        # and sets ``clock`` to its own (which reads the machine's counters too).
+        self.clock: Callable[[], Any] = lambda: (time.perf_counter(), time.process_time())
+        self.insert_clock: Any = (0.0, 0.0)
 
     # ---- the producer side: compute, insert, offload ------------------------------
 
@@ -316,7 +319,7 @@ class SGLangHost:
         value = torch.cat([prefix.to(torch.int64), new.to(torch.int64)])
         self._write_kv(tokens, value, d)
         protected = d  # what the tree already holds of this request (not to be freed)
-        self.insert_clock = (time.perf_counter(), time.process_time())  # offloads may start now
+        self.insert_clock = self.clock()  # offloads may start now
         for c in sorted(checkpoints):
             slot = self.req_pool.mamba_allocator.alloc(1)
             if slot is None:

@@ -8,6 +8,7 @@ byte-exact ends the run: a figure is only printed for checked restores."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -38,11 +39,14 @@ def test_a_run_writes_every_row_with_its_ratios(tmp_path: Path,
         for row, gbps in case[kind].items():
             assert 0 < gbps["min"] <= gbps["median"] <= gbps["max"], (kind, row)
         assert case[kind + " / raw"][raw] == {"min": 1.0, "median": 1.0, "max": 1.0}
+        for row, busy in case[kind + " machine cores"].items():  # where a tick passed
+            assert row in case[kind] and 0 < busy["median"] <= os.cpu_count(), (kind, row)
     # the save call ends before the last put does: never fewer GB/s than the save
     assert case["offloads"]["LayerLift save call"]["min"] >= case["offloads"]["LayerLift save"]["min"]
     assert case["LayerLift / MooncakeStoreConnector"] == {}
     table = render(record)
     assert "| mooncake-tcp-loopback | 256 tokens, block 16 | LayerLift per layer |" in table
+    assert "| cores | machine |" in table
 
 
 def test_a_restore_that_is_not_exact_ends_the_run(monkeypatch: pytest.MonkeyPatch,

@@ -11,6 +11,7 @@ warm-up), ~40 s together on the 2-core box.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,9 @@ def test_a_run_writes_every_row_with_its_ratios(tmp_path: Path) -> None:
         for row, gbps in case[kind].items():
             assert 0 < gbps["min"] <= gbps["median"] <= gbps["max"], (kind, row)
             assert case[kind + " cores"][row]["median"] > 0
+        # the machine's cores where every round read a tick (a short step may not)
+        for row, busy in case[kind + " machine cores"].items():
+            assert row in case[kind] and 0 < busy["median"] <= os.cpu_count(), (kind, row)
         raw = "raw ranged d4" if kind == "loads" else "raw put"
         assert case[kind + " / raw"][raw] == {"min": 1.0, "median": 1.0, "max": 1.0}
     # What a restore landed: 30 full-attention layers of the prompt, the
@@ -52,6 +56,7 @@ def test_a_run_writes_every_row_with_its_ratios(tmp_path: Path) -> None:
     table = render(record)
     assert "| mooncake-tcp-loopback | 512 tokens, page 64 | LayerLiftLinker |" in table
     assert table.count("MooncakeDirectLinker |") >= 2
+    assert "| cores | machine |" in table
 
 
 def test_a_restore_that_is_not_exact_ends_the_run(monkeypatch: pytest.MonkeyPatch,

@@ -7,6 +7,7 @@ a flipped byte (the child's negative control) ends the run."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,10 @@ def test_vllms_connector_rows_beside_layerlifts(tmp_path: Path) -> None:
     paired = case["LayerLift / MooncakeStoreConnector"]
     assert set(paired) == {"LayerLift per layer", "LayerLift whole request", "LayerLift save"}
     assert all(r["median"] > 0 for r in paired.values())
+    # the child's steps carry the machine's cores (kept where every round read a tick)
+    for kind in ("loads", "offloads"):
+        for row, busy in case[kind + " machine cores"].items():
+            assert row in case[kind] and 0 < busy["median"] <= os.cpu_count(), (kind, row)
 
 
 def test_a_wrong_byte_in_vllms_restore_ends_the_run() -> None:
