@@ -125,6 +125,7 @@ class EmbeddedMaster:
             raise ValueError(f"start_attempts must be at least 1, got {start_attempts}.")
         self.start_attempts = start_attempts
         self.restarts = 0
+        self._log_start = 0
         self.host = host
         self.http_metadata = http_metadata
         self.rpc_port = rpc_port or free_port(host)
@@ -226,6 +227,7 @@ class EmbeddedMaster:
         if append:
             self._log.write(b"\n== started again: the start before was refused resources ==\n")
             self._log.flush()
+        self._log_start = self._log.tell()  # this start's own lines begin here
         # From a keeper thread of its own: start() often runs in a worker
         # thread, whose exit would fire the parent-death signal (linker/child.py).
         self._proc = spawn_child(
@@ -248,7 +250,7 @@ class EmbeddedMaster:
                         f"mooncake_master exited with code {self._proc.returncode} during "
                         f"startup. Last lines of {self.log_path}:\n{self.log_tail()}"
                     )
-                    if _REFUSED in self.log_tail(lines=5):
+                    if _REFUSED in self._own_log():
                         raise _TransientExit(message)
                     raise StoreUnavailable(message)
                 if time.monotonic() > deadline:
@@ -258,6 +260,15 @@ class EmbeddedMaster:
                         f"{self.log_tail()}"
                     )
                 time.sleep(0.02)
+
+    def _own_log(self) -> str:
+        """What this start of the master wrote to the log (not the starts before)."""
+        try:
+            with open(self.log_path, "rb") as log:
+                log.seek(self._log_start)
+                return log.read().decode(errors="replace")
+        except OSError:
+            return ""
 
     def log_tail(self, lines: int = 20) -> str:
         """The last `lines` lines of the master's log ("" if there is none yet)."""

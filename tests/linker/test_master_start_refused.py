@@ -66,8 +66,29 @@ def test_any_other_startup_exit_raises_at_once(tmp_path: Path, message: str) -> 
     master = EmbeddedMaster(binary=str(script), log_path=tmp_path / "log")
     with pytest.raises(StoreUnavailable, match=r"exited with code -6 during startup") as info:
         master.start()
-    assert "refused resources" not in str(info.value)
+    assert not str(info.value).startswith("mooncake_master was refused")
     assert count.read_text().strip() == "1"  # not started again
+    assert master.pid is None
+
+
+def test_a_start_after_a_refusal_that_fails_otherwise_raises_at_once(tmp_path: Path) -> None:
+    """The refusal of the start before stays in the log: only this start's
+    own lines decide whether it is tried again."""
+    count = tmp_path / "starts"
+    count.write_text("0")
+    script = tmp_path / "mooncake_master"
+    script.write_text(
+        "#!/bin/bash\n"
+        f'n=$(( $(cat "{count}") + 1 )); echo $n > "{count}"\n'
+        f'if (( n == 1 )); then echo "{REFUSED}" >&2; kill -ABRT $$; fi\n'
+        'echo "ERROR: unknown command line flag" >&2; exit 1\n'
+    )
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    master = EmbeddedMaster(binary=str(script), log_path=tmp_path / "log", start_attempts=3)
+    with pytest.raises(StoreUnavailable, match=r"exited with code 1 during startup") as info:
+        master.start()
+    assert not str(info.value).startswith("mooncake_master was refused")
+    assert count.read_text().strip() == "2"  # refused once, then a plain failure: no third
     assert master.pid is None
 
 
