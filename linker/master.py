@@ -194,7 +194,7 @@ class EmbeddedMaster:
         A master that dies during startup because the system refused it a
         thread or memory for the moment (its log says "Resource temporarily
         unavailable": EAGAIN from ``pthread_create``, seen on a machine
-        running two test lanes) is started again, `start_attempts` times in
+        running two test lanes), or whose fork was refused (EAGAIN), is started again, `start_attempts` times in
         all, after 0.5 s, 1 s, ...: such a refusal passes once the other
         processes' threads ended. Any other exit, and a master that never
         accepts connections, raise at once."""
@@ -206,7 +206,7 @@ class EmbeddedMaster:
             try:
                 self._spawn(command, append=attempt > 1)
                 self._wait_ready()
-            except _TransientExit as exc:
+            except (_TransientExit, BlockingIOError) as exc:  # BlockingIOError: fork's EAGAIN
                 self.stop()
                 if attempt == self.start_attempts:
                     raise StoreUnavailable(

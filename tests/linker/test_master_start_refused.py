@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from layerlift.linker import master as master_module
 from layerlift.linker.master import EmbeddedMaster, find_master_binary, port_open
 from layerlift.linker.store_base import StoreUnavailable
 
@@ -90,6 +91,22 @@ def test_a_start_after_a_refusal_that_fails_otherwise_raises_at_once(tmp_path: P
     assert not str(info.value).startswith("mooncake_master was refused")
     assert count.read_text().strip() == "2"  # refused once, then a plain failure: no third
     assert master.pid is None
+
+
+def test_a_refused_fork_is_tried_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """fork() itself refused (EAGAIN: BlockingIOError in this process)."""
+    real, forks = master_module.spawn_child, []
+
+    def spawn(*args: object, **kwargs: object) -> object:
+        forks.append(1)
+        if len(forks) == 1:
+            raise BlockingIOError(11, "Resource temporarily unavailable")
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(master_module, "spawn_child", spawn)
+    with EmbeddedMaster(log_path=tmp_path / "log", http_metadata=False) as master:
+        assert master.restarts == 1 and port_open(master.host, master.rpc_port)
+    assert len(forks) == 2
 
 
 def test_start_attempts_must_be_positive() -> None:
