@@ -24,9 +24,11 @@ from layerlift.linker.store_base import StoreUnavailable
 REFUSED = "runtime/cgo: pthread_create failed: Resource temporarily unavailable"
 
 
-def wrapper(tmp_path: Path, *, failures: int, message: str = REFUSED) -> tuple[Path, Path]:
+def wrapper(tmp_path: Path, *, failures: int, message: str = REFUSED,
+            then: str | None = None) -> tuple[Path, Path]:
     """A stand-in binary failing its first `failures` starts with `message` (SIGABRT,
-    as Go's runtime does), then exec-ing the real master; and its count file."""
+    as Go's runtime does), then running `then` (a shell line; by default exec-ing
+    the real master with the same arguments); and its count file."""
     count = tmp_path / "starts"
     count.write_text("0")
     script = tmp_path / "mooncake_master"
@@ -34,7 +36,7 @@ def wrapper(tmp_path: Path, *, failures: int, message: str = REFUSED) -> tuple[P
         "#!/bin/bash\n"
         f'n=$(( $(cat "{count}") + 1 )); echo $n > "{count}"\n'
         f'if (( n <= {failures} )); then echo "{message}" >&2; kill -ABRT $$; fi\n'
-        f'exec "{find_master_binary()}" "$@"\n'
+        + (then if then is not None else f'exec "{find_master_binary()}" "$@"') + "\n"
     )
     script.chmod(script.stat().st_mode | stat.S_IXUSR)
     return script, count
@@ -75,16 +77,8 @@ def test_any_other_startup_exit_raises_at_once(tmp_path: Path, message: str) -> 
 def test_a_start_after_a_refusal_that_fails_otherwise_raises_at_once(tmp_path: Path) -> None:
     """The refusal of the start before stays in the log: only this start's
     own lines decide whether it is tried again."""
-    count = tmp_path / "starts"
-    count.write_text("0")
-    script = tmp_path / "mooncake_master"
-    script.write_text(
-        "#!/bin/bash\n"
-        f'n=$(( $(cat "{count}") + 1 )); echo $n > "{count}"\n'
-        f'if (( n == 1 )); then echo "{REFUSED}" >&2; kill -ABRT $$; fi\n'
-        'echo "ERROR: unknown command line flag" >&2; exit 1\n'
-    )
-    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    script, count = wrapper(tmp_path, failures=1,
+                            then='echo "ERROR: unknown command line flag" >&2; exit 1')
     master = EmbeddedMaster(binary=str(script), log_path=tmp_path / "log", start_attempts=3)
     with pytest.raises(StoreUnavailable, match=r"exited with code 1 during startup") as info:
         master.start()
