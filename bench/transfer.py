@@ -466,15 +466,13 @@ def _timed(modes: dict[str, Callable[[], None]], repeats: int, after: Callable[[
     machine: dict[str, list[float]] = {m: [] for m in names}
     for rep in range(repeats):
         for mode in names[rep % len(names):] + names[: rep % len(names)]:
-            before = machine_cpu.sample()
-            start, cpu = time.perf_counter(), time.process_time()
+            clock = Clock()
             modes[mode]()
-            wall = time.perf_counter() - start
-            busy = machine_cpu.cores(before, machine_cpu.sample())
-            gbps[mode].append(nbytes / wall / 1e9)
-            cores[mode].append((time.process_time() - cpu) / wall)
-            if busy is not None:
-                machine[mode].append(busy)
+            step = clock.stop(nbytes)
+            gbps[mode].append(step.gbps)
+            cores[mode].append(step.cores)
+            if step.machine is not None:
+                machine[mode].append(step.machine)
             after()
     return gbps, cores, {m: v for m, v in machine.items() if len(v) == repeats}
 

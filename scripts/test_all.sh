@@ -44,7 +44,9 @@ lane_hosts() {
 limits
 if [[ "${LAYERLIFT_TEST_LANES:-2}" == 1 ]]; then
   lane_own && lane_hosts
-  exit
+  rc=$?
+  ((rc == 0)) || limits
+  exit "$rc"
 fi
 
 mkdir -p out/test
@@ -59,5 +61,6 @@ rc_hosts=$?
 echo "== the hosts' tests (lane 2, $log) =="
 cat "$log"
 echo "== make test: LayerLift's own tests and kernel sets exit $own, the hosts' tests exit $rc_hosts"
-((own == 0 && rc_hosts == 0)) || limits
-((own == 0 && rc_hosts == 0))
+((own == 0 && rc_hosts == 0)) && exit 0
+limits
+exit 1
