@@ -65,7 +65,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from layerlift.bench import machine_cpu
+from layerlift.bench import machine_cpu, thread_cpu
 from layerlift.bench.args import BenchParser, int_at_least, int_list
 from layerlift.bench.netns_link import add_link_options, per_link
 from layerlift.bench.output import add_output_options, write_outputs
@@ -127,24 +127,28 @@ class Layout:
 class Step(NamedTuple):
     """One timed step of a host transfer benchmark's unit: its GB/s, the
     cores this process kept busy (its CPU time over the wall time, every
-    thread) and the cores busy on the whole machine meanwhile
+    thread), the cores busy on the whole machine meanwhile
     (:mod:`machine_cpu`; None where ``/proc/stat`` was not read or no tick
-    passed)."""
+    passed) and the process's cores by kind of thread (:mod:`thread_cpu`;
+    None where they were not read)."""
 
     gbps: float
     cores: float
     machine: float | None
+    threads: dict[str, float] | None = None
 
 
 class Clock:
     """Wall and CPU time of one step since its start (now, or the given
-    clock readings), and the machine's CPU counters then (read now when the
-    readings are not given, else ``machine``): ``stop(nbytes)`` is its
-    :class:`Step`; ``lap()`` the readings for a byte count known later."""
+    clock readings), and the machine's CPU counters and this process's
+    threads' then (read now when the readings are not given, else
+    ``machine`` and no threads'): ``stop(nbytes)`` is its :class:`Step`;
+    ``lap()`` the readings for a byte count known later."""
 
     def __init__(self, wall: float | None = None, cpu: float | None = None,
                  machine: machine_cpu.CpuSample | None = None) -> None:
         self.machine = machine_cpu.sample() if wall is None else machine
+        self.threads = thread_cpu.sample() if wall is None else None
         self.wall = time.perf_counter() if wall is None else wall
         self.cpu = time.process_time() if cpu is None else cpu
 
@@ -156,7 +160,8 @@ class Clock:
         """The readings now, as the step of a byte count given later."""
         wall, cpu = self.elapsed()
         busy = machine_cpu.cores(self.machine, machine_cpu.sample())
-        return lambda nbytes: Step(nbytes / wall / 1e9, cpu / wall, busy)
+        threads = thread_cpu.cores(self.threads, thread_cpu.sample(), wall)
+        return lambda nbytes: Step(nbytes / wall / 1e9, cpu / wall, busy, threads)
 
     def stop(self, nbytes: int) -> Step:
         return self.lap()(nbytes)

@@ -17,6 +17,7 @@ from layerlift.bench.netns_link import per_link
 from layerlift.bench.output import write_outputs
 from layerlift.bench.results import plot, render
 from layerlift.bench.stats import spread
+from layerlift.bench.thread_cpu import GROUPS
 from layerlift.bench.transfer import Step
 
 __all__ = ["NotMeasured", "Rounds", "add_case_options", "run_host_bench"]
@@ -61,13 +62,15 @@ class Rounds:
         return spread([x / y for x, y in zip(self.of(a), self.of(b), strict=True)])
 
     def spreads(self, kind: str, rows: dict[str, str],
-                base: str) -> dict[str, dict[str, dict[str, float]]]:
+                base: str) -> dict[str, dict[str, Any]]:
         """The record's entries of ``kind`` (``loads``, ``offloads``) for
         ``rows`` (label -> row): GB/s, ``/ raw`` (the ratio to row ``base``,
-        per round), cores and machine cores, each ``{label: spread}``; a
-        row's machine figure only where every round read one (never made up
-        from some rounds)."""
+        per round), cores, machine cores and the process's cores by kind of
+        thread (``{label: {group: spread}}``), each ``{label: spread}``; a
+        row's machine and thread figures only where every round read them
+        (never made up from some rounds)."""
         machine = {label: [r[row].machine for r in self.runs] for label, row in rows.items()}
+        threads = {label: [r[row].threads for r in self.runs] for label, row in rows.items()}
         return {
             kind: {label: spread(self.of(row)) for label, row in rows.items()},
             f"{kind} / raw": {label: self.ratio(row, base) for label, row in rows.items()},
@@ -75,6 +78,9 @@ class Rounds:
                               for label, row in rows.items()},
             f"{kind} machine cores": {label: spread([x for x in v if x is not None])
                                       for label, v in machine.items() if v and None not in v},
+            f"{kind} threads": {label: {g: spread([t[g] for t in v if t is not None])
+                                        for g in GROUPS}
+                                for label, v in threads.items() if v and None not in v},
         }
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from layerlift.bench.thread_cpu import GROUPS as THREAD_GROUPS
 from layerlift.bench.transfer_profile import PARTS as PROFILE_PARTS
 
 __all__ = ["RAW_LOAD", "RAW_PUT", "bar_groups", "host_rows_table", "plot_kinds",
@@ -41,6 +42,28 @@ def _mode_rows(record: dict[str, Any], kind: str, ratios: list[str]) -> list[str
                          _cores(c, f"{kind} machine cores", mode)]
                 lines.append(f"| {link} | {case} | {mode} | " + " | ".join(cells) + " |")
     return lines
+
+
+def _thread_rows(record: dict[str, Any]) -> list[str]:
+    """Where each row's process cores went, by kind of thread (medians; the
+    rows that kept them: none in a record from before they were)."""
+    rows = [(link, case, kind, row, t)
+            for link, cases in record["links"].items() for case, c in cases.items()
+            for kind in ("loads", "offloads") for row, t in c.get(f"{kind} threads", {}).items()]
+    if not rows:
+        return []
+    lines = ["Where the process's cores go (median cores by kind of thread: `store calls`: "
+             "LayerLift's threads that each run one blocking call of Mooncake's client; "
+             "`native`: threads Python did not start, Mooncake's transfer engine's own; "
+             "`main`: the main thread; `python`: every other Python thread, LayerLift's "
+             "lanes (its checksums, copies and call lists) and the raw rows' pool; "
+             "`ended`: threads that ended during the step)", "",
+             "| link | case | kind | row | " + " | ".join(THREAD_GROUPS) + " |",
+             "|---|---|---|---|" + "---|" * len(THREAD_GROUPS)]
+    for link, case, kind, row, t in rows:
+        cells = [f"{t[g]['median']:.2f}" if g in t else "-" for g in THREAD_GROUPS]
+        lines.append(f"| {link} | {case} | {kind} | {row} | " + " | ".join(cells) + " |")
+    return [*lines, ""]
 
 
 def render_table(record: dict[str, Any]) -> str:
@@ -151,5 +174,6 @@ def host_rows_table(record: dict[str, Any], *, host: str,
                  "the cores busy on the whole machine meanwhile, every process and the "
                  "kernel's own work, median (`/proc/stat`; `-` where it was not kept).")
     lines.append("")
+    lines += _thread_rows(record)
     lines.append(f"{record.get('layout', '')}; {record.get('timing', '')}.")
     return "\n".join(lines)

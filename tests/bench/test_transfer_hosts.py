@@ -51,12 +51,27 @@ def test_rounds_keep_a_machine_figure_only_from_every_round() -> None:
     rounds = Rounds(units, repeats=2)
     assert len(rounds.runs) == 2
     got = rounds.spreads("loads", {"A": "a", "B": "b", "raw": "raw"}, "raw")
-    assert set(got) == {"loads", "loads / raw", "loads cores", "loads machine cores"}
+    assert set(got) == {"loads", "loads / raw", "loads cores", "loads machine cores",
+                        "loads threads"}
+    assert got["loads threads"] == {}  # no round read its threads: none made up
     assert got["loads machine cores"]["A"]["median"] == pytest.approx(1.3)
     assert "B" not in got["loads machine cores"]  # one round read none
     assert got["loads"]["A"]["median"] == pytest.approx(2.5)  # GB/s 2 and 3
     assert got["loads / raw"]["A"]["median"] == pytest.approx(2.5)
     assert got["loads cores"]["B"]["median"] == pytest.approx(0.5)
+
+
+def test_rounds_keep_thread_figures_only_from_every_round() -> None:
+    def split(store: float) -> dict[str, float]:
+        return {"store calls": store, "native": 0.5, "main": 0.0, "python": 0.25, "ended": 0.0}
+
+    a = iter([Step(1.0, 1.0, None, split(s)) for s in (0.1, 0.2, 0.4)])
+    b = iter([Step(1.0, 1.0, None, t) for t in (split(0.1), None, split(0.3))])
+    rounds = Rounds({"u": lambda: {"a": next(a), "b": next(b)}}, repeats=2)
+    got = rounds.spreads("loads", {"A": "a", "B": "b"}, "a")["loads threads"]
+    assert set(got) == {"A"}  # B's first timed round read none
+    assert got["A"]["store calls"]["median"] == pytest.approx(0.3)
+    assert got["A"]["python"]["median"] == pytest.approx(0.25)
 
 
 def test_a_unit_not_measured_leaves_every_round() -> None:
@@ -79,6 +94,23 @@ def record(machine: bool) -> dict[str, object]:
     if machine:
         case["loads machine cores"] = {"raw": {"min": 1.5, "median": 1.75, "max": 2.0}}
     return {"links": {"loopback": {"case": case}}, "layout": "L", "timing": "T"}
+
+
+@pytest.mark.parametrize("threads", [True, False])
+def test_the_hosts_table_shows_where_the_cores_go(threads: bool) -> None:
+    rec = record(True)
+    if threads:
+        g = {"min": 0.1, "median": 0.25, "max": 0.5}
+        rec["links"]["loopback"]["case"]["loads threads"] = {  # type: ignore[index]
+            "raw": {"store calls": g, "native": g, "main": g, "python": g}}  # no "ended": older
+    table = host_rows_table(rec, host="Host", paired=lambda c, k, r: None,
+                            not_measured_in=lambda kind, row: True)
+    head = "| link | case | kind | row | store calls | native | main | python | ended |"
+    assert (head in table) == threads
+    if threads:
+        row = next(line for line in table.splitlines()
+                   if line.startswith("| loopback | case | loads | raw |"))
+        assert row.endswith("| 0.25 | 0.25 | 0.25 | 0.25 | - |")
 
 
 @pytest.mark.parametrize("machine", [True, False])
