@@ -32,12 +32,13 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["GROUPS", "ThreadSample", "cores", "group_of", "sample"]
+__all__ = ["GROUPS", "MIN_WALL_TICKS", "ThreadSample", "cores", "group_of", "sample"]
 
 GROUPS = ("store calls", "native", "main", "python", "ended")
 _TASKS = Path("/proc/self/task")
 _PROCESS = Path("/proc/self/stat")
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+MIN_WALL_TICKS = 20  # the shortest step with a figure (0.2 s at 100 ticks a second)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,8 +91,10 @@ def cores(before: ThreadSample | None, after: ThreadSample | None,
     """Cores per group (:data:`GROUPS`) between two samples over ``wall``
     seconds; a thread started meanwhile counts from zero, one that ended is
     in ``ended`` (the process's time not in any thread that is left). None
-    when either sample is missing or ``wall`` is not positive."""
-    if before is None or after is None or wall <= 0:
+    when either sample is missing or ``wall`` is shorter than
+    :data:`MIN_WALL_TICKS` clock ticks (each thread's time is counted in
+    whole ticks: a step of a few ticks would be rounding, not a figure)."""
+    if before is None or after is None or wall < MIN_WALL_TICKS / _TICK:
         return None
     out = dict.fromkeys(GROUPS, 0.0)
     for tid, (group, seconds) in after.threads.items():

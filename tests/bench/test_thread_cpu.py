@@ -11,7 +11,7 @@ import time
 import pytest
 
 from layerlift.bench import thread_cpu
-from layerlift.bench.thread_cpu import GROUPS, cores, group_of, sample
+from layerlift.bench.thread_cpu import GROUPS, MIN_WALL_TICKS, cores, group_of, sample
 
 pytestmark = pytest.mark.skipif(sample() is None, reason="no /proc/self/task (not Linux)")
 
@@ -83,5 +83,9 @@ def test_missing_samples_make_no_figure(monkeypatch: pytest.MonkeyPatch) -> None
     assert cores(None, now, 1.0) is None
     assert cores(now, None, 1.0) is None
     assert cores(now, now, 0.0) is None
+    # A step of a few clock ticks (an offload's call that only hands a job
+    # over) has no figure: whole ticks per thread would be rounding.
+    assert cores(now, now, (MIN_WALL_TICKS - 1) / thread_cpu._TICK) is None
+    assert cores(now, now, MIN_WALL_TICKS / thread_cpu._TICK) is not None
     monkeypatch.setattr(thread_cpu, "_TASKS", thread_cpu.Path("/nonexistent/task"))
     assert sample() is None
