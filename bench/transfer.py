@@ -72,8 +72,14 @@ from layerlift.bench.output import add_output_options, write_outputs
 from layerlift.bench.results import plot, render
 from layerlift.bench.stats import spread
 from layerlift.bench.transfer_profile import profiled
-from layerlift.bench.transfer_report import RAW_LOAD, RAW_PUT, plot_record, render_table
-from layerlift.linker.integrity import copy_checksum, footers, slice_seed
+from layerlift.bench.transfer_report import (
+    RAW_CHECKED,
+    RAW_LOAD,
+    RAW_PUT,
+    plot_record,
+    render_table,
+)
+from layerlift.linker.integrity import copy_checksum, footers, mismatches, slice_seed
 from layerlift.linker.master import EmbeddedMaster
 from layerlift.linker.mooncake_config import MooncakeConfig
 from layerlift.linker.mooncake_store import MooncakeStore
@@ -280,7 +286,8 @@ class Bench:
 
     def raw_rows(self, put_store: Store, *, before_put: Callable[[], None] = lambda: None
                  ) -> dict[str, Step]:
-        """The host transfer benchmarks' raw rows: ``raw ranged d4`` (its
+        """The host transfer benchmarks' raw rows: ``raw ranged d4`` and
+        ``raw ranged d4 + check`` (:meth:`raw_ranged_checked`; each one's
         destination checked, then cleared), ``before_put()``, then ``raw
         put`` of every object from ``put_store`` under new keys (removed
         after: never read); each a :class:`Step`."""
@@ -288,7 +295,12 @@ class Bench:
         self.raw_ranged(4)
         load = clock.stop(self.payload)
         self.check()
-        self.dst[:, : self.layout.page_bytes].zero_()
+        self.dst.zero_()
+        clock = Clock()
+        self.raw_ranged_checked(4)
+        checked = clock.stop(self.payload)
+        self.check()
+        self.dst.zero_()
         before_put()
         keys = [f"bench-transfer-raw-put-{uuid.uuid4().hex[:8]}/{i}" for i in range(self.n)]
         clock = Clock()
@@ -296,7 +308,7 @@ class Bench:
                       [self.layout.object_bytes] * self.n)
         put = clock.stop(self.payload)
         put_store.remove(keys)
-        return {RAW_LOAD: load, RAW_PUT: put}
+        return {RAW_LOAD: load, RAW_CHECKED: checked, RAW_PUT: put}
 
     def remove_objects(self) -> None:
         """Remove the load modes' objects (waiting out their read lease)."""
@@ -349,6 +361,31 @@ class Bench:
                     layer(j)
             else:
                 list(self.pool.map(layer, range(lay.layers)))
+
+    def raw_ranged_checked(self, depth: int) -> None:
+        """:meth:`raw_ranged` with LayerLift's check and nothing else: every
+        object's footer first (one call, into its row), then each layer's
+        slices, verified against their footer entries by the thread that
+        read them (no staging, no copy, no scheduler): what checking every
+        slice costs a raw read on this machine's cores. A corrupt slice ends
+        the benchmark."""
+        keys, lay = list(self.keys), self.layout
+        pb, fb, n = lay.page_bytes, lay.objects.footer_bytes, self.n
+        sizes = [[lay.slice]] * n
+        table = self.dst[:, pb : pb + fb].numpy().view("<u4")  # each row's footer, once read
+
+        def layer(j: int) -> None:
+            at = j * lay.slice
+            ptrs = [self.dst_rows.ptr(i) + at for i in range(n)]
+            self.store.get_ranges(keys, [[p] for p in ptrs], sizes, [[at]] * n)
+            bad = mismatches(ptrs, lay.slice, table[:, j], [slice_seed(k, j) for k in keys])
+            _require(not bad, f"a checked raw read found {len(bad)} corrupt slices")
+
+        with self.store.open_session(keys):
+            self.store.get_ranges(keys, [[self.dst_rows.ptr(i) + pb] for i in range(n)],
+                                  [[fb]] * n, [[pb]] * n)
+            list(self.pool.map(layer, range(lay.layers)) if depth > 1
+                 else map(layer, range(lay.layers)))
 
     def _staged(self, *, in_place: bool, depth: int) -> StagedLoad:
         part = LoadPart(self.layout.objects, self.keys)

@@ -11,10 +11,11 @@ from typing import Any
 from layerlift.bench.thread_cpu import GROUPS as THREAD_GROUPS
 from layerlift.bench.transfer_profile import PARTS as PROFILE_PARTS
 
-__all__ = ["RAW_LOAD", "RAW_PUT", "bar_groups", "host_rows_table", "plot_kinds",
+__all__ = ["RAW_CHECKED", "RAW_LOAD", "RAW_PUT", "bar_groups", "host_rows_table", "plot_kinds",
            "plot_record", "render_table"]
 
 RAW_LOAD, RAW_PUT = "raw ranged d4", "raw put"  # the host transfer benchmarks' raw rows
+RAW_CHECKED = "raw ranged d4 + check"  # the raw read with LayerLift's check, nothing else
 
 
 def _q(x: dict[str, float]) -> str:

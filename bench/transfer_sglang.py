@@ -14,8 +14,10 @@ Each repeat runs three units, their order rotated per repeat:
 
 * ``raw``: ``raw ranged d4`` (``bench transfer``'s: one ``get_ranges`` per
   layer of a 32-layer page object per page, four layers in flight, inside
-  one read session, no checksum) and ``raw put`` (one ``put`` of every
-  object), the same payload;
+  one read session, no checksum), ``raw ranged d4 + check`` (the same read
+  after one call of every footer, each layer's slices checked against them
+  by the thread that read them: LayerLift's check and nothing else) and
+  ``raw put`` (one ``put`` of every object), the same payload;
 * each linker (``LayerLiftLinker``; SGLang's ``MooncakeDirectLinker``, built
   by SGLang's factory as ``bench sglang`` builds them): a producer cache
   writes the prompt's KV into its pools (not timed) and inserts it; its
@@ -81,7 +83,13 @@ from layerlift.bench.sglang_setup import (
 )
 from layerlift.bench.transfer import Bench, Clock, Layout, Step
 from layerlift.bench.transfer_hosts import NotMeasured, Rounds, add_case_options, run_host_bench
-from layerlift.bench.transfer_report import RAW_LOAD, RAW_PUT, host_rows_table, plot_kinds
+from layerlift.bench.transfer_report import (
+    RAW_CHECKED,
+    RAW_LOAD,
+    RAW_PUT,
+    host_rows_table,
+    plot_kinds,
+)
 from layerlift.linker.master import EmbeddedMaster
 from layerlift.linker.mooncake_config import MooncakeConfig
 from layerlift.linker.mooncake_store import MooncakeStore
@@ -208,7 +216,7 @@ def measure(case: Case, repeats: int) -> dict[str, Any]:
     rounds = Rounds(units, repeats)
     ratio, stalled = rounds.ratio, rounds.failed
     measured = [n for n in LINKERS if n not in stalled]
-    loads = {RAW_LOAD: RAW_LOAD, **{NAMES[n]: n for n in measured}}
+    loads = {RAW_LOAD: RAW_LOAD, RAW_CHECKED: RAW_CHECKED, **{NAMES[n]: n for n in measured}}
     offloads = {RAW_PUT: RAW_PUT, **{NAMES[n]: f"{n} offload" for n in measured}}
 
     out: dict[str, Any] = {

@@ -15,8 +15,11 @@ Each repeat runs three units, their order rotated per repeat:
 
 * ``raw``: ``raw ranged d4`` (``bench transfer``'s: one ``get_ranges`` per
   layer of every page object, four layers in flight, inside one read
-  session, no checksum) and ``raw put`` (one ``put`` of every object), the
-  same payload in LayerLift's object layout;
+  session, no checksum), ``raw ranged d4 + check`` (the same read
+  after one call of every footer, each layer's slices checked against them
+  by the thread that read them: LayerLift's check and nothing else) and
+  ``raw put`` (one ``put`` of every object), the same payload in
+  LayerLift's object layout;
 * ``layerlift``: one worker offloads the prompt (a ``save`` of every block
   under new page hashes as one job whose blocks the scheduler holds, as
   ``LayerLiftConnector`` runs with vLLM's block pool bound; timed from the
@@ -76,7 +79,13 @@ from layerlift.bench.output import add_output_options
 from layerlift.bench.transfer import Bench, Clock, Step
 from layerlift.bench.transfer import Layout as RawLayout
 from layerlift.bench.transfer_hosts import NotMeasured, Rounds, add_case_options, run_host_bench
-from layerlift.bench.transfer_report import RAW_LOAD, RAW_PUT, host_rows_table, plot_kinds
+from layerlift.bench.transfer_report import (
+    RAW_CHECKED,
+    RAW_LOAD,
+    RAW_PUT,
+    host_rows_table,
+    plot_kinds,
+)
 from layerlift.engine.config import EngineConfig
 from layerlift.hosts.vllm.layout import GroupKind, GroupLayout, Layout
 from layerlift.hosts.vllm.meta import LoadSpec, SaveSpec
@@ -297,7 +306,7 @@ def measure(case: Case, repeats: int) -> dict[str, Any]:
     rounds = Rounds(units, repeats)
     ratio, failed = rounds.ratio, rounds.failed
 
-    loads, offloads = [RAW_LOAD, PER_LAYER, WHOLE], [RAW_PUT, SAVE, SAVE_CALL]
+    loads, offloads = [RAW_LOAD, RAW_CHECKED, PER_LAYER, WHOLE], [RAW_PUT, SAVE, SAVE_CALL]
     paired: dict[str, Any] = {}
     if case.msc is not None and "vllm" not in failed:
         loads.append(MSC_LOAD)

@@ -100,3 +100,26 @@ def test_a_wrong_byte_in_a_load_fails_the_run() -> None:
     bench.dst[1, 5] ^= 1
     with pytest.raises(RuntimeError, match="wrong bytes"):
         bench.check()
+
+
+def test_the_checked_raw_read_checks_every_slice() -> None:
+    """``raw ranged d4 + check`` (the raw read with LayerLift's check and
+    nothing else): exact objects read back exact; one stored byte flipped
+    in one object's last layer ends the run, whichever thread read it."""
+    from layerlift.linker.memory_store import MemoryStore
+
+    store = MemoryStore()
+    bench = transfer.Bench(store, transfer.Layout(4, 2, 16, 2, 16), tokens=128, timeout_s=10.0)
+    try:
+        for depth in (1, 4):
+            bench.raw_ranged_checked(depth)
+            bench.check()
+            bench.dst.zero_()
+        key = bench.keys[3]
+        stored = bytearray(store._objects[key])
+        stored[3 * bench.layout.slice + 7] ^= 0x01  # layer 3 of object 3
+        store._objects[key] = bytes(stored)
+        with pytest.raises(RuntimeError, match="found 1 corrupt slices"):
+            bench.raw_ranged_checked(4)
+    finally:
+        bench.close()

@@ -31,8 +31,8 @@ def test_a_run_writes_every_row_with_its_ratios(tmp_path: Path,
     record = json.loads(out.read_text())
     assert record["benchmark"] == "transfer-vllm"
     case = record["links"]["mooncake-tcp-loopback"]["256 tokens, block 16"]
-    assert list(case["loads"]) == ["raw ranged d4", "LayerLift per layer",
-                                   "LayerLift whole request"]
+    assert list(case["loads"]) == ["raw ranged d4", "raw ranged d4 + check",
+                                   "LayerLift per layer", "LayerLift whole request"]
     assert list(case["offloads"]) == ["raw put", "LayerLift save", "LayerLift save call"]
     assert case["payload_bytes"] == 32 * 256 * 2 * 8 * 128 * 2
     for kind, raw in (("loads", "raw ranged d4"), ("offloads", "raw put")):
@@ -47,6 +47,10 @@ def test_a_run_writes_every_row_with_its_ratios(tmp_path: Path,
     table = render(record)
     assert "| mooncake-tcp-loopback | 256 tokens, block 16 | LayerLift per layer |" in table
     assert "| cores | machine |" in table
+    # where the process's cores went, for every row whose rounds read them
+    assert set(case["loads threads"]) <= set(case["loads"])
+    for row, groups in case["loads threads"].items():
+        assert set(groups) == {"store calls", "native", "main", "python", "ended"}, row
 
 
 def test_a_restore_that_is_not_exact_ends_the_run(monkeypatch: pytest.MonkeyPatch,

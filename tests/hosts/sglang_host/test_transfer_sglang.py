@@ -34,7 +34,7 @@ def test_a_run_writes_every_row_with_its_ratios(tmp_path: Path) -> None:
     assert record["benchmark"] == "transfer-sglang"
     case = record["links"]["mooncake-tcp-loopback"]["512 tokens, page 64"]
     linkers = ["LayerLiftLinker", "MooncakeDirectLinker"]
-    assert list(case["loads"]) == ["raw ranged d4", *linkers]
+    assert list(case["loads"]) == ["raw ranged d4", "raw ranged d4 + check", *linkers]
     assert list(case["offloads"]) == ["raw put", *linkers]
     for kind in ("loads", "offloads"):
         for row, gbps in case[kind].items():
@@ -92,7 +92,7 @@ def test_a_linker_whose_offloads_never_end_is_reported_not_measured(
     out = tmp_path / "stalled.json"
     assert transfer_sglang.main([*SMALL, "--json", str(out)]) == 0
     case = json.loads(out.read_text())["links"]["mooncake-tcp-loopback"]["512 tokens, page 64"]
-    assert list(case["loads"]) == ["raw ranged d4", "LayerLiftLinker"]
+    assert list(case["loads"]) == ["raw ranged d4", "raw ranged d4 + check", "LayerLiftLinker"]
     assert list(case["offloads"]) == ["raw put", "LayerLiftLinker"]
     assert "did not end within" in case["not measured"]["MooncakeDirectLinker"]
     assert "LayerLift / MooncakeDirectLinker" not in case
