@@ -287,7 +287,7 @@ class Bench:
     def raw_rows(self, put_store: Store, *, before_put: Callable[[], None] = lambda: None
                  ) -> dict[str, Step]:
         """The host transfer benchmarks' raw rows: ``raw ranged d4`` and
-        ``raw ranged d4 + check`` (:meth:`raw_ranged_checked`; each one's
+        ``raw ranged d4 + check`` (:meth:`raw_ranged` with its check; each one's
         destination checked, then cleared), ``before_put()``, then ``raw
         put`` of every object from ``put_store`` under new keys (removed
         after: never read); each a :class:`Step`."""
@@ -297,7 +297,7 @@ class Bench:
         self.check()
         self.dst.zero_()
         clock = Clock()
-        self.raw_ranged_checked(4)
+        self.raw_ranged(4, check=True)
         checked = clock.stop(self.payload)
         self.check()
         self.dst.zero_()
@@ -346,31 +346,15 @@ class Bench:
                                 [self.dst_rows.ptr(i) for i in range(lo, hi)], [ob] * (hi - lo))
             _require(all(ok), "a whole read failed")
 
-    def raw_ranged(self, depth: int) -> None:
-        keys, lay = list(self.keys), self.layout
-        sizes = [[lay.slice]] * self.n
-
-        def layer(j: int) -> None:
-            at = j * lay.slice
-            self.store.get_ranges(keys, [[self.dst_rows.ptr(i) + at] for i in range(self.n)],
-                                  sizes, [[at]] * self.n)
-
-        with self.store.open_session(keys):
-            if depth == 1:
-                for j in range(lay.layers):
-                    layer(j)
-            else:
-                list(self.pool.map(layer, range(lay.layers)))
-
-    def raw_ranged_checked(self, depth: int) -> None:
-        """:meth:`raw_ranged` with LayerLift's check and nothing else: every
-        object's footer first (one call, into its row), then each layer's
-        slices, verified against their footer entries by the thread that
-        read them (no staging, no copy, no scheduler): what checking every
-        slice costs a raw read on this machine's cores. A corrupt slice ends
-        the benchmark."""
-        keys, lay = list(self.keys), self.layout
-        pb, fb, n = lay.page_bytes, lay.objects.footer_bytes, self.n
+    def raw_ranged(self, depth: int, *, check: bool = False) -> None:
+        """One ``get_ranges`` per layer (each object's slice), ``depth``
+        layers in flight, inside one read session. ``check`` (``raw ranged
+        d4 + check``: LayerLift's check and nothing else): every object's
+        footer first (one call, into its row), then each layer's slices
+        verified against their entries by the thread that read them (no
+        staging, no copy, no scheduler); a corrupt slice ends the benchmark."""
+        keys, lay, n = list(self.keys), self.layout, self.n
+        pb, fb = lay.page_bytes, lay.objects.footer_bytes
         sizes = [[lay.slice]] * n
         table = self.dst[:, pb : pb + fb].numpy().view("<u4")  # each row's footer, once read
 
@@ -378,14 +362,19 @@ class Bench:
             at = j * lay.slice
             ptrs = [self.dst_rows.ptr(i) + at for i in range(n)]
             self.store.get_ranges(keys, [[p] for p in ptrs], sizes, [[at]] * n)
-            bad = mismatches(ptrs, lay.slice, table[:, j], [slice_seed(k, j) for k in keys])
-            _require(not bad, f"a checked raw read found {len(bad)} corrupt slices")
+            if check:
+                bad = mismatches(ptrs, lay.slice, table[:, j], [slice_seed(k, j) for k in keys])
+                _require(not bad, f"a checked raw read found {len(bad)} corrupt slices")
 
         with self.store.open_session(keys):
-            self.store.get_ranges(keys, [[self.dst_rows.ptr(i) + pb] for i in range(n)],
-                                  [[fb]] * n, [[pb]] * n)
-            list(self.pool.map(layer, range(lay.layers)) if depth > 1
-                 else map(layer, range(lay.layers)))
+            if check:
+                self.store.get_ranges(keys, [[self.dst_rows.ptr(i) + pb] for i in range(n)],
+                                      [[fb]] * n, [[pb]] * n)
+            if depth == 1:
+                for j in range(lay.layers):
+                    layer(j)
+            else:
+                list(self.pool.map(layer, range(lay.layers)))
 
     def _staged(self, *, in_place: bool, depth: int) -> StagedLoad:
         part = LoadPart(self.layout.objects, self.keys)

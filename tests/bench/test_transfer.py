@@ -112,7 +112,7 @@ def test_the_checked_raw_read_checks_every_slice() -> None:
     bench = transfer.Bench(store, transfer.Layout(4, 2, 16, 2, 16), tokens=128, timeout_s=10.0)
     try:
         for depth in (1, 4):
-            bench.raw_ranged_checked(depth)
+            bench.raw_ranged(depth, check=True)
             bench.check()
             bench.dst.zero_()
         key = bench.keys[3]
@@ -120,6 +120,6 @@ def test_the_checked_raw_read_checks_every_slice() -> None:
         stored[3 * bench.layout.slice + 7] ^= 0x01  # layer 3 of object 3
         store._objects[key] = bytes(stored)
         with pytest.raises(RuntimeError, match="found 1 corrupt slices"):
-            bench.raw_ranged_checked(4)
+            bench.raw_ranged(4, check=True)
     finally:
         bench.close()
