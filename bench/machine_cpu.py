@@ -17,9 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Busy", "CpuSample", "cores", "sample"]
+__all__ = ["MIN_TICKS", "Busy", "CpuSample", "cores", "sample"]
 
 _STAT = Path("/proc/stat")
+MIN_TICKS = 20  # the shortest stretch with a figure, in clock ticks (0.2 s at 100 a second)
 _NOT_BUSY = (3, 4, 7)  # idle, iowait, steal: the fields after "cpu", from 0
 
 
@@ -50,7 +51,12 @@ def sample() -> CpuSample | None:
 
 def cores(before: CpuSample | None, after: CpuSample | None) -> float | None:
     """Cores busy machine-wide between two samples (0 to ``cpus``); None
-    when either is missing or no tick passed between them."""
+    when either is missing or fewer than :data:`MIN_TICKS` clock ticks
+    passed between them (counters in whole ticks: a step of a tick or two,
+    such as a call that only hands a job over, would read 0 or every core)."""
+    if before is not None and after is not None and \
+            after.total - before.total < MIN_TICKS * after.cpus:
+        return None
     one = Busy()
     one.add(before, after)
     return one.cores

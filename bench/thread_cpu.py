@@ -32,13 +32,15 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from layerlift.bench.machine_cpu import MIN_TICKS
+
 __all__ = ["GROUPS", "MIN_WALL_TICKS", "ThreadSample", "cores", "group_of", "sample"]
 
 GROUPS = ("store calls", "native", "main", "python", "ended")
 _TASKS = Path("/proc/self/task")
 _PROCESS = Path("/proc/self/stat")
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-MIN_WALL_TICKS = 20  # the shortest step with a figure (0.2 s at 100 ticks a second)
+MIN_WALL_TICKS = MIN_TICKS  # the shortest step with a figure, as the machine's
 
 
 @dataclass(frozen=True, slots=True)
