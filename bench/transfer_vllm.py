@@ -41,8 +41,12 @@ Each repeat runs three units, their order rotated per repeat:
   again first, not timed.
 
 Both LayerLift workers run as the connector builds them: the default 64 MiB
-staging ring (``client_buffer_bytes``), ``max_in_flight`` 8; vLLM's
-connector with its defaults. GB/s is of page bytes (footers not counted);
+staging ring (``client_buffer_bytes``), ``max_in_flight`` 8, restores in
+place into the blocks where the worker picks it (blocks of 256 KiB a layer
+or more; ``--with-staged`` adds ``per layer, staged`` and ``whole request,
+staged``: a third worker that restores through the staging ring only, in
+the same rounds, and their paired ratios, ``default / staged restores``);
+vLLM's connector with its defaults. GB/s is of page bytes (footers not counted);
 ``/ raw`` is the median of the per-repeat ratios of a load to ``raw ranged
 d4`` and of an offload to ``raw put``, ``/ MooncakeStoreConnector`` of a
 LayerLift row to vLLM's connector's load or save; ``cores`` the process's
@@ -100,6 +104,7 @@ __all__ = ["build_parser", "main", "render_table"]
 LAYERS, KV_HEADS, HEAD_DIM, DTYPE = 32, 8, 128, torch.bfloat16
 SAVE, SAVE_CALL = "LayerLift save", "LayerLift save call"
 PER_LAYER, WHOLE = "LayerLift per layer", "LayerLift whole request"
+PER_LAYER_STAGED, WHOLE_STAGED = "LayerLift per layer, staged", "LayerLift whole request, staged"
 MSC_LOAD, MSC_SAVE = "MooncakeStoreConnector load", "MooncakeStoreConnector save"
 LEASE_MS = 5000  # the loopback master's read lease, `layerlift master`'s: a raw read's
 # session must outlive one layer's read of every object (1.4 s at block 16)
@@ -181,7 +186,7 @@ class Case:
     and a restoring worker over vLLM-shaped tensors."""
 
     def __init__(self, tokens: int, block: int, client: Store, timeout_s: float,
-                 msc: list[str] | None) -> None:
+                 msc: list[str] | None, with_staged: bool = False) -> None:
         self.blocks = tokens // block
         self.n = self.blocks * block
         self.timeout_s = timeout_s
@@ -202,15 +207,21 @@ class Case:
             self.dst = kv_caches(self.layout, self.blocks, seed=None)
             namespace = f"bench-transfer-vllm-{uuid.uuid4().hex[:8]}"
 
-            def worker(store: Store, kv: dict[str, torch.Tensor]) -> BlockWorker:
+            def worker(store: Store, kv: dict[str, torch.Tensor],
+                       in_place: bool = True) -> BlockWorker:
                 w = BlockWorker(store, self.layout, kv, schema=self.layout.schema(namespace),
                                 staging_bytes=config.client_buffer_bytes,
-                                max_in_flight=config.max_in_flight, load_timeout_s=timeout_s)
+                                max_in_flight=config.max_in_flight, load_timeout_s=timeout_s,
+                                in_place_restores=in_place)
                 stack.callback(w.close, timeout_s)
                 return w
 
             self.saver = worker(client, self.src)
             self.loader = worker(client, self.dst)
+            # The A/B of in-place restores, in the same rounds: a worker that
+            # restores through the staging ring only.
+            self.staged_loader = worker(client, self.dst, in_place=False) if with_staged \
+                else None
             self.msc = None if msc is None else stack.enter_context(_Child(
                 [*msc, "--tokens", str(self.n), "--block", str(block), "--layers", str(LAYERS),
                  "--kv-heads", str(KV_HEADS), "--head-dim", str(HEAD_DIM),
@@ -248,6 +259,9 @@ class Case:
         self._restored = keys
         out[PER_LAYER] = self._restore(items, sync=True)
         out[WHOLE] = self._restore(items, sync=False)
+        if self.staged_loader is not None:
+            out[PER_LAYER_STAGED] = self._restore(items, sync=True, w=self.staged_loader)
+            out[WHOLE_STAGED] = self._restore(items, sync=False, w=self.staged_loader)
         return out
 
     def msc_unit(self) -> dict[str, Step]:
@@ -273,10 +287,11 @@ class Case:
         keys, self._restored = self._restored, []
         self.raw.remove_keys(keys)
 
-    def _restore(self, items: list[tuple[int, bytes, int]], *, sync: bool) -> Step:
+    def _restore(self, items: list[tuple[int, bytes, int]], *, sync: bool,
+                 w: BlockWorker | None = None) -> Step:
         for t in self.dst.values():
             t.zero_()
-        w = self.loader
+        w = w or self.loader
         clock = Clock()
         w.begin_step()
         w.start_loads([LoadSpec("bench", items, sync=sync)])
@@ -307,6 +322,10 @@ def measure(case: Case, repeats: int) -> dict[str, Any]:
     ratio, failed = rounds.ratio, rounds.failed
 
     loads, offloads = [RAW_LOAD, RAW_CHECKED, PER_LAYER, WHOLE], [RAW_PUT, SAVE, SAVE_CALL]
+    staged: dict[str, Any] = {}
+    if case.staged_loader is not None:
+        loads += [PER_LAYER_STAGED, WHOLE_STAGED]
+        staged = {PER_LAYER: ratio(PER_LAYER, PER_LAYER_STAGED), WHOLE: ratio(WHOLE, WHOLE_STAGED)}
     paired: dict[str, Any] = {}
     if case.msc is not None and "vllm" not in failed:
         loads.append(MSC_LOAD)
@@ -316,6 +335,7 @@ def measure(case: Case, repeats: int) -> dict[str, Any]:
     return {
         "tokens": case.n, "block": case.layout.page_size, "repeats": repeats,
         "payload_bytes": case.payload, "LayerLift / MooncakeStoreConnector": paired,
+        **({"default / staged restores": staged} if staged else {}),
         **rounds.spreads("loads", {k: k for k in loads}, RAW_LOAD),
         **rounds.spreads("offloads", {k: k for k in offloads}, RAW_PUT),
         "not measured": {row: why for unit, why in failed.items()
@@ -343,9 +363,14 @@ def run_cases(client: Store, msc: list[str] | None, args: argparse.Namespace) ->
         for block in args.block_sizes:
             label = f"{tokens} tokens, block {block}"
             print(f"  {label}", flush=True)
-            case = Case(tokens, block, client, args.timeout, msc)
+            case = Case(tokens, block, client, args.timeout, msc, with_staged=args.with_staged)
             try:
                 out[label] = measure(case, args.repeats)
+                ab = out[label].get("default / staged restores")
+                if ab:
+                    print("    default / staged restores (median of per-round ratios): "
+                          + ", ".join(f"{row} {r['median']:.2f} [{r['min']:.2f}, {r['max']:.2f}]"
+                                      for row, r in ab.items()), flush=True)
             finally:
                 case.close()
     return out
@@ -394,7 +419,9 @@ def run_netns(rate: str, args: argparse.Namespace) -> dict[str, Any]:
                  "--tokens", ",".join(map(str, args.tokens)),
                  "--block-sizes", ",".join(map(str, args.block_sizes)),
                  "--repeats", str(args.repeats), "--timeout", str(args.timeout),
-                 *(["--no-msc"] if args.no_msc else []), "--cluster", master, "--json", str(out)]
+                 *(["--no-msc"] if args.no_msc else []),
+                 *(["--with-staged"] if args.with_staged else []),
+                 "--cluster", master, "--json", str(out)]
         cases: dict[str, Any] = engine_host_json(hosts, child, tmp, out)["cases"]
         return cases
 
@@ -423,6 +450,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-msc", action="store_true",
                         help="leave vLLM's MooncakeStoreConnector out (it needs vLLM 0.32: "
                              "without it, it is left out anyway)")
+    parser.add_argument("--with-staged", action="store_true",
+                        help="also restore through the staging ring only (a worker with "
+                             "in_place_restores=False), in the same rounds: the A/B of "
+                             "in-place restores")
     add_link_options(parser)
     return parser
 

@@ -33,9 +33,17 @@ class InPlaceReads(LoadCore):
         of the ring (``overflow``: never waits for it); then every CRC verified
         where the slices landed. The gate is looked at before the read (a read
         in flight cannot be revoked: the placement's memory is the adapter's
-        until the load is quiet) and held while the layer is marked landed."""
-        if not self.gate.open:
-            raise TransferRevoked(f"layer {chunk.layer}: the load was stopped before its read")
+        until the load is quiet) and held while the layer is marked landed;
+        from that look until the slices were verified and the layer landed,
+        the read counts in the gate's reads in flight (``Gate.reading``)."""
+        with self.gate.reading() as open_:
+            if not open_:
+                raise TransferRevoked(f"layer {chunk.layer}: the load was stopped before "
+                                      "its read")
+            self._read_in_place(chunk, placement)
+
+    def _read_in_place(self, chunk: LoadChunk, placement: Placement) -> None:
+        """The body of :meth:`_chunk_in_place`, the read counted in flight."""
         plan: list[tuple[_SegmentRead, list[int]]] = []
         at = 0
         for seg in chunk.segments:
@@ -101,8 +109,13 @@ class InPlaceReads(LoadCore):
         placement = self.placement
         if placement is None:
             raise ValueError("only an in-place load reads whole objects")
-        if not self.gate.open:
-            raise TransferRevoked("the load was stopped before its read")
+        with self.gate.reading() as open_:
+            if not open_:
+                raise TransferRevoked("the load was stopped before its read")
+            self._read_whole(placement)
+
+    def _read_whole(self, placement: Placement) -> None:
+        """The body of :meth:`fetch_whole`, the read counted in flight."""
         plan: list[tuple[LoadPart, list[int], int]] = []
         at = 0
         for part in self.parts:

@@ -70,11 +70,21 @@ __all__ = [
 
 class Gate:
     """Opens once, closes once: copies into a load's destination happen only
-    while it is open, holding its lock (see the module docstring)."""
+    while it is open, holding its lock (see the module docstring).
+
+    It also counts an in-place load's **reads in flight** (:meth:`reading`:
+    a store call writing straight into the destination, and the check of
+    what it wrote; :meth:`keep_until`: a call that timed out and still
+    runs). Closing does not stop a read already issued (a store call cannot
+    be revoked): an adapter whose destination it cannot keep (vLLM's
+    blocks, which vLLM reuses once told) hands it back only once
+    :meth:`wait_reads` returned True, or from :meth:`when_quiet`."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.Condition(threading.Lock())
         self._open = True
+        self._reads = 0
+        self._quiet: list[Callable[[], None]] = []
 
     @contextmanager
     def held(self) -> Iterator[bool]:
@@ -83,13 +93,75 @@ class Gate:
             yield self._open
 
     def close(self) -> None:
-        """Close it: returns once no copy runs; none starts afterwards. Idempotent."""
+        """Close it: returns once no copy runs; none starts afterwards (reads
+        in flight go on: :meth:`wait_reads`). Idempotent."""
         with self._lock:
             self._open = False
 
     @property
     def open(self) -> bool:
         return self._open
+
+    @contextmanager
+    def reading(self) -> Iterator[bool]:
+        """A read into the destination: yields whether the gate is open
+        (read only if True), counted in flight from that same look at the
+        gate until the block exits (so a :meth:`close` either comes first
+        and no read starts, or :meth:`wait_reads` waits for this one)."""
+        with self._lock:
+            open_ = self._open
+            if open_:
+                self._reads += 1
+        try:
+            yield open_
+        finally:
+            if open_:
+                self._ended()
+
+    def keep_until(self, exc: StoreTimeout) -> None:
+        """A read that timed out may still write the destination: count it
+        in flight until its call ended (``exc.future``; nothing when no call
+        runs on), and mark ``exc.owned``. Call it inside :meth:`reading`."""
+        future = exc.future
+        if future is None:
+            return
+        with self._lock:
+            self._reads += 1
+        exc.owned = True
+        future.add_done_callback(lambda _f: self._ended())
+
+    def _ended(self) -> None:
+        with self._lock:
+            self._reads -= 1
+            if self._reads:
+                return
+            self._lock.notify_all()
+            quiet, self._quiet = self._quiet, []
+        for fn in quiet:
+            fn()
+
+    @property
+    def reads(self) -> int:
+        """Reads in flight now (:meth:`reading`, :meth:`keep_until`): a
+        snapshot, read without the lock (so a copy under :meth:`held` may
+        look at it)."""
+        return self._reads
+
+    def wait_reads(self, timeout_s: float | None) -> bool:
+        """Block until no read is in flight (at most ``timeout_s``); True
+        when none is."""
+        with self._lock:
+            return self._lock.wait_for(lambda: self._reads == 0, timeout_s)
+
+    def when_quiet(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` once no read is in flight: now, on this thread, if none
+        is; else on the thread that ends the last one (a store call's
+        completion for a read that timed out)."""
+        with self._lock:
+            if self._reads:
+                self._quiet.append(fn)
+                return
+        fn()
 
 
 class Sink(Protocol):
@@ -124,9 +196,11 @@ class Placement(Protocol):
     def timed_out(self, part: LoadPart, lo: int, hi: int, exc: StoreTimeout) -> None:
         """A read into rows ``lo..hi`` of ``part`` timed out and may still
         run: take that memory over (keep it alive and unreused until the call
-        ended; mark ``exc.owned``), or wait for the call (``exc.wait_finished``)
-        before returning. The worker thread that read calls it, before the
-        failure is raised."""
+        ended; mark ``exc.owned``; an adapter that hands the memory back only
+        once the load's gate has no read in flight calls ``gate.keep_until``),
+        or wait for the call (``exc.wait_finished``) before returning. The
+        worker thread that read calls it, inside the read's
+        ``gate.reading()``, before the failure is raised."""
 
 
 Scatter = Callable[[LoadSegment, LoadPart, torch.Tensor], None]

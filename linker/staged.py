@@ -91,8 +91,8 @@ returned.
 thread, the jobs in order: the first reads everything, the others return
 once their layer is in).
 
-In place (the engine's loads)
-=============================
+In place (the engine's loads, vLLM's worker's host restores)
+=============================================================
 
 With a :class:`Placement` instead of a sink, a layer is one chunk (one
 ``get_ranges`` call, whatever its size: the engine's "one store call per
@@ -104,9 +104,14 @@ slices where they landed: a corrupt slice is in the destination then, and
 :class:`CorruptSlices` tells the adapter to treat the layer as not
 restored (the engine recomputes it; its pages were never visible). Step 4
 has no copy: the gate is looked at before the read and held while
-``on_layer`` runs. A ``StoreTimeout`` hands the checks' region over, as
-above, and ``placement.timed_out`` takes the destination over (the engine
-pins the pages the call may still write). ``verify=False`` reads the slices
+``on_layer`` runs; from that look until the layer landed (or failed) the
+read counts in the gate's reads in flight (``Gate.reading``): closing the
+gate cannot revoke a read already issued, so an adapter that cannot keep
+the destination (vLLM's blocks) hands it back only once ``Gate.wait_reads``
+returned True (or from ``Gate.when_quiet``). A ``StoreTimeout`` hands the
+checks' region over, as above, and ``placement.timed_out`` takes the
+destination over (the engine pins the pages the call may still write;
+vLLM's worker counts the call in flight until it ended, ``Gate.keep_until``). ``verify=False`` reads the slices
 alone (the engine's ``verify_restores=False``, a negative control).
 :meth:`StagedLoad.fetch_whole` is the barrier's read in place: every object
 whole (page and footer) in one call, then every slice verified.

@@ -7,6 +7,7 @@ byte-exact ends the run: a figure is only printed for checked restores."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 from pathlib import Path
@@ -17,6 +18,7 @@ import torch
 from layerlift.bench import transfer_vllm
 from layerlift.bench.results import render
 from layerlift.hosts.vllm.worker_load import LoadSide
+from layerlift.linker.load_in_place import InPlaceReads
 
 pytestmark = [pytest.mark.mooncake]
 
@@ -67,4 +69,40 @@ def test_a_restore_that_is_not_exact_ends_the_run(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(LoadSide, "_scatter", spoiled)
     with pytest.raises(RuntimeError, match="a restore wrote wrong bytes"):
         transfer_vllm.main([*SMALL, "--json", str(tmp_path / "x.json")])
+    assert not (tmp_path / "x.json").exists()
+
+
+REAL_BLOCK = ["--tokens", "256", "--block-sizes", "128", "--repeats", "1", "--no-msc"]
+
+
+def test_with_staged_measures_both_restores_in_the_same_rounds(tmp_path: Path) -> None:
+    """At 128-token blocks (512 KiB a layer) the worker restores in place;
+    ``--with-staged`` adds a worker that restores through staging, its rows
+    and the paired ratios of the two, every restore checked."""
+    out = tmp_path / "ab.json"
+    assert transfer_vllm.main([*REAL_BLOCK, "--with-staged", "--json", str(out)]) == 0
+    case = json.loads(out.read_text())["links"]["mooncake-tcp-loopback"]["256 tokens, block 128"]
+    assert list(case["loads"])[-2:] == ["LayerLift per layer, staged",
+                                        "LayerLift whole request, staged"]
+    ab = case["default / staged restores"]
+    assert set(ab) == {"LayerLift per layer", "LayerLift whole request"}
+    assert all(0 < r["min"] <= r["median"] <= r["max"] for r in ab.values())
+
+
+def test_an_in_place_restore_spoiled_after_its_check_ends_the_run(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The negative control of the in-place path: one byte of one layer's
+    first block flipped after its slices verified where they landed is
+    caught by the benchmark's own comparison with the source."""
+    real = InPlaceReads._verify_in_place
+
+    def spoiled(self: InPlaceReads, layer: int, plan, region) -> None:  # type: ignore[no-untyped-def]
+        real(self, layer, plan, region)
+        if layer == 3:
+            first = plan[0][1][0]  # the first row's address of the first segment
+            ctypes.c_uint8.from_address(first).value ^= 0xFF
+
+    monkeypatch.setattr(InPlaceReads, "_verify_in_place", spoiled)
+    with pytest.raises(RuntimeError, match="a restore wrote wrong bytes"):
+        transfer_vllm.main([*REAL_BLOCK, "--json", str(tmp_path / "x.json")])
     assert not (tmp_path / "x.json").exists()

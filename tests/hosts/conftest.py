@@ -22,7 +22,7 @@ from pathlib import Path
 _FOLDERS = {"sglang": "sglang_host", "vllm": "vllm_host", "vllm033": "vllm033_host"}
 # host -> (module, release series it needs; None: any)
 _MODULES = {"sglang": ("sglang", None), "vllm": ("vllm", "0.32"), "vllm033": ("vllm", "0.33")}
-_WITHOUT_HOST = {"vllm_host": {"test_vllm_device.py", "test_vllm_held_saves.py",
+_WITHOUT_HOST = {"vllm_host": {"test_vllm_device.py", "test_vllm_held_saves.py", "test_vllm_in_place.py",
                                 "test_vllm_host_copies.py"}}  # files that import no host
 _required = {h for h in os.environ.get("LAYERLIFT_HOST_TESTS", "").split(",") if h}
 

@@ -541,3 +541,65 @@ def test_mooncake_each_slice_lands_in_place_verified(long_lease_master: Embedded
         dest.close()
     finally:
         store.close()
+
+
+class _HeldRead(ForwardingStore):
+    """Forwards; the next ranged read reads, then waits for ``release``
+    (``started`` set once it waits)."""
+
+    def __init__(self, inner: Store) -> None:
+        super().__init__(inner)
+        self.release, self.started = threading.Event(), threading.Event()
+
+    def get_ranges(self, keys: Sequence[str], dst_ptrs: Sequence[Sequence[int]],
+                   sizes: Sequence[Sequence[int]], src_offsets: Sequence[Sequence[int]]) -> None:
+        self.inner.get_ranges(keys, dst_ptrs, sizes, src_offsets)
+        self.started.set()
+        assert self.release.wait(30), "the test never released the read"
+
+
+def test_an_in_place_read_counts_in_flight_until_it_was_verified_and_landed() -> None:
+    """From the look at the gate until the layer landed the read counts in
+    ``gate.reads`` (``on_layer`` sees it counted); a gate closed while the
+    read runs revokes the layer after it, and ``wait_reads`` returns only
+    once that read ended: what an adapter that hands the memory back after
+    ``wait_reads`` (vLLM's worker) relies on."""
+    spy, src = _stored()
+    held = _HeldRead(spy)
+    ring = StagingRing(held, 64 << 10)
+    dest = Pages(held, N)
+    gate = Gate()
+    seen: list[int] = []
+    load = _load(ring, held, dest, gate=gate, on_layer=lambda layer, _e: seen.append(gate.reads))
+    worker = threading.Thread(target=load.fetch_layer, args=(0,))
+    worker.start()
+    assert held.started.wait(10)
+    assert gate.reads == 1 and not gate.wait_reads(0.0)
+    held.release.set()
+    worker.join(10)
+    assert seen == [1] and gate.reads == 0 and gate.wait_reads(0.0)
+    # Layer 1: the gate closes while its read runs.
+    held.release.clear()
+    held.started.clear()
+    errors: list[BaseException] = []
+
+    def fetch() -> None:
+        try:
+            load.fetch_layer(1)
+        except BaseException as exc:
+            errors.append(exc)
+
+    worker = threading.Thread(target=fetch)
+    worker.start()
+    assert held.started.wait(10)
+    gate.close()  # returns at once: the read is not a copy
+    assert gate.reads == 1 and not gate.wait_reads(0.1)
+    held.release.set()
+    assert gate.wait_reads(10)
+    worker.join(10)
+    assert len(errors) == 1 and isinstance(errors[0], TransferRevoked) and seen == [1]
+    offset, size = LAYOUT.slices[1]
+    for row in range(N):  # the read landed (it was issued), but the layer never did
+        assert torch.equal(dest.page(row)[offset : offset + size], src[row][offset : offset + size])
+    assert ring.close()
+    dest.close()

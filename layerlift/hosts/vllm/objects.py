@@ -5,7 +5,9 @@ one CRC-32 per layer (`layerlift.linker.integrity`: seeded with the key and
 the layer, so a foreign object or a swapped slice fails too): the
 `ObjectLayout` of ``linker/staged.py`` with one slice per layer. Plain and
 synchronous: the worker stages offloads on vLLM's thread; restores go through
-`StagedLoad` (the worker's sink copies verified rows with `block_bytes`).
+`StagedLoad` (the worker's sink copies verified rows with `block_bytes`), or,
+on the host path at a real block size, in place: `BlockPlacement` names the
+blocks the store writes each layer's slices into, verified there.
 
 On a device (CUDA, or the simulated device of the tests) the same bytes move
 with index copies instead: `scatter_rows` writes a segment's verified rows
@@ -28,10 +30,11 @@ import torch
 from layerlift.hosts.vllm.layout import GroupLayout, Layout
 from layerlift.linker.integrity import CHECK_BYTES, checksums, copy_checksum, slice_seed
 from layerlift.linker.ring import Region
-from layerlift.linker.staged import DeviceSink, LoadPart, LoadSegment
+from layerlift.linker.staged import DeviceSink, Gate, LoadPart, LoadSegment
+from layerlift.linker.store_base import StoreTimeout
 from layerlift.overlap.device import Device
 
-__all__ = ["BlockSink", "HostBlocks", "KeyedItem", "block_bytes", "block_table", "copy_page",
+__all__ = ["BlockPlacement", "BlockSink", "HostBlocks", "KeyedItem", "block_bytes", "block_table", "copy_page",
            "gather_pages", "group_runs", "host_blocks", "scatter_rows", "stage_objects", "stage_pages"]
 
 # (group index, store key, block id): an item with the key of this worker's rank
@@ -112,6 +115,53 @@ class HostBlocks:
             raise ValueError(f"LayerLift: a block of this KV cache is {self.nbytes} bytes, "
                              f"not the layout's {nbytes}")
         return self.base + block * self.stride
+
+
+class BlockPlacement:
+    """An in-place restore's destination (a `Placement` of ``linker/sinks.py``):
+    vLLM's host blocks, registered with the store. The parts' targets are
+    ``(group, blocks)`` as the staged restore's; ``names[group]`` are the
+    group's layer names in slice order. Every block and every layer's block
+    size is checked once, here (ValueError: the restore is refused before
+    anything is read); a layer's addresses are then one array operation.
+    A read that timed out keeps counting in ``gate``'s reads in flight until
+    its call ended (`Gate.keep_until`): the worker hands the blocks back to
+    vLLM only once none is (vLLM reuses them then)."""
+
+    def __init__(self, blocks: Mapping[str, HostBlocks | None], names: Mapping[int, Sequence[str]],
+                 parts: Sequence[LoadPart], sizes: Mapping[str, int], gate: Gate) -> None:
+        self.gate = gate
+        self._rows: dict[int, np.ndarray] = {}
+        self._tables: dict[tuple[int, int], HostBlocks] = {}
+        for part in parts:
+            g, ids = part.target
+            rows = np.asarray(ids, dtype=np.int64)
+            for j, name in enumerate(names[g]):
+                host = blocks.get(name)
+                if host is None:
+                    raise ValueError(f"LayerLift: layer {name}'s KV cache has no host block "
+                                     "table; it cannot be restored in place")
+                if host.nbytes != sizes[name]:
+                    raise ValueError(f"LayerLift: a block of {name} is {host.nbytes} bytes, "
+                                     f"not the layout's {sizes[name]}")
+                if rows.size and (int(rows.min()) < 0 or int(rows.max()) >= host.count):
+                    raise ValueError(f"LayerLift: the restore names a block outside {name}'s "
+                                     f"{host.count} blocks")
+                self._tables[(g, j)] = host
+            self._rows[g] = rows
+
+    def addresses(self, seg: LoadSegment, part: LoadPart) -> list[int]:
+        g = part.target[0]
+        host = self._tables[(g, seg.local)]
+        out: list[int] = (host.base + self._rows[g][seg.lo : seg.hi] * host.stride).tolist()
+        return out
+
+    def pages(self, part: LoadPart) -> list[int]:
+        raise ValueError("vLLM's blocks hold one layer each: an object is never read whole "
+                         "into them")
+
+    def timed_out(self, part: LoadPart, lo: int, hi: int, exc: StoreTimeout) -> None:
+        self.gate.keep_until(exc)
 
 
 def host_blocks(kv: torch.Tensor) -> HostBlocks | None:

@@ -17,6 +17,20 @@ Threads and ownership:
   hears a load failed, so nothing writes into its blocks afterwards. A region
   lent to a store call that timed out returns to the ring only once that
   call ended (`Region.hand_over`).
+* On the host path a restore of blocks of at least ``IN_PLACE_BYTES`` a
+  layer (at most ``IN_PLACE_ROWS`` a group) reads in place instead: vLLM's
+  cache is registered with the store once, each layer is one store call of
+  its blocks' slices straight into the blocks (`BlockPlacement`), verified
+  there, only the checksums through the ring; no staging, no copy. A read
+  already issued cannot be revoked, so the gate also counts reads in flight
+  (`Gate.reading`, and `Gate.keep_until` for a call that timed out): vLLM
+  hears of such a load (`results`, `step_errors`) only once none is (its
+  blocks are held until then: an asynchronous load's by vLLM until it is
+  reported, a synchronous one's until the step's errors are asked for),
+  waited for at most ``read_end_s`` on vLLM's thread (then
+  `BlocksStillWritten`, never blocks handed back while written). A corrupt
+  slice is in the block then, which is reported failed as any failed
+  layer's blocks are (vLLM recomputes them).
 * Offloads whose blocks the scheduler holds (a `SaveSpec` with a ``job``:
   vLLM's block pool keeps one reference of the job on each attention block
   until every worker reported the job, ``planner.BlockHolds``) run after the
@@ -120,8 +134,8 @@ class BlockWorker(LoadSide, SaveSide):
         self._unregister_staging()
 
     def _unregister_staging(self) -> None:
-        """Unregister the rings (and vLLM's cache, where in-place saves
-        registered it) from the store (the store outlives this worker): a
+        """Unregister the rings (and vLLM's cache, where in-place saves or
+        restores registered it) from the store (the store outlives this worker): a
         later buffer at the same address must be registrable."""
         if self._tasks:
             return  # a call may still use them (the store's close frees them)
@@ -132,6 +146,10 @@ class BlockWorker(LoadSide, SaveSide):
                 ring.close()  # with a timed-out call's region still out: once it returned
             except StoreError as exc:
                 log.warning("LayerLift: unregistering staging failed: %s", exc)
+        if self._reading:  # an in-place restore's read still runs into vLLM's cache
+            log.warning("LayerLift: a store read into vLLM's cache still runs; the cache "
+                        "stays registered with the store")
+            return
         spans, self._cache_registered = self._cache_registered or [], None
         for ptr in spans:  # in-place saves' registration of vLLM's cache
             try:

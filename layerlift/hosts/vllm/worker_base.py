@@ -25,18 +25,25 @@ from layerlift.hosts.vllm.layout import GroupKind, GroupLayout, Layout
 from layerlift.hosts.vllm.meta import Item, LoadSpec, WorkerReport
 from layerlift.hosts.vllm.objects import BlockSink, KeyedItem, host_blocks
 from layerlift.linker.keys import KeySchema
+from layerlift.linker.registered import register_spans
 from layerlift.linker.ring import StagingRing
 from layerlift.linker.staged import Gate, ObjectLayout, StagedLoad
 from layerlift.linker.store_base import Store
 from layerlift.overlap import CpuLane, LayerReadiness, LoadPolicy, LoadScheduler
 from layerlift.overlap.device import CudaDevice, Device
 
-__all__ = ["REPLACE_WAIT_S", "WorkerBase", "device_for"]
+__all__ = ["READ_END_S", "REPLACE_WAIT_S", "WorkerBase", "device_for"]
 
 log = logging.getLogger("vllm.layerlift")
 _Read = Callable[[int, list[int], torch.Tensor], None]  # `stage_pages`'s read
 REPLACE_WAIT_S = 15.0  # > the 5 s read lease of `layerlift master`, with margin
 SAVE_RING_FACTOR = 4  # the held saves' ring, in staging sizes (host path)
+# How long a store read still running into vLLM's blocks (an in-place restore
+# that failed or timed out) is waited for before vLLM hears of the load: the
+# call ends within Mooncake's transfer timeout (``MC_TRANSFER_TIMEOUT``, 30 s
+# by default) after the store's own bound; beyond this the worker raises
+# rather than hand back blocks a read may still write.
+READ_END_S = 90.0
 
 
 @dataclass(slots=True)
@@ -52,6 +59,9 @@ class _Load:
     landed: float = 0.0  # when it settled verified (monotonic)
     waited_s: float = 0.0  # how long vLLM's thread waited for it (synchronous)
     sink: BlockSink | None = None  # the device path's sink (None: the host path)
+    # Read straight into vLLM's blocks (`BlockPlacement`): its blocks go back
+    # to vLLM only once the gate has no read in flight (`Gate.wait_reads`).
+    in_place: bool = False
     staged: StagedLoad | None = None  # set on the loop before its first job runs
     # Keys of this load's objects that failed their check: removed from the
     # store once the load's session has ended (never while its reads run).
@@ -69,7 +79,8 @@ class WorkerBase:
     def __init__(self, store: Store, layout: Layout, kv_caches: dict[str, torch.Tensor], *,
                  schema: KeySchema, staging_bytes: int, max_in_flight: int,
                  load_timeout_s: float, replace_wait_s: float = REPLACE_WAIT_S,
-                 save_wait_s: float | None = None, device: Device | None = None) -> None:
+                 save_wait_s: float | None = None, device: Device | None = None,
+                 in_place_restores: bool = True, read_end_s: float = READ_END_S) -> None:
         self.store, self.layout, self.kv, self.schema = store, layout, kv_caches, schema
         # The device path (`device`, else the caches' own: CUDA tensors get a
         # CudaDevice; host tensors the host path): pinned staging, copies on
@@ -115,6 +126,11 @@ class WorkerBase:
             if self.device is None else None
         self._save_turn = asyncio.Lock()
         self._cache_registered: list[int] | None = None  # in-place saves: the cache's spans
+        # Restores read straight into vLLM's host blocks where they are large
+        # enough (`LoadSide._in_place`); off after a failed registration.
+        self._in_place_restores = in_place_restores and self.device is None
+        self.read_end_s = read_end_s
+        self._reading: set[int] = set()  # id() of in-place loads with reads in flight
         self._register_lock = threading.Lock()  # held across the registration's store calls
         self._lock = threading.Lock()
         self._reported = threading.Condition(self._lock)
@@ -196,6 +212,18 @@ class WorkerBase:
             for _, key, _ in load.items:
                 if key not in self._corrupt:
                     self._pages.pop(key, None)
+
+    def _register_cache(self) -> None:
+        """Worker thread: register vLLM's host cache with the store, once
+        (each layer's span of blocks; spans that touch are registered as
+        one), for in-place saves and restores. Under a lock of its own:
+        vLLM's thread never waits for this store call."""
+        with self._register_lock:
+            if self._cache_registered is not None:
+                return
+            self._cache_registered = register_spans(
+                self.store, ((h.base, h.base + (h.count - 1) * h.stride + h.nbytes)
+                             for h in self._host_blocks.values() if h is not None))
 
     # ---- on the loop ----------------------------------------------------------------
 

@@ -25,7 +25,6 @@ from layerlift.hosts.vllm.objects import KeyedItem, copy_page, group_runs
 from layerlift.hosts.vllm.worker_base import WorkerBase, log
 from layerlift.linker.in_place import Call, PipelinedPuts, grow
 from layerlift.linker.integrity import CHECK_BYTES, checksums, slice_seed
-from layerlift.linker.registered import register_spans
 from layerlift.linker.staged import OffloadOutcome, OffloadPart, OffloadSegment, StagedOffload
 from layerlift.linker.store_base import StoreError, StoreObjectLeased
 
@@ -227,17 +226,6 @@ class HeldSaves(WorkerBase):
         assert host is not None  # `_in_place` checked
         size = self.layout.layer_bytes[name]
         return host.address(block, size), size
-
-    def _register_cache(self) -> None:
-        """Worker thread: register vLLM's host cache with the store, once
-        (each layer's span of blocks; spans that touch are registered as one).
-        Under a lock of its own: vLLM's thread never waits for this store call."""
-        with self._register_lock:
-            if self._cache_registered is not None:
-                return
-            self._cache_registered = register_spans(
-                self.store, ((h.base, h.base + (h.count - 1) * h.stride + h.nbytes)
-                             for h in self._host_blocks.values() if h is not None))
 
     def _parts(self, items: list[KeyedItem]) -> list[OffloadPart]:
         """``items`` as offload parts, one per run of one group (source:

@@ -1,5 +1,6 @@
 """`BlockWorker`'s load side: `start_loads`, each restore as a `StagedLoad`
-on the owned loop (its `BlockSink` on a device), `wait_layer`, the outcome
+on the owned loop (its `BlockSink` on a device; in place into vLLM's host
+blocks, `BlockPlacement`, at a real block size), `wait_layer`, the outcome
 reported by `results` / `successes` (asynchronous) or `step_errors`
 (synchronous, with the per-layer record ``layerlift bench vllm`` reads), and
 objects found corrupt. The overview is ``worker.py``'s docstring.
@@ -18,15 +19,38 @@ import torch
 
 from layerlift.engine.threads import run_owned
 from layerlift.hosts.vllm.meta import LoadSpec
-from layerlift.hosts.vllm.objects import BlockSink, block_bytes, scatter_rows
+from layerlift.hosts.vllm.objects import BlockPlacement, BlockSink, block_bytes, scatter_rows
 from layerlift.hosts.vllm.worker_base import WorkerBase, _Load, log
-from layerlift.linker.staged import HostSink, LoadPart, LoadSegment, Sink, StagedLoad
+from layerlift.hosts.vllm.worker_held import IN_PLACE_BYTES
+from layerlift.linker.staged import (
+    DEFAULT_DEPTH,
+    HostSink,
+    LoadPart,
+    LoadSegment,
+    Sink,
+    StagedLoad,
+)
 from layerlift.linker.store_base import StoreError, StoreObjectLeased
 from layerlift.overlap import LayerLoadError, LayerReadiness, LayerWaitTimeout, LoadScheduler
 from layerlift.overlap.base import LayerJob
 from layerlift.overlap.device import DeviceEvent
 
-__all__ = ["LoadSide"]
+__all__ = ["IN_PLACE_ROWS", "BlocksStillWritten", "LoadSide"]
+
+# An in-place restore reads a layer in one store call, a range a block (and
+# one for its footer, with the first layer): at most this many blocks a
+# group, so a call stays within 256 ranges, the in-place puts' bound
+# (Mooncake's TCP transport queues 1024 transfers a peer; up to four such
+# calls run at once). Larger restores, and blocks under `IN_PLACE_BYTES` a
+# layer (the store's per-range cost outweighs the copy), go through staging.
+IN_PLACE_ROWS = 128
+
+
+class BlocksStillWritten(RuntimeError):
+    """A store read into vLLM's blocks (an in-place restore that failed or
+    timed out) did not end within ``read_end_s``: the worker cannot hand the
+    blocks back to vLLM (it would recompute into them while the read may
+    still write them), so it stops the step with this error instead."""
 
 
 class LoadSide(WorkerBase):
@@ -116,6 +140,7 @@ class LoadSide(WorkerBase):
             if load.bad or not load.readiness.all_done():
                 self._step_failed = True
                 self._settle(load, ok=False)
+                self._hand_back(load)
                 if self._per_request:
                     with self._lock:
                         self._report.failed.add(load.spec.req_id)
@@ -129,8 +154,20 @@ class LoadSide(WorkerBase):
                              load.waited_s * 1e3, 100.0 * max(0.0, 1.0 - load.waited_s / took))
                 log.info("LayerLift: per-layer restore of %s: %s", load.spec.req_id,
                          json.dumps(self._per_layer(load), separators=(",", ":")))
+        for load in self._sync:
+            self._hand_back(load)  # a landed load's last read has ended, or is ending
         self._sync = []
         return bad
+
+    def _hand_back(self, load: _Load) -> None:
+        """vLLM's thread, before it hears of a synchronous load: wait until
+        no read of it still writes vLLM's blocks (an in-place load; at most
+        ``read_end_s``, else `BlocksStillWritten`)."""
+        if load.in_place and not load.gate.wait_reads(self.read_end_s):
+            raise BlocksStillWritten(
+                f"LayerLift: a store read into vLLM's blocks for request {load.spec.req_id} "
+                f"did not end within {self.read_end_s:g} s; the blocks cannot be handed back "
+                "to vLLM while it may still write them (is the storage node reachable?)")
 
     def _per_layer(self, load: _Load) -> dict[str, Any]:
         """The per-layer record of a synchronous restore (the log line read
@@ -173,9 +210,12 @@ class LoadSide(WorkerBase):
     # ---- on the loop ----------------------------------------------------------------
 
     def _settle(self, load: _Load, *, ok: bool) -> None:
-        """Revoke the load (no copy into vLLM's blocks after this), then
-        report an asynchronous one, once. Every caller returns only once
-        the load is quiet: a caller that finds another thread settling it
+        """Revoke the load (no copy into vLLM's blocks after this, no read
+        starts), then report an asynchronous one, once, when no read of it is
+        in flight (an in-place load's read that was issued cannot be revoked:
+        `Gate.when_quiet` reports it on the thread that ends the last one;
+        vLLM keeps the blocks until then). Every caller returns only once
+        no copy runs: a caller that finds another thread settling it
         (the loop's outcome against the forward's failed wait) waits for
         that settle to end, or it would report the load while copies issued
         into its blocks still run."""
@@ -194,9 +234,12 @@ class LoadSide(WorkerBase):
             log.info("LayerLift: restored %s (%d objects, verified)", load.spec.req_id,
                      len(load.spec.items))
         if not load.spec.sync:
-            with self._lock:
-                (self._done if ok else self._failed).add(load.spec.req_id)
-                self._reported.notify_all()
+            def report() -> None:
+                with self._lock:
+                    (self._done if ok else self._failed).add(load.spec.req_id)
+                    self._reported.notify_all()
+
+            load.gate.when_quiet(report)
 
     @staticmethod
     def _quiesce(load: _Load) -> None:
@@ -220,15 +263,60 @@ class LoadSide(WorkerBase):
                                   (g, [b for _, b in group_rows])))
         layers = [[(part_of[g.index], j)] if g.index in part_of else []
                   for g, j in self._layers]
-        sink: Sink = load.sink if load.sink is not None else HostSink(self._scatter)
 
         def landed(layer: int, event: DeviceEvent | None) -> None:
             load.ready[layer] = time.monotonic()
 
+        if load.in_place:
+            placement = BlockPlacement(
+                self._host_blocks, {g: self._groups[g].layer_names for g in rows}, parts,
+                self.layout.layer_bytes, load.gate)
+            return StagedLoad(self._ring, self.store, parts, layers, None, placement=placement,
+                              gate=load.gate, timeout_s=self.load_timeout_s,
+                              on_corrupt=lambda keys: self._mark_corrupt(load, keys),
+                              on_layer=landed)
+        sink: Sink = load.sink if load.sink is not None else HostSink(self._scatter)
         return StagedLoad(self._ring, self.store, parts, layers, sink,
                           gate=load.gate, timeout_s=self.load_timeout_s,
                           on_corrupt=lambda keys: self._mark_corrupt(load, keys),
                           on_layer=landed)
+
+    def _reads_in_place(self, load: _Load) -> bool:
+        """Whether ``load`` reads straight into vLLM's blocks: the host path
+        (every layer of its groups a `HostBlocks` table), blocks of at least
+        `IN_PLACE_BYTES` a layer, at most `IN_PLACE_ROWS` blocks a group, and,
+        asynchronous, more than one staged call holds (a smaller one reads
+        every layer in that one call: fewer calls than one a layer)."""
+        if not self._in_place_restores or not load.items:
+            return False
+        rows: dict[int, int] = {}
+        for g, _, _ in load.items:
+            rows[g] = rows.get(g, 0) + 1
+        for g, n in rows.items():
+            if n > IN_PLACE_ROWS:
+                return False
+            for name in self._groups[g].layer_names:
+                if self._host_blocks.get(name) is None or \
+                        self.layout.layer_bytes[name] < IN_PLACE_BYTES:
+                    return False
+        if load.spec.sync:
+            return True
+        total = sum(int(self.layout.object_bytes(self._groups[g])) * n for g, n in rows.items())
+        return total > self._ring.capacity // DEFAULT_DEPTH
+
+    async def _cache_ready(self) -> bool:
+        """The loop: vLLM's cache registered with the store (once); False,
+        and no in-place restore from now on, when that failed."""
+        if self._cache_registered is not None:
+            return True
+        try:
+            await run_owned(self._register_cache)
+        except StoreError as exc:
+            log.warning("LayerLift: registering vLLM's cache for in-place restores failed "
+                        "(%s); restores go through staging", exc)
+            self._in_place_restores = False
+            return False
+        return True
 
     def _scatter(self, seg: LoadSegment, part: LoadPart, rows: torch.Tensor) -> None:
         """Lane thread, under the load's gate: verified rows into vLLM's
@@ -257,7 +345,11 @@ class LoadSide(WorkerBase):
     async def _run_load(self, load: _Load) -> None:
         """One request's restore: a session, one staged job per layer, the
         outcome; its staging returns to the ring once no thread or store call
-        touches it (the ring's regions see to it)."""
+        touches it (the ring's regions see to it). An in-place load's task
+        ends once no read of it is in flight (at most ``read_end_s``): the
+        worker's `settle` and `close` wait for it, and vLLM's cache stays
+        registered until then."""
+        load.in_place = self._reads_in_place(load) and await self._cache_ready()
         try:
             staged = load.staged = self._staged(load)
         except ValueError as exc:
@@ -288,6 +380,8 @@ class LoadSide(WorkerBase):
             self._settle(load, ok=False)  # no-op once settled
             if task is not None:
                 await task.wait_quiescent()
+            if load.in_place:
+                await self._reads_ended(load)
             await run_owned(lambda: _end_session(session))
             if load.corrupt:
                 await run_owned(lambda: self._remove_corrupt(sorted(load.corrupt)))
@@ -328,6 +422,24 @@ class LoadSide(WorkerBase):
                             group.layer_names[j], err.cause or err)
                 break
         return False
+
+    async def _reads_ended(self, load: _Load) -> None:
+        """The loop: wait (off it, at most ``read_end_s``) until no read of
+        an in-place load is in flight; one still running then keeps vLLM's
+        cache registered (`_reading`) until it ended."""
+        gate = load.gate
+        if gate.reads and not await run_owned(lambda: gate.wait_reads(self.read_end_s)):
+            log.error("LayerLift: a store read into vLLM's blocks for %s has not ended after "
+                      "%.0f s; it is not reported to vLLM until it did", load.spec.req_id,
+                      self.read_end_s)
+            with self._lock:
+                self._reading.add(id(load))
+
+            def ended() -> None:
+                with self._lock:
+                    self._reading.discard(id(load))
+
+            gate.when_quiet(ended)
 
     def _mark_corrupt(self, load: _Load, keys: list[str]) -> None:
         """Lane thread: remember the objects of ``load`` that failed their
