@@ -41,11 +41,12 @@ Each repeat runs three units, their order rotated per repeat:
   again first, not timed.
 
 Both LayerLift workers run as the connector builds them: the default 64 MiB
-staging ring (``client_buffer_bytes``), ``max_in_flight`` 8, restores in
-place into the blocks where the worker picks it (blocks of 256 KiB a layer
-or more; ``--with-staged`` adds ``per layer, staged`` and ``whole request,
+staging ring (``client_buffer_bytes``), ``max_in_flight`` 8, per-layer
+restores in place into the blocks where the worker picks it (blocks of
+256 KiB a layer or more; whole-request restores stay staged; ``--with-staged`` adds ``per layer, staged`` and ``whole request,
 staged``: a third worker that restores through the staging ring only, in
-the same rounds, and their paired ratios, ``default / staged restores``);
+the same rounds, the two workers taking turns to go first, and their
+paired ratios, ``default / staged restores``);
 vLLM's connector with its defaults. GB/s is of page bytes (footers not counted);
 ``/ raw`` is the median of the per-repeat ratios of a load to ``raw ranged
 d4`` and of an offload to ``raw put``, ``/ MooncakeStoreConnector`` of a
@@ -202,6 +203,7 @@ class Case:
             _require(self.raw.payload == self.payload, "raw rows of another size")
             self._restored: list[str] = []
             self._job = 0
+            self._flip = False
             stack.callback(self._remove_restored)
             self.src = kv_caches(self.layout, self.blocks, seed=block)
             self.dst = kv_caches(self.layout, self.blocks, seed=None)
@@ -257,11 +259,12 @@ class Case:
                  f"the save job was not reported done once ({report})")
         _require(all(self.client.exists(keys)), "a save stored fewer objects than it was given")
         self._restored = keys
-        out[PER_LAYER] = self._restore(items, sync=True)
-        out[WHOLE] = self._restore(items, sync=False)
-        if self.staged_loader is not None:
-            out[PER_LAYER_STAGED] = self._restore(items, sync=True, w=self.staged_loader)
-            out[WHOLE_STAGED] = self._restore(items, sync=False, w=self.staged_loader)
+        default = [(PER_LAYER, True, self.loader), (WHOLE, False, self.loader)]
+        staged = [] if self.staged_loader is None else [
+            (PER_LAYER_STAGED, True, self.staged_loader), (WHOLE_STAGED, False, self.staged_loader)]
+        self._flip = not self._flip  # the A/B's two workers take turns to go first
+        for row, sync, w in (staged + default if self._flip else default + staged):
+            out[row] = self._restore(items, sync=sync, w=w)
         return out
 
     def msc_unit(self) -> dict[str, Step]:

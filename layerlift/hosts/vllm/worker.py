@@ -17,8 +17,9 @@ Threads and ownership:
   hears a load failed, so nothing writes into its blocks afterwards. A region
   lent to a store call that timed out returns to the ring only once that
   call ended (`Region.hand_over`).
-* On the host path a restore of blocks of at least ``IN_PLACE_BYTES`` a
-  layer (at most ``IN_PLACE_ROWS`` a group) reads in place instead: vLLM's
+* On the host path a synchronous restore of blocks of at least
+  ``IN_PLACE_BYTES`` a layer (at most ``IN_PLACE_ROWS`` a group; asynchronous
+  ones stay staged, `LoadSide._reads_in_place`) reads in place instead: vLLM's
   cache is registered with the store once, each layer is one store call of
   its blocks' slices straight into the blocks (`BlockPlacement`), verified
   there, only the checksums through the ring; no staging, no copy. A read

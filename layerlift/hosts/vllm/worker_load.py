@@ -1,6 +1,6 @@
 """`BlockWorker`'s load side: `start_loads`, each restore as a `StagedLoad`
 on the owned loop (its `BlockSink` on a device; in place into vLLM's host
-blocks, `BlockPlacement`, at a real block size), `wait_layer`, the outcome
+blocks, `BlockPlacement`, synchronous at a real block size), `wait_layer`, the outcome
 reported by `results` / `successes` (asynchronous) or `step_errors`
 (synchronous, with the per-layer record ``layerlift bench vllm`` reads), and
 objects found corrupt. The overview is ``worker.py``'s docstring.
@@ -22,14 +22,7 @@ from layerlift.hosts.vllm.meta import LoadSpec
 from layerlift.hosts.vllm.objects import BlockPlacement, BlockSink, block_bytes, scatter_rows
 from layerlift.hosts.vllm.worker_base import WorkerBase, _Load, log
 from layerlift.hosts.vllm.worker_held import IN_PLACE_BYTES
-from layerlift.linker.staged import (
-    DEFAULT_DEPTH,
-    HostSink,
-    LoadPart,
-    LoadSegment,
-    Sink,
-    StagedLoad,
-)
+from layerlift.linker.staged import HostSink, LoadPart, LoadSegment, Sink, StagedLoad
 from layerlift.linker.store_base import StoreError, StoreObjectLeased
 from layerlift.overlap import LayerLoadError, LayerReadiness, LayerWaitTimeout, LoadScheduler
 from layerlift.overlap.base import LayerJob
@@ -282,12 +275,17 @@ class LoadSide(WorkerBase):
                           on_layer=landed)
 
     def _reads_in_place(self, load: _Load) -> bool:
-        """Whether ``load`` reads straight into vLLM's blocks: the host path
-        (every layer of its groups a `HostBlocks` table), blocks of at least
-        `IN_PLACE_BYTES` a layer, at most `IN_PLACE_ROWS` blocks a group, and,
-        asynchronous, more than one staged call holds (a smaller one reads
-        every layer in that one call: fewer calls than one a layer)."""
-        if not self._in_place_restores or not load.items:
+        """Whether ``load`` reads straight into vLLM's blocks: a synchronous
+        load (the forward waits layer by layer: one call a layer either way)
+        on the host path (every layer of its groups a `HostBlocks` table),
+        blocks of at least `IN_PLACE_BYTES` a layer, at most `IN_PLACE_ROWS`
+        blocks a group. An asynchronous load stays staged (`StagedLoad.fetch_all`:
+        chunks across layers, four at once; one call for a small load): read
+        in place, one call a layer, it moved 0.89 (0.76-0.99 per round) of
+        the staged restore over a 10 Gbit link, inside the spread of two
+        identical staged restores (0.88-1.03 medians; ``bench transfer-vllm
+        --with-staged``, docs/guide/benchmarks.md): no gain to show."""
+        if not self._in_place_restores or not load.items or not load.spec.sync:
             return False
         rows: dict[int, int] = {}
         for g, _, _ in load.items:
@@ -299,10 +297,7 @@ class LoadSide(WorkerBase):
                 if self._host_blocks.get(name) is None or \
                         self.layout.layer_bytes[name] < IN_PLACE_BYTES:
                     return False
-        if load.spec.sync:
-            return True
-        total = sum(int(self.layout.object_bytes(self._groups[g])) * n for g, n in rows.items())
-        return total > self._ring.capacity // DEFAULT_DEPTH
+        return True
 
     async def _cache_ready(self) -> bool:
         """The loop: vLLM's cache registered with the store (once); False,

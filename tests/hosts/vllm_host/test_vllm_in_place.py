@@ -6,7 +6,9 @@ synchronous wait returns at once while `step_errors` waits for the read, an
 asynchronous failure is reported only after the read ended, a store timeout
 keeps the blocks until the call itself ended, a read that never ends raises
 `BlocksStillWritten` instead of handing the blocks back, and vLLM's cache
-stays registered while any read runs. Every wait is ordered by events (a
+stays registered while any read runs. The worker reads synchronous restores
+in place (asynchronous ones stay staged, faster there); the asynchronous
+cases force an in-place read (`forced`): the rule holds for any load. Every wait is ordered by events (a
 held read, a stalled store), never by sleeps; the bounds under test are the
 worker's own (``load_timeout_s``, ``read_end_s``). No vLLM is imported:
 these run in the main suite too.
@@ -26,7 +28,7 @@ from layerlift.hosts.vllm.layout import GroupKind, GroupLayout, Layout
 from layerlift.hosts.vllm.meta import LoadSpec, SaveSpec
 from layerlift.hosts.vllm.worker import BlockWorker
 from layerlift.hosts.vllm.worker_held import IN_PLACE_BYTES
-from layerlift.hosts.vllm.worker_load import BlocksStillWritten
+from layerlift.hosts.vllm.worker_load import BlocksStillWritten, LoadSide
 from layerlift.linker.memory_store import MemoryStore
 from layerlift.linker.store_base import ForwardingStore, Store, StoreUnavailable
 
@@ -130,6 +132,17 @@ class HeldReads(ForwardingStore):
             assert self.release.wait(30), "the test never released the held read"
 
 
+def _force(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every restore at a real block size in place, asynchronous ones too."""
+    monkeypatch.setattr(LoadSide, "_reads_in_place",
+                        lambda self, load: self._in_place_restores)
+
+
+@pytest.fixture
+def forced(monkeypatch: pytest.MonkeyPatch) -> None:
+    _force(monkeypatch)
+
+
 @pytest.fixture
 def store() -> Iterator[MemoryStore]:
     s = MemoryStore(timeout_s=10.0)
@@ -139,11 +152,13 @@ def store() -> Iterator[MemoryStore]:
         s.close()
 
 
-@pytest.mark.parametrize("sync", [True, False], ids=["per-layer", "whole-request"])
+@pytest.mark.parametrize("sync", [True, False], ids=["per-layer", "whole-request-forced"])
 def test_a_restore_at_a_real_block_size_reads_in_place_and_is_exact(
-        store: MemoryStore, sync: bool) -> None:
+        store: MemoryStore, monkeypatch: pytest.MonkeyPatch, sync: bool) -> None:
     """One store call a layer straight into the blocks (5 and 3, out of
     order), no copy out of staging, every byte exact, the staging all back."""
+    if not sync:
+        _force(monkeypatch)
     src = _offload(store)
     kv = _kv(seed=None)
     worker = _worker(store, kv)
@@ -161,12 +176,12 @@ def test_a_restore_at_a_real_block_size_reads_in_place_and_is_exact(
     assert not kv[NAMES[0]][[0, 1, 2, 4, 6, 7]].any()  # no other block touched
 
 
-@pytest.mark.parametrize("case", ["small blocks", "many blocks", "one staged call",
+@pytest.mark.parametrize("case", ["small blocks", "many blocks", "asynchronous",
                                   "switched off", "registration fails"])
 def test_restores_that_should_not_read_in_place_go_through_staging(
         store: MemoryStore, monkeypatch: pytest.MonkeyPatch, case: str) -> None:
     """Blocks under `IN_PLACE_BYTES` a layer, more than `IN_PLACE_ROWS`
-    blocks, an asynchronous restore one staged call holds, the worker's
+    blocks, an asynchronous restore, the worker's
     switch off, or a cache the store cannot register: the staged path,
     exact (and, after a failed registration, never in place again)."""
     row = ROW // 4 if case == "small blocks" else ROW
@@ -191,11 +206,9 @@ def test_restores_that_should_not_read_in_place_go_through_staging(
                 return self.inner.register(buffer, nbytes)  # type: ignore[arg-type]
 
         target = NoRegister(store)
-    if case == "one staged call":
-        kw["staging"] = 8 << 20  # a quarter holds the request's objects
     worker = _worker(target, kv, row=row, **kw)  # type: ignore[arg-type]
     copies = _no_copy(worker)
-    sync = case != "one staged call"
+    sync = case != "asynchronous"
     try:
         errors, reported = _restore(worker, sync)
         assert errors == set() and reported in ((set(), set()), ({"r"}, set()))
@@ -244,6 +257,7 @@ def test_a_failed_per_layer_wait_returns_but_step_errors_waits_for_the_read(
     assert worker.staging.free_bytes == STAGING
 
 
+@pytest.mark.usefixtures("forced")
 def test_an_async_failure_is_reported_only_after_its_read_ended(store: MemoryStore) -> None:
     """An asynchronous restore not done within ``load_timeout_s`` is revoked
     at once, but vLLM hears it failed (and may free the blocks) only once
@@ -264,6 +278,7 @@ def test_an_async_failure_is_reported_only_after_its_read_ended(store: MemorySto
         worker.close()
 
 
+@pytest.mark.usefixtures("forced")
 @pytest.mark.parametrize("sync", [True, False], ids=["per-layer", "whole-request"])
 def test_a_store_timeout_mid_read_keeps_the_blocks_until_the_call_ended(sync: bool) -> None:
     """The store stalls at the restore's first ranged read: the caller gets
@@ -347,6 +362,7 @@ def test_a_read_that_never_ends_stops_the_step_and_keeps_the_cache_registered(
         slow.close()
 
 
+@pytest.mark.usefixtures("forced")
 @pytest.mark.parametrize("sync", [True, False], ids=["per-layer", "whole-request"])
 def test_a_corrupt_slice_read_in_place_fails_the_load_and_marks_the_object(
         store: MemoryStore, sync: bool) -> None:
