@@ -306,7 +306,7 @@ class LoadSide(WorkerBase):
             return True
         try:
             await run_owned(self._register_cache)
-        except StoreError as exc:
+        except Exception as exc:  # any refusal: the staged path needs no registration
             log.warning("LayerLift: registering vLLM's cache for in-place restores failed "
                         "(%s); restores go through staging", exc)
             self._in_place_restores = False

@@ -177,7 +177,8 @@ def test_a_restore_at_a_real_block_size_reads_in_place_and_is_exact(
 
 
 @pytest.mark.parametrize("case", ["small blocks", "many blocks", "asynchronous",
-                                  "switched off", "registration fails"])
+                                  "switched off", "registration fails",
+                                  "registration raises"])
 def test_restores_that_should_not_read_in_place_go_through_staging(
         store: MemoryStore, monkeypatch: pytest.MonkeyPatch, case: str) -> None:
     """Blocks under `IN_PLACE_BYTES` a layer, more than `IN_PLACE_ROWS`
@@ -193,7 +194,10 @@ def test_restores_that_should_not_read_in_place_go_through_staging(
         monkeypatch.setattr(worker_load, "IN_PLACE_ROWS", 1)
     if case == "switched off":
         kw["in_place_restores"] = False
-    if case == "registration fails":
+    if case.startswith("registration"):
+        refusal: Exception = StoreUnavailable("injected: no registration") \
+            if case == "registration fails" else ValueError("injected: not a buffer")
+
         class NoRegister(ForwardingStore):
             """Registers the worker's staging ring (its first), refuses vLLM's cache."""
 
@@ -201,7 +205,7 @@ def test_restores_that_should_not_read_in_place_go_through_staging(
 
             def register(self, buffer: object, nbytes: int | None = None) -> int:
                 if self.ring_done:
-                    raise StoreUnavailable("injected: no registration")
+                    raise refusal
                 self.ring_done = True
                 return self.inner.register(buffer, nbytes)  # type: ignore[arg-type]
 
@@ -213,7 +217,7 @@ def test_restores_that_should_not_read_in_place_go_through_staging(
         errors, reported = _restore(worker, sync)
         assert errors == set() and reported in ((set(), set()), ({"r"}, set()))
         assert copies, "the restore did not go through staging"
-        if case == "registration fails":
+        if case.startswith("registration"):
             assert not worker._in_place_restores
     finally:
         worker.close()
