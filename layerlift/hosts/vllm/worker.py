@@ -19,7 +19,7 @@ Threads and ownership:
   call ended (`Region.hand_over`).
 * On the host path a synchronous restore of blocks of at least
   ``IN_PLACE_BYTES`` a layer (at most ``IN_PLACE_ROWS`` a group; asynchronous
-  ones stay staged, `LoadSide._reads_in_place`) reads in place instead: vLLM's
+  ones stay staged; ``worker_in_place``) reads in place instead: vLLM's
   cache is registered with the store once, each layer is one store call of
   its blocks' slices straight into the blocks (`BlockPlacement`), verified
   there, only the checksums through the ring; no staging, no copy. A read
@@ -87,8 +87,9 @@ Threads and ownership:
   renew the lease); until then the key is skipped and stays marked.
 
 Modules: ``worker_base`` (`WorkerBase`: the state, the device and its
-streams, `device_for`, the ring and the loop), ``worker_load`` (`LoadSide`:
-the restores, `wait_layer`, the reports), ``worker_held`` (`HeldSaves`: saves
+streams, `device_for`, the ring and the loop), ``worker_in_place``
+(`InPlaceRestores`: which restores read in place, the waits for their
+reads), ``worker_load`` (`LoadSide`: the restores, `wait_layer`, the reports), ``worker_held`` (`HeldSaves`: saves
 of held blocks after the step, replacing corrupt objects), ``worker_save``
 (`SaveSide`: `save`, the saves copied within the step); `BlockWorker` is both
 sides.

@@ -23,7 +23,7 @@ from collections.abc import Iterator, Sequence
 import pytest
 import torch
 
-from layerlift.hosts.vllm import worker_load
+from layerlift.hosts.vllm import worker_in_place
 from layerlift.hosts.vllm.layout import GroupKind, GroupLayout, Layout
 from layerlift.hosts.vllm.meta import LoadSpec, SaveSpec
 from layerlift.hosts.vllm.worker import BlockWorker
@@ -191,7 +191,7 @@ def test_restores_that_should_not_read_in_place_go_through_staging(
     target: Store = store
     kw: dict[str, object] = {}
     if case == "many blocks":
-        monkeypatch.setattr(worker_load, "IN_PLACE_ROWS", 1)
+        monkeypatch.setattr(worker_in_place, "IN_PLACE_ROWS", 1)
     if case == "switched off":
         kw["in_place_restores"] = False
     if case.startswith("registration"):
