@@ -89,7 +89,8 @@ Threads and ownership:
 Modules: ``worker_base`` (`WorkerBase`: the state, the device and its
 streams, `device_for`, the ring and the loop), ``worker_in_place``
 (`InPlaceRestores`: which restores read in place, the waits for their
-reads), ``worker_load`` (`LoadSide`: the restores, `wait_layer`, the reports), ``worker_held`` (`HeldSaves`: saves
+reads), ``worker_load`` (`LoadSide`: the restores, `wait_layer`, the
+reports), ``worker_held`` (`HeldSaves`: saves
 of held blocks after the step, replacing corrupt objects), ``worker_save``
 (`SaveSide`: `save`, the saves copied within the step); `BlockWorker` is both
 sides.

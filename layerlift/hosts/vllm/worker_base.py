@@ -127,7 +127,7 @@ class WorkerBase:
         self._save_turn = asyncio.Lock()
         self._cache_registered: list[int] | None = None  # in-place saves: the cache's spans
         # Restores read straight into vLLM's host blocks where they are large
-        # enough (`LoadSide._in_place`); off after a failed registration.
+        # enough (`InPlaceRestores._reads_in_place`); off after a failed registration.
         self._in_place_restores = in_place_restores and self.device is None
         self.read_end_s = read_end_s
         self._reading: set[int] = set()  # id() of in-place loads with reads in flight

@@ -9,6 +9,8 @@ load's `Gate` counts them in flight.
 
 from __future__ import annotations
 
+from collections import Counter
+
 from layerlift.engine.threads import run_owned
 from layerlift.hosts.vllm.worker_base import WorkerBase, _Load, log
 from layerlift.hosts.vllm.worker_held import IN_PLACE_BYTES
@@ -47,10 +49,7 @@ class InPlaceRestores(WorkerBase):
         --with-staged``, docs/guide/benchmarks.md): no gain to show."""
         if not self._in_place_restores or not load.items or not load.spec.sync:
             return False
-        rows: dict[int, int] = {}
-        for g, _, _ in load.items:
-            rows[g] = rows.get(g, 0) + 1
-        for g, n in rows.items():
+        for g, n in Counter(g for g, _, _ in load.items).items():
             if n > IN_PLACE_ROWS:
                 return False
             for name in self._groups[g].layer_names:

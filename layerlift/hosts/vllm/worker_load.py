@@ -118,7 +118,6 @@ class LoadSide(InPlaceRestores):
             if load.bad or not load.readiness.all_done():
                 self._step_failed = True
                 self._settle(load, ok=False)
-                self._hand_back(load)
                 if self._per_request:
                     with self._lock:
                         self._report.failed.add(load.spec.req_id)
@@ -133,7 +132,7 @@ class LoadSide(InPlaceRestores):
                 log.info("LayerLift: per-layer restore of %s: %s", load.spec.req_id,
                          json.dumps(self._per_layer(load), separators=(",", ":")))
         for load in self._sync:
-            self._hand_back(load)  # a landed load's last read has ended, or is ending
+            self._hand_back(load)  # every load, revoked or landed (its last read ending)
         self._sync = []
         return bad
 
