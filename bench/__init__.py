@@ -31,7 +31,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "store-full": ("layerlift.bench.store_full",
                    "a store smaller than the working set: restored fraction against the ideal"),
     "integrity": ("layerlift.bench.integrity",
-                  "what the per-layer CRC-32 checks cost: verify throughput, footer reads"),
+                  "what the per-layer CRC-32C checks cost: verify throughput, footer reads"),
     "sglang": ("layerlift.bench.sglang_bench",
                "inside SGLang 0.5.23: LayerLiftLinker beside MooncakeDirectLinker (.venv-sglang)"),
     "vllm": ("layerlift.bench.vllm_bench", "TTFT inside vLLM: no connector, vLLM's Mooncake, LayerLift"),

@@ -2,7 +2,7 @@
 
 At token scale ``k`` (``engine/model/architectures.py``) every object the
 engine moves holds ``1/k`` of the real bytes, so the host work done per byte
-(the CRC-32 check of every restored slice and of every offloaded page, the
+(the CRC-32C check of every restored slice and of every offloaded page, the
 copies into and out of the store) is ``k`` times too cheap, and puts never
 met a link at all. :class:`HostCostStore` wraps one instance's view of the
 shared store and charges what is missing, as time slept in the calling
@@ -10,7 +10,7 @@ worker thread (the engine calls the store only from worker threads):
 
 * a read (``get``, ``get_ranges``): after the data arrived, the check and
   copy of the other ``(k - 1) / k`` of its bytes at this machine's measured
-  rates (:func:`measure_rates`: the engine's own CRC-32 check per slice and
+  rates (:func:`measure_rates`: the engine's own CRC-32C check per slice and
   one memory copy), plus the slice's own transfer time at the
   ingress rate, so the check follows the transfer instead of hiding under
   the emulated link's sleep (``overlap/link.py`` sleeps until the modelled
@@ -42,7 +42,7 @@ __all__ = ["HostCostStore", "HostRates", "measure_rates"]
 
 @dataclass(frozen=True, slots=True)
 class HostRates:
-    """Seconds per byte of the CRC-32 check and of one memory copy."""
+    """Seconds per byte of the CRC-32C check and of one memory copy."""
 
     crc_s_per_byte: float
     copy_s_per_byte: float
@@ -60,7 +60,7 @@ def measure_rates(nbytes: int = 64 << 20, slice_bytes: int = 256 << 10,
                   repeats: int = 3) -> HostRates:
     """The best of ``repeats`` passes here over ``nbytes`` (more than the
     caches hold): the engine's own check (``linker.integrity.checksums``,
-    one CRC-32 per ``slice_bytes`` slice, as a restore verifies a layer)
+    one CRC-32C per ``slice_bytes`` slice, as a restore verifies a layer)
     and one memory copy."""
     if nbytes < slice_bytes or slice_bytes < 1:
         raise ValueError(f"need nbytes >= slice_bytes >= 1, got {nbytes}, {slice_bytes}")

@@ -145,13 +145,26 @@ def _pools(r: Record) -> list[str]:
 
 def _integrity(r: Record) -> list[str]:
     impl = r.get("crc_implementation", "zlib")
-    head = ["slice KiB", f"CRC-32 verify GB/s ({impl})", "zlib CRC-32 GB/s", "torch hash GB/s"]
-    rows = [[f"{c['slice_bytes'] / 1024:.0f}", _f(c["crc_verify_gbps"]),
-             _f(c["zlib_verify_gbps"]) if "zlib_verify_gbps" in c else "-",
-             _f(c["torch_hash_gbps"])] for c in r["crc"]]
+    crcs = r["crc"]
+    if impl.startswith("crc32c"):  # format l3: CRC-32C, with CRC-32's speeds beside it
+        isal = any("isal_crc32_gbps" in c for c in crcs)
+        head = ["slice KiB", f"CRC-32C verify GB/s ({impl})",
+                *(["ISA-L CRC-32 GB/s"] if isal else []), "zlib CRC-32 GB/s", "torch hash GB/s"]
+        rows = [[f"{c['slice_bytes'] / 1024:.0f}", _f(c["crc_verify_gbps"]),
+                 *([_f(c["isal_crc32_gbps"]) if "isal_crc32_gbps" in c else "-"] if isal else []),
+                 _f(c["zlib_crc32_gbps"]), _f(c["torch_hash_gbps"])] for c in crcs]
+        note = ("CRC-32C is the objects' checksum (format l3); the CRC-32 columns time the same "
+                "loop with the checksum of format l2")
+    else:  # a record of format l2 (CRC-32)
+        head = ["slice KiB", f"CRC-32 verify GB/s ({impl})", "zlib CRC-32 GB/s",
+                "torch hash GB/s"]
+        rows = [[f"{c['slice_bytes'] / 1024:.0f}", _f(c["crc_verify_gbps"]),
+                 _f(c["zlib_verify_gbps"]) if "zlib_verify_gbps" in c else "-",
+                 _f(c["torch_hash_gbps"])] for c in crcs]
+        note = "both CRCs compute the same CRC-32"
     out = [*_table(head, rows), "",
            f"- per CPU thread ({r.get('cpus', '?')} cores here, zlib {r.get('zlib', '?')}), "
-           f"{r.get('repeats', '?')} repeats; both CRCs compute the same CRC-32"]
+           f"{r.get('repeats', '?')} repeats; {note}"]
     m = r.get("mooncake_footer_read")
     if m:
         out.append(f"- Mooncake loopback, {m['objects']} objects of {m['layers']} layers: a "

@@ -6,7 +6,7 @@
 A real model's KV layout (default 32 layers x 8 KV heads x 128 head dim,
 bf16, K+V: 4 KiB per token per layer, 128 KiB per token) for a prompt of
 ``--tokens`` tokens, one page object per page (layer-major, then the
-per-layer CRC-32 footer: LayerLift's object format), moved between a client
+per-layer CRC-32C footer: LayerLift's object format), moved between a client
 with no segment of its own and the store's segment. Loads, every mode over
 the same objects into the same registered destination:
 
@@ -652,7 +652,7 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {
         "links": links,
         "layout": f"{args.layers} layers x {args.kv_heads} KV heads x {args.head_dim}, bf16, "
-                  "K+V, one object per page (layer-major, CRC-32 footer)",
+                  "K+V, one object per page (layer-major, CRC-32C footer)",
         "timing": "GB/s of page bytes, min/median/max over the repeats, modes rotated per "
                   "repeat; ratios are per-repeat (paired); loads inside one read session",
     }

@@ -6,7 +6,7 @@ pieces of LayerLift's staged transfer that are not its own bookkeeping:
 * ``store``: inside the store's data calls (``get``, ``get_ranges``, ``put``,
   ``put_parts``);
 * ``session``: read sessions opened and ended;
-* ``crc``: the CRC-32 checks of a load (``mismatches``) and the footers an
+* ``crc``: the CRC-32C checks of a load (``mismatches``) and the footers an
   offload computes (``footers``);
 * ``copy``: a host sink's copy out of staging, a snapshot's copy into it
   (with the footers of a snapshot that checksums each slice as it copies

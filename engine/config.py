@@ -61,7 +61,7 @@ class EngineConfig:
       this engine's own load and forward timings says it beats computing;
       the result's ``restore_decision`` says which and why).
     * ``verify_restores``: check every restored layer slice against the
-      CRC-32 stored with it (``linker/integrity.py``); a mismatch fails that
+      CRC-32C stored with it (``linker/integrity.py``); a mismatch fails that
       layer, which recomputes. Costs about 1 s of one CPU thread per GB
       restored here (``bench/results/integrity.json``); off trusts the store.
     * ``branch_checkpoints``: when a prompt leaves a cached one between two

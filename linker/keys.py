@@ -14,7 +14,7 @@
   `layerlift.pools.hashing.page_hashes`), so a key names its whole prefix. A
   MAMBA checkpoint uses the hash of the last page before its boundary.
 
-Example: ``prod/llama3-8b-bf16-ps64.l2/full/0/9f86d081884c7d65...``.
+Example: ``prod/llama3-8b-bf16-ps64.l3/full/0/9f86d081884c7d65...``.
 This module only formats keys; hashing lives in `pools/hashing.py`.
 """
 

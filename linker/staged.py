@@ -2,7 +2,7 @@
 
 One mechanism for the engine, the SGLang linker and the vLLM worker. It moves
 store objects in the format of ``linker/integrity.py`` (a page's layer slices,
-layer-major, then one CRC-32 per slice, seeded with the key and the slice's
+layer-major, then one CRC-32C per slice, seeded with the key and the slice's
 index) between the store and a host's memory, always through a
 :class:`~layerlift.linker.ring.StagingRing`. What the host's memory *is*
 (SGLang's slots, vLLM's blocks, the engine's pool pages, device tensors) stays

@@ -18,11 +18,10 @@ import os
 import signal
 import threading
 import time
-import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from layerlift.linker.integrity import CHECK_BYTES, component_slices, slice_seed
+from layerlift.linker.integrity import CHECK_BYTES, component_slices, crc32c, slice_seed
 from layerlift.linker.store_base import Store, StoreIOError, StoreUnavailable, TensorLike
 from layerlift.pools.spec import Component, ModelSpec
 
@@ -199,7 +198,7 @@ class FaultyStore(Store):
 
     def _forge_footers(self, key: str, dst_ptrs: Sequence[int], sizes: Sequence[int]) -> None:
         """Negative control: the reads of ``key`` were skipped; write, as the
-        footer entries read beside them, the CRC-32 of the bytes left in
+        footer entries read beside them, the CRC-32C of the bytes left in
         place. Slices come as (layer slice, its entry) or (whole page, footer)."""
         if len(dst_ptrs) < 2:
             return
@@ -290,7 +289,7 @@ class FaultyStore(Store):
 
 
 def _write_crc(at: int, ptr: int, size: int, seed: int) -> None:
-    crc = zlib.crc32(ctypes.string_at(ptr, size), seed)
+    crc = crc32c(ctypes.string_at(ptr, size), seed)
     ctypes.memmove(at, crc.to_bytes(CHECK_BYTES, "little"), CHECK_BYTES)
 
 

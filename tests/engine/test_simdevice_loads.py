@@ -7,10 +7,10 @@ wrong pages)."""
 from __future__ import annotations
 
 import ctypes
-import zlib
 from collections.abc import Sequence
 
 import torch
+from crc32c import crc32c
 
 from layerlift import Component, ModelSpec
 from layerlift.engine.loads import BatchLoad
@@ -36,7 +36,7 @@ class PatternStore(MemoryStore):
             ctypes.memmove(ptrs[0], row, lens[0])
             if len(ptrs) > 1:  # the slice's checksum entry
                 seed = slice_seed(key, self.offsets.index(offs[0]))
-                ctypes.memmove(ptrs[1], zlib.crc32(row, seed).to_bytes(4, "little"), 4)
+                ctypes.memmove(ptrs[1], crc32c(row, seed).to_bytes(4, "little"), 4)
 
 
 def test_refresh_rebuilds_the_copy_plan_after_commit_trims_duplicates() -> None:

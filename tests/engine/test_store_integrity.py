@@ -1,4 +1,4 @@
-"""Every restored byte verified (issue 21): a page object carries a CRC-32 per
+"""Every restored byte verified (issue 21): a page object carries a CRC-32C per
 layer slice (`linker/integrity.py`); a slice whose bytes do not match fails
 its layer, which recomputes exactly.
 
@@ -182,7 +182,7 @@ def test_every_layer_verifies_whatever_order_its_fetches_run(order: str) -> None
     store.register(pool.buffer)
     idx = {c: pool.alloc(c, 3) for c in Component}
     src = {c: torch.randint(0, 255, (3, spec.page_bytes(c)), dtype=torch.uint8) for c in Component}
-    keys = {c: [f"ns/fp.l2/{c.value}/0/{c.value}{i}" for i in range(3)] for c in Component}
+    keys = {c: [f"ns/fp.l3/{c.value}/0/{c.value}{i}" for i in range(3)] for c in Component}
     for c in Component:
         objs = torch.stack([torch.frombuffer(bytearray(encode_object(
             spec, c, r.numpy().tobytes(), k)), dtype=torch.uint8)

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import threading
 import uuid
-import zlib
 from collections.abc import Sequence
 
 import numpy as np
 import pytest
 import torch
+from crc32c import crc32c
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -47,7 +47,7 @@ SENTINEL = 0x5A
 def encode(key: str, page: torch.Tensor, layout: ObjectLayout = LAYOUT) -> bytes:
     """The object as ``linker/integrity.py`` lays it out (written independently)."""
     raw = bytes(page.numpy())
-    crcs = b"".join(zlib.crc32(raw[o : o + n], slice_seed(key, j)).to_bytes(4, "little")
+    crcs = b"".join(crc32c(raw[o : o + n], slice_seed(key, j)).to_bytes(4, "little")
                     for j, (o, n) in enumerate(layout.slices))
     return raw + crcs
 

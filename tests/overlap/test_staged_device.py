@@ -12,12 +12,12 @@ event. Orders are set with a blocker on the load stream, never with sleeps.
 from __future__ import annotations
 
 import threading
-import zlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import torch
+from crc32c import crc32c
 
 from layerlift.linker.integrity import slice_seed
 from layerlift.linker.memory_store import MemoryStore
@@ -55,7 +55,7 @@ def stored(store: MemoryStore, n: int, seed: int) -> tuple[list[str], torch.Tens
     keys = [f"dev/{seed}/p{i}" for i in range(n)]
     for key, page in zip(keys, src, strict=True):
         raw = bytes(page.numpy())
-        obj = raw + b"".join(zlib.crc32(raw[o : o + s], slice_seed(key, j)).to_bytes(4, "little")
+        obj = raw + b"".join(crc32c(raw[o : o + s], slice_seed(key, j)).to_bytes(4, "little")
                              for j, (o, s) in enumerate(LAYOUT.slices))
         buf = torch.frombuffer(bytearray(obj), dtype=torch.uint8)
         ptr = store.register(buf)

@@ -5,9 +5,9 @@ not wait for it) and the layers before it are exact."""
 from __future__ import annotations
 
 import asyncio
-import zlib
 
 import torch
+from crc32c import crc32c
 
 from layerlift.linker.integrity import slice_seed
 from layerlift.linker.memory_store import MemoryStore
@@ -21,7 +21,7 @@ LAYOUT = ObjectLayout(((0, 400), (400, 400), (800, 400)), 1200)
 def put(store: MemoryStore, keys: list[str], src: torch.Tensor) -> None:
     for key, page in zip(keys, src, strict=True):
         raw = bytes(page.numpy())
-        obj = raw + b"".join(zlib.crc32(raw[o : o + n], slice_seed(key, j)).to_bytes(4, "little")
+        obj = raw + b"".join(crc32c(raw[o : o + n], slice_seed(key, j)).to_bytes(4, "little")
                              for j, (o, n) in enumerate(LAYOUT.slices))
         buf = torch.frombuffer(bytearray(obj), dtype=torch.uint8)
         ptr = store.register(buf)

@@ -11,7 +11,7 @@ is what one store object holds: a page of ``page_size`` token rows (KV, SWA)
 or one state slot (Mamba). The object is LayerLift's format
 (:data:`layerlift.linker.integrity.OBJECT_FORMAT`): layer-major, every layer's
 parts back to back (K rows then V rows; temporal then conv states), then a
-footer of one CRC-32 per layer. Layers are numbered as SGLang's pools wait on
+footer of one CRC-32C per layer. Layers are numbered as SGLang's pools wait on
 them: the model's layer id minus the stage's ``start_layer``.
 
 Plain and synchronous; no store, no threads.

@@ -10,7 +10,7 @@ Launch SGLang with::
 
 SGLang keeps the radix tree, the device pools, admission and node locks; this
 linker owns the store side: LayerLift's object format (layer-major pages with a
-CRC-32 footer per layer, ``linker/integrity.py``), format-versioned keys from
+CRC-32C footer per layer, ``linker/integrity.py``), format-versioned keys from
 SGLang's page hashes, the model's identity, its layout, the parallel layout and
 the rank (``linker/keys.py``), per-layer loads on LayerLift's scheduler and
 lanes (``load``), offloads through a staging snapshot (``offload``), both

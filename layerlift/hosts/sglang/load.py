@@ -8,7 +8,7 @@ LayerLift's :class:`~layerlift.overlap.scheduler.LoadScheduler` on a
 layer, footer entries included, in chunks through the linker's bounded
 staging ring (``linker/ring.py``; a chunk is at most ``capacity // depth``,
 so a request of any size streams through the default staging). A chunk is
-verified against its CRC-32s (the object's key and the layer are in the
+verified against its CRC-32Cs (the object's key and the layer are in the
 seed) and only then copied into SGLang's slots, under the batch's *gate*; a
 slice that fails its check quarantines its key (``quarantine.Quarantine``).
 

@@ -10,7 +10,7 @@ straight from the slots (``offload_in_place.py``: the footers computed over
 the slots, no copy; the result waits for every call reading them), and the
 others go as a :class:`~layerlift.linker.staged.StagedOffload` through the
 offload staging ring: per chunk, a copy of the units' bytes into staging while the node is
-still locked, their per-layer CRC-32 footers computed over that copy (each
+still locked, their per-layer CRC-32C footers computed over that copy (each
 layer's slice as it is copied, still in the cache), one ``put``; chunks in
 order, the first failure ends the offload.
 

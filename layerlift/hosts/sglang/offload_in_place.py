@@ -52,7 +52,7 @@ from typing import Protocol
 import numpy as np
 
 from layerlift.linker.in_place import FIRST_BYTES, Call, PipelinedPuts, grow
-from layerlift.linker.integrity import CHECK_BYTES, crc32, slice_seed
+from layerlift.linker.integrity import CHECK_BYTES, crc32c, slice_seed
 from layerlift.linker.ring import StagingRing
 from layerlift.linker.staged import OffloadOutcome
 from layerlift.linker.store_base import Store, StoreError
@@ -210,7 +210,7 @@ class InPlaceOffload:
                         crc = slice_seed(key, j)
                         for view, row_bytes, n in parts:
                             lo = row * row_bytes
-                            crc = crc32(view[lo : lo + n], crc)
+                            crc = crc32c(view[lo : lo + n], crc)
                         crcs[j] = crc
                     footer = np.asarray(crcs, dtype="<u4").view(np.uint8)
                     table[at : at + footer.nbytes] = footer

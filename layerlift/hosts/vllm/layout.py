@@ -7,7 +7,7 @@ Plain and synchronous; knows vLLM only through the duck-typed fields of its
 ``block_size``).
 
 One store object per (group, page): the group's layers' bytes of that page,
-layer-major, then a footer of one CRC-32 per layer (``linker/integrity.py``:
+layer-major, then a footer of one CRC-32C per layer (``linker/integrity.py``:
 format ``OBJECT_FORMAT``, CRCs seeded with the key and the layer). A recurrent
 group stores one object per *checkpoint*: its layers' state bytes at a page
 boundary, keyed by the chained hash of the last page before the boundary.

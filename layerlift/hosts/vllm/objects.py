@@ -1,7 +1,7 @@
 """Bytes between vLLM's blocks and registered staging.
 
 A store object of one KV cache group is its layers' blocks, layer-major, then
-one CRC-32 per layer (`layerlift.linker.integrity`: seeded with the key and
+one CRC-32C per layer (`layerlift.linker.integrity`: seeded with the key and
 the layer, so a foreign object or a swapped slice fails too): the
 `ObjectLayout` of ``linker/staged.py`` with one slice per layer. Plain and
 synchronous: the worker stages offloads on vLLM's thread; restores go through
@@ -70,7 +70,7 @@ def copy_page(layout: Layout, group: GroupLayout, kv: dict[str, torch.Tensor], k
               blocks: Mapping[str, HostBlocks | None] | None = None) -> np.ndarray:
     """Copy block ``block`` of each of ``group``'s layers into ``dst`` (one
     page: ``uint8[page_bytes]``, contiguous, host memory), layer-major, and
-    return the object's footer (``uint32[layers]``, the slices' CRC-32
+    return the object's footer (``uint32[layers]``, the slices' CRC-32C
     seeded for ``key``) computed over the copied bytes. A layer with its
     `HostBlocks` in ``blocks`` is copied with ``memmove`` and checksummed in
     ``dst`` right after its copy, still in the cache (``copy_checksum``:

@@ -42,7 +42,7 @@ def test_the_dynamic_loader_builds_a_layerlift_linker(make_host: Any) -> None:
     assert host.cache.linker.layer_done_counter is host.linker.layer_done_counter
     # The fingerprint names the model and its layout; the object format is in every key.
     assert host.linker.key_schema.prefix.startswith("test-")
-    assert ".l2/" in host.linker.key_schema.prefix
+    assert ".l3/" in host.linker.key_schema.prefix
 
 
 @pytest.mark.parametrize("extra, message", [

@@ -4,7 +4,7 @@
 bf16 (a Llama-3-8B-like layout), an 8192-token prompt: ~1 GiB of KV, fifteen
 times the default 64 MiB staging ring, restored through it byte-exact (the old
 adapter reserved staging for the whole request at once and refused it), every
-byte under its CRC-32 and every layer compared byte for byte. About 10 s on
+byte under its CRC-32C and every layer compared byte for byte. About 10 s on
 the 2-core box (7 of them SGLang's import; ~3 s for the prompt's compute, the
 offload, the restore and the check), ~27 s with three busy processes beside
 it. It ran at 2048 tokens while the harness made its bytes with torch

@@ -2,7 +2,7 @@
 an offload's slices are copied into staging and checksummed there in one
 pass (``copy_checksum``), a restore's verified rows are written one
 ``memmove`` a block. These tests hold those copies to what torch's copies
-did: the same staged bytes and footers (checked against zlib's CRC-32, not
+did: the same staged bytes and footers (checked against the crc32c package, not
 the code under test), blocks laid out with a stride between them (a view of
 a wider tensor: the bytes between blocks never touched), and no address
 outside the cache for a block id or a size the cache does not have. No vLLM
@@ -12,13 +12,13 @@ is imported (the worker modules need none): they run in the main suite too.
 from __future__ import annotations
 
 import threading
-import zlib
 from collections.abc import Sequence
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+from crc32c import crc32c
 
 from layerlift.hosts.vllm.layout import GroupKind, GroupLayout, Layout
 from layerlift.hosts.vllm.meta import LoadSpec, SaveSpec
@@ -66,7 +66,7 @@ def _stage(kv: dict[str, torch.Tensor], items: list[tuple[int, str, int]],
 
 
 @pytest.mark.parametrize("strided", [False, True], ids=["rows", "strided"])
-def test_fused_staging_matches_torch_and_zlib(strided: bool) -> None:
+def test_fused_staging_matches_torch_and_crc32c(strided: bool) -> None:
     kv = _strided(1)[0] if strided else {n: _random((BLOCKS, ROW), 1 + i)
                                          for i, n in enumerate(NAMES)}
     items = [(0, f"key-{b}", b) for b in (4, 0, 5, 2)]
@@ -81,7 +81,7 @@ def test_fused_staging_matches_torch_and_zlib(strided: bool) -> None:
             want = kv[name][block].numpy().tobytes()
             assert obj[j * ROW:(j + 1) * ROW] == want
             crc = np.frombuffer(obj[page + CHECK_BYTES * j:page + CHECK_BYTES * (j + 1)], "<u4")
-            assert int(crc[0]) == zlib.crc32(want, slice_seed(key, j))
+            assert int(crc[0]) == crc32c(want, slice_seed(key, j))
 
 
 def test_a_block_or_size_the_cache_does_not_have_is_refused() -> None:
