@@ -137,7 +137,7 @@ sent).
 
 In place (the engine's offloads): with a :class:`Source` instead of a
 snapshot, the objects go in ``put_parts`` calls growing from 8 MiB (the
-hosts' in-place pipeline, ``linker/in_place.py``: in order, the next call's
+hosts' in-place pipeline, ``linker/in_place.py``: in order, the next calls'
 footers computed while one runs, the first failure ends it), each page from where
 it is (the engine's pinned pool pages, or its registered host copy of
 device pages), its footer computed over those very bytes into a region of

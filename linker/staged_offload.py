@@ -44,7 +44,7 @@ class StagedOffload:
     place: ``put_parts`` calls growing from 8 MiB (`IN_PLACE_PUT_BYTES`,
     `IN_PLACE_PUT_BUFFERS` at most), each page from the source's registered
     memory, its footer computed over those bytes into a region of the ring
-    (``overflow``: never waits), the next call's footers while one runs; it
+    (``overflow``: never waits), the next calls' footers while one runs; it
     waits for a put that timed out (``wait_timed_out``: the source is the
     put's memory until it ended).
     ``ValueError`` when one object does not fit the ring, or neither or both
@@ -149,7 +149,7 @@ class StagedOffload:
         ``put_parts`` calls growing from ``FIRST_BYTES`` to `IN_PLACE_PUT_BYTES`
         and `IN_PLACE_PUT_BUFFERS` (``grow``), each object's footer computed
         over its page where it is into a region of the ring, the footers of
-        the next call while one runs (`PipelinedPuts`: calls in order, the
+        the next calls while one runs (`PipelinedPuts`: calls in order, the
         first failure ends it, a put that timed out is waited for and counted
         ``late`` if it then succeeded; returns once no call reads the pages)."""
         rows: list[tuple[OffloadPart, str, int]] = []

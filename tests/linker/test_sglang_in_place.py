@@ -311,6 +311,7 @@ def test_an_error_while_a_put_runs_returns_only_after_that_put(
         nonlocal calls
         calls += 1
         if calls == 2:
+            assert rig.store.entered.wait(WAIT_S)  # chunk 1's put is in the air
             raise RuntimeError("injected: a bug in the footers")
         return footers(self, *args)
 
@@ -322,6 +323,40 @@ def test_an_error_while_a_put_runs_returns_only_after_that_put(
     rig.store.gate.set()
     assert rig.offloader.wait_completed(1, WAIT_S) and not rig.offloader.pop()
     assert rig.offloader.errors == 1
+    rig.check()
+
+
+def test_an_error_before_the_first_put_was_taken_sends_nothing(
+        rig: Rig, small_calls: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunk 2's footers raise before the put thread took chunk 1 (its
+    launch held back until then): chunk 1 is sent or released unsent, never
+    half; nothing after it is sent; no region, flight or hold is left."""
+    footers = oip.InPlaceOffload._footers
+    launch = oip.InPlaceOffload._launch
+    raised = threading.Event()
+    calls = 0
+
+    def failing(self: oip.InPlaceOffload, *args: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            raised.set()
+            raise RuntimeError("injected: a bug in the footers")
+        return footers(self, *args)
+
+    def late_launch(self: oip.InPlaceOffload, call: Any) -> Any:
+        assert raised.wait(WAIT_S)
+        return launch(self, call)
+
+    monkeypatch.setattr(oip.InPlaceOffload, "_footers", failing)
+    monkeypatch.setattr(oip.InPlaceOffload, "_launch", late_launch)
+    rig.offloader.submit(rig.items())
+    assert rig.offloader.wait_completed(1, WAIT_S) and not rig.offloader.pop()
+    assert rig.offloader.errors == 1
+    rig.check()
+    assert len(rig.store.put_keys) <= 1, f"sent after the failure: {rig.store.put_keys[1:]}"
+    assert rig.offload(), "the next offload failed"
+    assert all(rig.inner.exists(rig.all_keys))
     rig.check()
 
 

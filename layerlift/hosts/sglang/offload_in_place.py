@@ -15,12 +15,13 @@ node stays locked meanwhile). The one way the slots can change under a put
 is ``reset`` (``Offloader.quiesce``), which SGLang follows by freeing every
 slot; so, per chunk:
 
-- its footers are computed over the slots under the offloader's epoch lock,
-  after checking that no ``quiesce`` ran since the offload was taken
-  (:class:`Revoked` otherwise: nothing more is sent);
-- its put is launched under that lock after the same check, registered as a
-  *flight* (its keys) before the lock is dropped, so a ``quiesce`` either
-  comes first (and the put is never sent) or sees the flight;
+- its footers are computed over the slots, each object's under the
+  offloader's epoch lock after checking that no ``quiesce`` ran since the
+  offload was taken (:class:`Revoked` otherwise: nothing more is sent);
+- its put is launched (on the put thread, right before it is sent) under
+  that lock after the same check, registered as a *flight* (its keys)
+  before the lock is dropped, so a ``quiesce`` either comes first (and the
+  put is never sent) or sees the flight;
 - a ``quiesce`` whose bound passed with a flight still in the air puts the
   flight's keys in the quarantine, *held* (``Quarantine.hold``): no lookup
   offers them, no offload writes them, nothing removes them while the call
@@ -31,7 +32,7 @@ Chunks and their pipeline are ``linker/in_place.py``'s (``grow``,
 ``PipelinedPuts``): the first call of ``FIRST_BYTES`` (its footers are all
 the first put waits for), each next one twice as large, up to
 :data:`PUT_BYTES` bytes and :data:`PUT_BUFFERS` buffers a call; the footers
-of call ``k + 1`` computed while call ``k`` runs on a put thread. Mooncake's
+of the next calls computed while one runs on a put thread. Mooncake's
 TCP transport queues at most 1024 transfers a peer by default, every buffer
 is one, and the same client's loads share the queue (at depth 4 and a page of
 64 tokens they hold about 256), so a call stays at 512. Measured (1 GiB at
@@ -90,8 +91,9 @@ class OffloadHost(Protocol):
         ...
 
     def unrevoked(self, epoch: int) -> AbstractContextManager[None]:
-        """Held while footers are computed over the slots and while a put is
-        launched (``quiesce`` waits for it to move the epoch); raises
+        """Held while an object's footer is computed over the slots and while
+        a put is launched, on two threads (``quiesce`` waits for it to move
+        the epoch); raises
         :class:`Revoked` on entry when a ``quiesce`` ran since ``epoch``."""
         ...
 
@@ -186,8 +188,9 @@ class InPlaceOffload:
 
     def _footers(self, chunk: list[tuple[OffloadItem, int]],
                  outcome: OffloadOutcome) -> Call | None:
-        """This thread, under the epoch lock: the chunk's footers computed
-        over the slots into a region of the ring, and the call's lists. None
+        """This thread: the chunk's footers computed over the slots into a
+        region of the ring (each object's under the epoch lock), and the
+        call's lists. None
         (the error in ``outcome``) when no region came; raises
         :class:`Revoked` (the region released) after a ``quiesce``."""
         off = self.offloader
@@ -201,33 +204,36 @@ class InPlaceOffload:
             call = Call(region)
             table = region.tensor.numpy()
             at = 0
-            with off.unrevoked(self.epoch):
-                for item, i in chunk:
-                    row, key = item.rows[i], item.keys[i]
-                    pool = self._pools[item.layout.name]
-                    crcs = [0] * len(pool.views)
+            for item, i in chunk:
+                row, key = item.rows[i], item.keys[i]
+                pool = self._pools[item.layout.name]
+                crcs = [0] * len(pool.views)
+                # The lock an object at a time: the put thread's launch of the
+                # call before waits for one object's footer at most.
+                with off.unrevoked(self.epoch):
                     for j, parts in enumerate(pool.views):
                         crc = slice_seed(key, j)
                         for view, row_bytes, n in parts:
                             lo = row * row_bytes
                             crc = crc32c(view[lo : lo + n], crc)
                         crcs[j] = crc
-                    footer = np.asarray(crcs, dtype="<u4").view(np.uint8)
-                    table[at : at + footer.nbytes] = footer
-                    call.keys.append(key)
-                    call.ptrs.append([base + row * row_bytes for base, row_bytes in pool.bases]
-                                     + [region.ptr + at])
-                    call.sizes.append(pool.sizes)  # the same for every object of the pool
-                    at += footer.nbytes
+                footer = np.asarray(crcs, dtype="<u4").view(np.uint8)
+                table[at : at + footer.nbytes] = footer
+                call.keys.append(key)
+                call.ptrs.append([base + row * row_bytes for base, row_bytes in pool.bases]
+                                 + [region.ptr + at])
+                call.sizes.append(pool.sizes)  # the same for every object of the pool
+                at += footer.nbytes
         except BaseException:
             region.release()
             raise
         return call
 
     def _launch(self, call: Call) -> Callable[[], None]:
-        """Under the epoch lock: no ``quiesce`` since the offload was taken
-        (else :class:`Revoked`), and the put registered as a flight, landed
-        by the put thread once the call ended."""
+        """The put thread, right before the call is sent, under the epoch
+        lock: no ``quiesce`` since the offload was taken (else
+        :class:`Revoked`: the call is never sent), and the put registered as
+        a flight, landed by the put thread once the call ended."""
         off = self.offloader
         with off.unrevoked(self.epoch):
             flight = off.took_off(call.keys)
