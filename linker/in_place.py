@@ -136,7 +136,7 @@ class PipelinedPuts(Generic[C]):
         putter = threading.Thread(target=self._drain, args=(line, outcome),
                                   name="layerlift-put", daemon=True)
         putter.start()
-        ended = False
+        left_cleanly = False
         try:
             for chunk in chunks:
                 with line.cond:
@@ -156,10 +156,10 @@ class PipelinedPuts(Generic[C]):
                         break
                     line.calls.append(ready)
                     line.cond.notify_all()
-            ended = True
+            left_cleanly = True
         finally:
             with line.cond:
-                if not ended:  # prepare raised: nothing more is sent
+                if not left_cleanly:  # prepare raised: nothing more is sent
                     self._stop(line)
                 line.closed = True
                 line.cond.notify_all()
