@@ -197,6 +197,9 @@ class _Placement:
     def __init__(self, rows: _Rows, layout: Layout) -> None:
         self.rows, self.layout = rows, layout
 
+    def pieces(self, part: LoadPart, local: int) -> tuple[int, ...]:
+        return (part.layout.slices[local][1],)
+
     def addresses(self, seg: LoadSegment, part: LoadPart) -> list[int]:
         at = self.layout.objects.slices[seg.local][0]
         return [self.rows.ptr(i) + at for i in range(seg.lo, seg.hi)]

@@ -278,6 +278,9 @@ class _Placement:
     def __init__(self, load: BatchLoad) -> None:
         self.load = load
 
+    def pieces(self, part: LoadPart, local: int) -> tuple[int, ...]:
+        return (part.layout.slices[local][1],)  # a slice lands in one run of its page
+
     def addresses(self, seg: LoadSegment, part: LoadPart) -> list[int]:
         load = self.load
         component, indices, _ = part.target

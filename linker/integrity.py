@@ -70,6 +70,7 @@ __all__ = [
     "mismatches",
     "object_bytes",
     "page_footers",
+    "pieced_checksums",
     "slice_seed",
 ]
 
@@ -160,11 +161,37 @@ def page_footers(spec: ModelSpec, component: Component, page_ptrs: Sequence[int]
     return footers(page_ptrs, component_slices(spec, component), keys)
 
 
+def pieced_checksums(ptrs: Sequence[int], sizes: Sequence[int],
+                     seeds: Sequence[int]) -> np.ndarray:
+    """CRC-32C of each slice that lies in ``len(sizes)`` pieces: slice ``i``'s
+    piece ``j`` is ``sizes[j]`` bytes at ``ptrs[i * len(sizes) + j]``, its
+    CRC continued over the pieces in order from ``seeds[i]`` (the CRC of the
+    pieces back to back). Returns ``uint32[len(seeds)]``."""
+    k = len(sizes)
+    if len(ptrs) != k * len(seeds):
+        raise ValueError(f"{len(ptrs)} addresses for {len(seeds)} slices of {k} piece(s)")
+    out = np.empty(len(seeds), dtype="<u4")
+    for i, seed in enumerate(seeds):
+        crc = seed
+        for j, size in enumerate(sizes):
+            view = (ctypes.c_char * size).from_address(ptrs[i * k + j])
+            crc = crc32c(memoryview(view).cast("B"), crc)
+        out[i] = crc
+    return out
+
+
 def mismatches(ptrs: Sequence[int], size: int, expected: np.ndarray,
-               seeds: Sequence[int]) -> list[int]:
+               seeds: Sequence[int], pieces: Sequence[int] | None = None) -> list[int]:
     """Indices ``i`` whose ``size`` bytes at ``ptrs[i]`` do not have the CRC
-    ``expected[i]`` from seed ``seeds[i]`` (empty: every slice verified)."""
-    got = checksums(ptrs, size, seeds)
+    ``expected[i]`` from seed ``seeds[i]`` (empty: every slice verified).
+    ``pieces``: each slice lies in pieces of these sizes (adding up to
+    ``size``), addressed as :func:`pieced_checksums` says."""
+    if pieces is not None and len(pieces) > 1:
+        if sum(pieces) != size:
+            raise ValueError(f"pieces of {sum(pieces)} bytes for a slice of {size}")
+        got = pieced_checksums(ptrs, pieces, seeds)
+    else:
+        got = checksums(ptrs, size, seeds)
     return np.flatnonzero(got != expected.astype("<u4", copy=False)).tolist()
 
 

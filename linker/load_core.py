@@ -120,9 +120,13 @@ class LoadCore(ABC):
                  timeout_s: float | None = None,
                  on_corrupt: Callable[[list[str]], None] | None = None,
                  on_layer: Callable[[int, DeviceEvent | None], None] | None = None,
-                 placement: Placement | None = None, verify: bool = True) -> None:
+                 placement: Placement | None = None, verify: bool = True,
+                 in_place_ranges: int | None = None) -> None:
         if depth < 1:
             raise ValueError(f"a staged load needs depth >= 1, got {depth}")
+        if in_place_ranges is not None and (placement is None or in_place_ranges < 2):
+            raise ValueError("in_place_ranges cuts an in-place load's calls and must be at "
+                             f"least 2 (a row's piece and its check); got {in_place_ranges}")
         if (sink is None) == (placement is None):
             raise ValueError("a load goes either through staging into a sink or in place "
                              "into a placement: give exactly one of them")
@@ -162,9 +166,8 @@ class LoadCore(ABC):
                         f"{ring.span(row)} bytes")
                 runs.append((len(runs), len(part.keys), row))
             if placement is not None:
-                segments = tuple(LoadSegment(layer, p, local, 0, len(self.parts[p].keys))
-                                 for p, local in reads if self.parts[p].keys)
-                self.chunks.append([LoadChunk(layer, segments)] if segments else [])
+                self.chunks.append(self._in_place_chunks(layer, reads, placement,
+                                                         in_place_ranges))
                 continue
             shape = tuple(runs)
             if shape not in cuts:
@@ -189,6 +192,38 @@ class LoadCore(ABC):
         self._have = [np.zeros(len(p.keys), dtype=bool) for p in self.parts]
         self._crcs_lock = threading.Lock()
         self._merged_plan: list[tuple[LoadChunk, tuple[int, ...]]] | None = None
+
+    def _in_place_chunks(self, layer: int, reads: Sequence[tuple[int, int]],
+                         placement: Placement, max_ranges: int | None) -> list[LoadChunk]:
+        """An in-place layer's calls: one (``max_ranges`` None), or as few as
+        keep each within ``max_ranges`` ranges, counting a row's pieces and
+        its check (read beside it until the footers are in), rows in order."""
+        segments = [LoadSegment(layer, p, local, 0, len(self.parts[p].keys))
+                    for p, local in reads if self.parts[p].keys]
+        if max_ranges is None:
+            return [LoadChunk(layer, tuple(segments))] if segments else []
+        chunks: list[LoadChunk] = []
+        cur: list[LoadSegment] = []
+        used = 0
+        for seg in segments:
+            per_row = len(placement.pieces(self.parts[seg.part], seg.local)) + 1
+            if per_row > max_ranges:
+                raise ValueError(f"a row of {per_row} ranges does not fit calls of "
+                                 f"{max_ranges}")
+            lo = seg.lo
+            while lo < seg.hi:
+                room = (max_ranges - used) // per_row
+                if room == 0:
+                    chunks.append(LoadChunk(layer, tuple(cur)))
+                    cur, used = [], 0
+                    continue
+                hi = min(seg.hi, lo + room)
+                cur.append(LoadSegment(layer, seg.part, seg.local, lo, hi))
+                used += (hi - lo) * per_row
+                lo = hi
+        if cur:
+            chunks.append(LoadChunk(layer, tuple(cur)))
+        return chunks
 
     def nbytes(self, layer: int) -> int:
         """Payload bytes layer ``layer`` moves (without checksums)."""

@@ -24,10 +24,20 @@ from layerlift.linker.transfer_plan import LoadChunk, LoadPart, check_bytes
 __all__ = ["InPlaceReads"]
 
 
+def _pieces(placement: Placement, part: LoadPart, local: int) -> tuple[int, ...]:
+    """``placement.pieces``, checked: positive sizes adding up to the slice's."""
+    sizes = tuple(placement.pieces(part, local))
+    size = part.layout.slices[local][1]
+    if not sizes or min(sizes) <= 0 or sum(sizes) != size:
+        raise ValueError(f"the placement splits a slice of {size} bytes into pieces of "
+                         f"{list(sizes)} bytes")
+    return sizes
+
+
 class InPlaceReads(LoadCore):
     """A load's in-place reads (a load built with a ``placement``)."""
 
-    def _chunk_in_place(self, chunk: LoadChunk, placement: Placement) -> None:
+    def _chunk_in_place(self, chunk: LoadChunk, placement: Placement, lands: bool = True) -> None:
         """In place: one ``get_ranges`` of every segment's slices straight into
         the placement's addresses, their checks (as in ``_chunk``) into a region
         of the ring (``overflow``: never waits for it); then every CRC verified
@@ -35,25 +45,31 @@ class InPlaceReads(LoadCore):
         in flight cannot be revoked: the placement's memory is the adapter's
         until the load is quiet) and held while the layer is marked landed;
         from that look until the slices were verified and the layer landed,
-        the read counts in the gate's reads in flight (``Gate.reading``)."""
+        the read counts in the gate's reads in flight (``Gate.reading``).
+        ``lands``: the layer's last call (its earlier calls, with
+        ``in_place_ranges``, are verified but land nothing)."""
         with self.gate.reading() as open_:
             if not open_:
                 raise TransferRevoked(f"layer {chunk.layer}: the load was stopped before "
                                       "its read")
-            self._read_in_place(chunk, placement)
+            self._read_in_place(chunk, placement, lands)
 
-    def _read_in_place(self, chunk: LoadChunk, placement: Placement) -> None:
+    def _read_in_place(self, chunk: LoadChunk, placement: Placement, lands: bool) -> None:
         """The body of :meth:`_chunk_in_place`, the read counted in flight."""
-        plan: list[tuple[_SegmentRead, list[int]]] = []
+        plan: list[tuple[_SegmentRead, list[int], tuple[int, ...]]] = []
         at = 0
         for seg in chunk.segments:
             part = self.parts[seg.part]
             size = part.layout.slices[seg.local][1]
             known = self._known(seg) if self.verify else None
             check = check_bytes(part.layout, seg.local) if self.verify and known is None else 0
+            sizes = _pieces(placement, part, seg.local)
+            addrs = placement.addresses(seg, part)
+            if len(addrs) != seg.rows * len(sizes):
+                raise ValueError(f"the placement gave {len(addrs)} addresses for {seg.rows} "
+                                 f"row(s) of {len(sizes)} piece(s)")
             plan.append((_SegmentRead(seg, part, at, size, check,
-                                      list(part.keys[seg.lo : seg.hi]), known),
-                         placement.addresses(seg, part)))
+                                      list(part.keys[seg.lo : seg.hi]), known), addrs, sizes))
             at += seg.rows * check
         region = self._take_checks(at) if at else None
         try:
@@ -61,26 +77,29 @@ class InPlaceReads(LoadCore):
             dst: list[list[int]] = []
             lens: list[list[int]] = []
             offs: list[list[int]] = []
-            for r, addrs in plan:
-                layout, n = r.part.layout, r.seg.rows
+            for r, addrs, sizes in plan:
+                layout, n, k = r.part.layout, r.seg.rows, len(sizes)
                 slice_at = layout.slices[r.seg.local][0]
+                piece_at = [slice_at + sum(sizes[:j]) for j in range(k)]
+                rows = [addrs[i * k : (i + 1) * k] for i in range(n)] if k > 1 else \
+                    [[a] for a in addrs]
                 if r.check:
                     assert region is not None
                     checks = region.ptr + r.start
                     check_at = (layout.page_bytes if r.seg.local == 0
                                 else layout.footer_at(r.seg.local))
-                    dst += [[a, checks + i * r.check] for i, a in enumerate(addrs)]
-                    lens += [[r.size, r.check]] * n
-                    offs += [[slice_at, check_at]] * n
+                    dst += [[*row, checks + i * r.check] for i, row in enumerate(rows)]
+                    lens += [[*sizes, r.check]] * n
+                    offs += [[*piece_at, check_at]] * n
                 else:
-                    dst += [[a] for a in addrs]
-                    lens += [[r.size]] * n
-                    offs += [[slice_at]] * n
+                    dst += rows
+                    lens += [list(sizes)] * n
+                    offs += [piece_at] * n
                 keys += r.keys
             def hand_over(exc: StoreTimeout) -> None:
                 if region is not None:
                     region.hand_over(exc)
-                for r, _ in plan:
+                for r, _, _ in plan:
                     placement.timed_out(r.part, r.seg.lo, r.seg.hi, exc)
 
             self._read(chunk.layer, keys, dst, lens, offs, hand_over)
@@ -90,9 +109,10 @@ class InPlaceReads(LoadCore):
                 if not open_:
                     raise TransferRevoked(f"layer {chunk.layer}: the load was stopped while "
                                           "it read")
-                self.events[chunk.layer] = None
-                if self.on_layer is not None:
-                    self.on_layer(chunk.layer, None)
+                if lands:
+                    self.events[chunk.layer] = None
+                    if self.on_layer is not None:
+                        self.on_layer(chunk.layer, None)
         finally:
             if region is not None:
                 region.release()
@@ -171,13 +191,15 @@ class InPlaceReads(LoadCore):
             if region is not None:
                 region.release()
 
-    def _verify_in_place(self, layer: int, plan: list[tuple[_SegmentRead, list[int]]],
+    def _verify_in_place(self, layer: int,
+                         plan: list[tuple[_SegmentRead, list[int], tuple[int, ...]]],
                          region: Region | None) -> None:
-        """Every slice of ``plan`` against its CRC, where it landed; keeps the
-        verified first slices' footers; raises :class:`CorruptSlices`."""
+        """Every slice of ``plan`` against its CRC, where it landed (over its
+        pieces in order); keeps the verified first slices' footers; raises
+        :class:`CorruptSlices`."""
         corrupt: list[str] = []
         footers: list[tuple[_SegmentRead, np.ndarray]] = []
-        for r, addrs in plan:
+        for r, addrs, sizes in plan:
             n = r.seg.rows
             if r.known is not None:
                 expected = r.known
@@ -188,7 +210,8 @@ class InPlaceReads(LoadCore):
                 expected = table[:, 0]
                 if r.seg.local == 0:
                     footers.append((r, table))
-            bad = mismatches(addrs, r.size, expected, [slice_seed(k, r.seg.local) for k in r.keys])
+            bad = mismatches(addrs, r.size, expected, [slice_seed(k, r.seg.local) for k in r.keys],
+                             sizes)
             corrupt += [r.keys[b] for b in bad]
         if corrupt:
             if self.on_corrupt is not None:

@@ -400,8 +400,12 @@ class MooncakeStore(Store):
             held = list(dict.fromkeys(k for k in keys if self._sessions[k] > 0))
             if len(held) < len(set(keys)):
                 return False
-            codes: list[int] = self._call(
-                "session renew", lambda: self._client.batch_get_session_start(held))
+            try:
+                codes: list[int] = self._call(
+                    "session renew", lambda: self._client.batch_get_session_start(held))
+            except StoreTimeout as exc:
+                exc.lent = False  # the read again was not issued
+                raise
         missing = [k for k, c in zip(held, codes, strict=True) if c == MISSING]
         if missing:
             raise StoreKeyMissing(missing)
@@ -434,6 +438,7 @@ class MooncakeStore(Store):
         except StoreTimeout as exc:
             if exc.future is not None:  # it may still succeed: end what it started then
                 exc.future.add_done_callback(self._orphan_session_ender(keys))
+            exc.lent = False  # no read was issued: the caller's memory is its own
             raise
         failed = [(k, c) for k, c in zip(keys, codes, strict=True) if c != 0]
         if not failed:

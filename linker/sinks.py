@@ -121,9 +121,10 @@ class Gate:
     def keep_until(self, exc: StoreTimeout) -> None:
         """A read that timed out may still write the destination: count it
         in flight until its call ended (``exc.future``; nothing when no call
-        runs on), and mark ``exc.owned``. Call it inside :meth:`reading`."""
+        runs on, or the one that does was lent no memory: ``exc.lent``, a
+        session start), and mark ``exc.owned``. Call it inside :meth:`reading`."""
         future = exc.future
-        if future is None:
+        if future is None or not exc.lent:  # nothing runs on that may write the destination
             return
         with self._lock:
             self._reads += 1
@@ -184,9 +185,19 @@ class Placement(Protocol):
     it, and the transfer verifies it there. Nothing is copied, so there is no
     sink; the checksums alone go through the ring."""
 
+    def pieces(self, part: LoadPart, local: int) -> tuple[int, ...]:
+        """The sizes of the pieces slice ``local`` of ``part``'s objects
+        lands in, in object order (they add up to the slice's size):
+        ``(size,)`` where a row's slice lands in one run of memory, more
+        where the destination keeps them apart (SGLang's pools: a layer's K
+        rows and its V rows in two tensors). Each piece is one range of the
+        store call, and the slice's CRC runs over the pieces in order."""
+
     def addresses(self, seg: LoadSegment, part: LoadPart) -> list[int]:
         """Where slice ``seg.local`` of rows ``seg.lo..seg.hi`` of ``part``
-        lands: one address per row, in memory registered with the store."""
+        lands: one address per row and piece (:meth:`pieces`), row by row
+        (row ``i``'s piece ``j`` at ``i * len(pieces) + j``), in memory
+        registered with the store."""
 
     def pages(self, part: LoadPart) -> list[int]:
         """For a whole read (:meth:`StagedLoad.fetch_whole`): where each

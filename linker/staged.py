@@ -96,9 +96,13 @@ In place (the engine's loads, vLLM's worker's host restores)
 
 With a :class:`Placement` instead of a sink, a layer is one chunk (one
 ``get_ranges`` call, whatever its size: the engine's "one store call per
-layer, all requests together") whose slices land straight in the
-placement's registered memory (the engine's pool pages, or its pinned
-per-batch staging on a device); only the checks of step 2 go through the
+layer, all requests together"; or, with ``in_place_ranges``, as few calls
+as keep each within that many ranges, the layer landing after its last)
+whose slices land straight in the placement's registered memory (the
+engine's pool pages, or its pinned per-batch staging on a device; vLLM's
+host blocks; SGLang's host slots, where a slice lands in pieces, its K rows
+and its V rows: ``Placement.pieces``, one range each, the CRC over the
+pieces in order); only the checks of step 2 go through the
 ring, in a region that never waits (``overflow``). Step 3 verifies the
 slices where they landed: a corrupt slice is in the destination then, and
 :class:`CorruptSlices` tells the adapter to treat the layer as not
@@ -111,7 +115,9 @@ the destination (vLLM's blocks) hands it back only once ``Gate.wait_reads``
 returned True (or from ``Gate.when_quiet``). A ``StoreTimeout`` hands the
 checks' region over, as above, and ``placement.timed_out`` takes the
 destination over (the engine pins the pages the call may still write;
-vLLM's worker counts the call in flight until it ended, ``Gate.keep_until``). ``verify=False`` reads the slices
+vLLM's worker and SGLang's linker count the call in flight until it
+ended, ``Gate.keep_until``; a call lent no memory, ``StoreTimeout.lent``
+False, a session start, is not counted). ``verify=False`` reads the slices
 alone (the engine's ``verify_restores=False``, a negative control).
 :meth:`StagedLoad.fetch_whole` is the barrier's read in place: every object
 whole (page and footer) in one call, then every slice verified.

@@ -40,7 +40,11 @@ class StagedLoad(WholeReads, InPlaceReads):
     load holds no staging). ``verify=False`` reads the slices alone and checks
     nothing (the in-place negative control). ``ValueError`` when a slice does
     not fit the ring, a ``layers`` entry names no part or slice, ``depth`` <
-    1, or neither or both of ``sink`` and ``placement`` are given."""
+    1, or neither or both of ``sink`` and ``placement`` are given.
+    ``in_place_ranges`` (in place only): a layer's read is cut into calls of
+    at most this many ranges (a row's pieces and its check; Mooncake's TCP
+    transport queues 1024 transfers a peer, and ``depth`` layers read at
+    once); None: one call a layer."""
 
 
     def job(self, layer: int, requests: frozenset[Hashable] = frozenset()) -> LayerJob:
@@ -59,7 +63,7 @@ class StagedLoad(WholeReads, InPlaceReads):
         event: DeviceEvent | None = None
         for i, chunk in enumerate(chunks):
             if self.placement is not None:
-                self._chunk_in_place(chunk, self.placement)
+                self._chunk_in_place(chunk, self.placement, i == len(chunks) - 1)
             else:
                 event = self._chunk(chunk, (layer,) if i == len(chunks) - 1 else ())
         if not chunks:

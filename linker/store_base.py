@@ -59,6 +59,10 @@ class StoreTimeout(StoreUnavailable):
     def __init__(self, message: str, future: Future[Any] | None = None) -> None:
         super().__init__(message)
         self.future = future
+        # False when the call that runs on was lent none of the caller's
+        # memory (a read's session start or renewal, before the read was
+        # issued): nothing it does can touch a destination or a source.
+        self.lent = True
         # Set by a caller that took over the memory lent to the call (it is
         # released in the call's own completion): whoever would otherwise
         # wait for the call before returning need not.

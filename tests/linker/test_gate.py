@@ -59,3 +59,18 @@ def test_a_call_that_never_ran_is_not_waited_for() -> None:
     exc = StoreTimeout("cancelled before it started")  # no future: nothing runs on
     gate.keep_until(exc)
     assert gate.reads == 0 and not exc.owned
+
+
+def test_a_call_lent_no_memory_is_not_waited_for() -> None:
+    """A timed-out session start (``exc.lent`` False: the read itself was
+    never issued) runs on but cannot write the destination: not in flight."""
+    gate = Gate()
+    call: Future[None] = Future()
+    call.set_running_or_notify_cancel()
+    exc = StoreTimeout("session start", call)
+    exc.lent = False
+    with gate.reading():
+        gate.keep_until(exc)
+    assert gate.reads == 0 and gate.wait_reads(0.0) and not exc.owned
+    call.set_result(None)
+    assert gate.reads == 0

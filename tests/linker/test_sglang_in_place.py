@@ -179,13 +179,17 @@ def test_a_device_path_is_never_put_in_place() -> None:
     with pytest.raises(ValueError, match="never in place"):
         Offloader(store, StagingRing(store, 1 << 20), Quarantine(), 1.0,
                   path=object(), in_place=[pools.kv])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="never in place"):
+        Offloader(store, StagingRing(store, 1 << 20), Quarantine(), 1.0,
+                  path=object(), register_too=[pools.kv])  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("name", ["in_place_min_kib", "in_place_load_min_kib"])
 @pytest.mark.parametrize("value", [-1, 1.5, True, "128"])
-def test_in_place_min_kib_is_checked(value: object) -> None:
-    with pytest.raises(ValueError, match="in_place_min_kib"):
-        LinkerSettings.parse({"embedded_master": True, "in_place_min_kib": value})
-    assert LinkerSettings.parse({"embedded_master": True, "in_place_min_kib": None})
+def test_in_place_min_kib_is_checked(name: str, value: object) -> None:
+    with pytest.raises(ValueError, match=name):
+        LinkerSettings.parse({"embedded_master": True, name: value})
+    assert LinkerSettings.parse({"embedded_master": True, name: None})
 
 
 def test_only_pools_whose_every_part_reaches_the_bound_go_in_place() -> None:

@@ -57,6 +57,9 @@ class Pages:
         self.ptr = store.register(self.rows)
         self.timeouts: list[tuple[tuple[int, int], StoreTimeout]] = []
 
+    def pieces(self, part: LoadPart, local: int) -> tuple[int, ...]:
+        return (part.layout.slices[local][1],)
+
     def addresses(self, seg: LoadSegment, part: LoadPart) -> list[int]:
         offset = part.layout.slices[seg.local][0]
         base = int(self.rows.data_ptr())

@@ -151,6 +151,7 @@ def test_a_timed_out_session_start_that_succeeds_is_ended(
                 stall.release()
         assert timed_out is not None, "no session start timed out with the master stopped"
         assert timed_out.future is not None
+        assert not timed_out.lent, "a session start was lent memory (in-place loads wait on it)"
         timed_out.future.exception(30.0)  # the orphan's end runs in its done callback
         dst = torch.zeros(SIZE, dtype=torch.uint8)
         store.register(dst)

@@ -23,7 +23,8 @@ and bounded waits. Its promises (each tested under SGLang's real wrapper):
   staging, so nothing it offers is refused by ``load``. It costs SGLang's
   scheduler a bounded time (``lookup``: one call bound, a breaker, a budget).
 - A corrupt, foreign, truncated or missing slice fails its layer; no byte of it
-  reaches the slots (they are zeroed) and ``finish_layer_wise_loading`` returns
+  stays in the slots (they are zeroed; read in place, after the read that
+  wrote them, ``load.py``) and ``finish_layer_wise_loading`` returns
   False, so SGLang aborts the loading requests and inserts none of their KV. A
   slice that failed its checksum quarantines its key until the store no longer
   has it; the next offload of it writes fresh bytes.
@@ -35,7 +36,11 @@ and bounded waits. Its promises (each tested under SGLang's real wrapper):
   queued offloads are dropped, none snapshots a slot after it returned, no
   result of one taken before it settles a later one; ``close`` as well.
 - Nothing raises into SGLang's scheduler: every failure is logged and reported
-  in SGLang's terms (a miss, a refused load or offload, a failed batch).
+  in SGLang's terms (a miss, a refused load or offload, a failed batch), but
+  one: a store read into the slots (an in-place load) still running
+  ``read_end_s`` after its batch failed raises ``SlotsStillWritten`` from
+  ``finish_layer_wise_loading`` or ``reset``, rather than let SGLang reuse
+  slots that read may still write.
 - Pool features whose state it does not move are refused at construction.
 
 The SGLang vocabulary (``PoolTransfer``, ``PoolName``) stops at this module.
@@ -70,6 +75,7 @@ from layerlift.overlap.scheduler import LoadScheduler
 from .device import DevicePath, pool_device
 from .layout import PoolLayout, fingerprint, pool_layouts, refuse_unmoved_state
 from .load import BatchLoad, LoadCounter, LoadItem, LoopThread
+from .load_in_place import READ_END_S, SlotsStillWritten
 from .lookup import LookupGuard
 from .offload import Offloader, OffloadItem
 from .offload_in_place import in_place_ok
@@ -200,14 +206,21 @@ class LayerLiftLinker(UnifiedCacheLinker):  # type: ignore[misc,unused-ignore]
         self._failed_starts: set[int] = set()  # counter indices whose start failed
         self._next_index = 0
         self.quarantine = Quarantine()
-        min_bytes = None if s.in_place_min_kib is None else s.in_place_min_kib << 10
-        in_place = [] if self.path is not None else \
-            [p for p in self.layouts.values() if in_place_ok(p, min_bytes)]
+        def in_place(kib: int | None) -> list[PoolLayout]:
+            """The host pools whose every part reaches ``kib`` (None: none)."""
+            least = None if kib is None else kib << 10
+            return [] if self.path is not None else \
+                [p for p in self.layouts.values() if in_place_ok(p, least)]
+
+        self._load_in_place_pools = frozenset(p.name for p in in_place(s.in_place_load_min_kib))
         self._offloader = Offloader(self.store, self.offload_ring, self.quarantine, s.timeout_s,
-                                    path=self.path, in_place=in_place)
+                                    path=self.path, in_place=in_place(s.in_place_min_kib),
+                                    register_too=in_place(s.in_place_load_min_kib))
         self.lookups = LookupGuard(s.lookup_timeout_s, s.lookup_breaker_s, s.lookup_share)
         self.finished: deque[BatchLoad] = deque(maxlen=256)  # recent batches (timings, verdict)
         self.errors = 0  # calls that failed by an unexpected error (logged; SGLang went on)
+        self.read_end_s = READ_END_S  # how long a failed in-place load's reads may still run
+        self._unended: list[BatchLoad] = []  # batches whose finish found a read still running
         self._closed = False
 
     # ---- helpers -------------------------------------------------------------
@@ -232,6 +245,23 @@ class LayerLiftLinker(UnifiedCacheLinker):  # type: ignore[misc,unused-ignore]
             keys = self.key_schema.keys(layout.component, [_hash_bytes(h) for h in t.keys])
             out.append((layout, keys, rows))
         return out
+
+    def _load_in_place(self, pending: list[list[LoadItem]]) -> frozenset[str]:
+        """The pools a batch reads straight into the slots (``load_in_place.py``):
+        host pools whose every part reaches ``in_place_load_min_kib``, once
+        they are registered with the store (the
+        first such batch registers them; if the store refuses, this batch is
+        staged and the next one tries again)."""
+        names = {item.layout.name for items in pending for item in items}
+        if not names & self._load_in_place_pools:
+            return frozenset()
+        try:
+            self._offloader.register_pools()
+        except Exception as exc:  # the staged path needs no registration
+            _log.warning("LayerLift: registering SGLang's pools for in-place loads failed (%s); "
+                         "this batch goes through staging", exc)
+            return frozenset()
+        return self._load_in_place_pools
 
     def _unexpected(self, what: str) -> None:
         self.errors += 1
@@ -315,7 +345,8 @@ class LayerLiftLinker(UnifiedCacheLinker):  # type: ignore[misc,unused-ignore]
                               self.num_layers, self.store, self.settings.load_timeout_s,
                               self.ring, depth=self.settings.depth,
                               timeout_s=self.settings.timeout_s, quarantine=self.quarantine,
-                              path=self.path)
+                              path=self.path, in_place=self._load_in_place(pending),
+                              read_end_s=self.read_end_s)
             jobs = batch.jobs()
         except Exception:  # nothing was read: the verdict is False, SGLang aborts them
             self._unexpected(f"start of load batch {index}")
@@ -344,6 +375,9 @@ class LayerLiftLinker(UnifiedCacheLinker):  # type: ignore[misc,unused-ignore]
             return True
         try:
             ok = batch.finish()
+        except SlotsStillWritten:  # SGLang would reuse slots a read may still write
+            self._unended.append(batch)
+            raise
         except Exception:
             self._unexpected(f"finish of load batch {counter_index}")
             batch.stop()
@@ -393,7 +427,11 @@ class LayerLiftLinker(UnifiedCacheLinker):  # type: ignore[misc,unused-ignore]
             self._pending.clear()
             self._failed_starts.clear()
             for batch in self.layer_done_counter.batches():
-                batch.finish()
+                try:
+                    batch.finish()
+                except SlotsStillWritten:
+                    self._unended.append(batch)
+                    raise
                 if not batch.quiet.wait(self.settings.timeout_s + 1.0):
                     _log.warning("LayerLift reset: load batch %d still has a read running "
                                  "(it writes into staging only)", batch.index)
@@ -401,6 +439,8 @@ class LayerLiftLinker(UnifiedCacheLinker):  # type: ignore[misc,unused-ignore]
                 _log.warning("LayerLift reset: an offload's put still runs past its bound; it "
                              "sends the bytes it snapshotted before the reset")
             self.layer_done_counter.reset()
+        except SlotsStillWritten:  # flush_cache would free slots a read may still write
+            raise
         except Exception:
             self._unexpected("reset")
 
@@ -408,8 +448,12 @@ class LayerLiftLinker(UnifiedCacheLinker):  # type: ignore[misc,unused-ignore]
         if self._closed:
             return
         self._closed = True
-        self.reset()
-        self._offloader.stop(self.settings.timeout_s + 1.0)
+        try:
+            self.reset()
+        except SlotsStillWritten as exc:
+            _log.error("%s", exc)
+        reading = any(b.gate.reads for b in self._unended)  # keeps the pools registered
+        self._offloader.stop(self.settings.timeout_s + 1.0, keep_registered=reading)
         self.lookups.close()
         self._loop.stop()
         self._lane.close()

@@ -25,6 +25,18 @@ Promises (each a test in ``tests/hosts/sglang_host``):
   batch's slots again: a read that returns later lands in staging only, and
   its region returns to the ring only when that read ended.
 
+Host pools whose units are large enough (``in_place_load_min_kib``) are
+read **in place** instead (``load_in_place.py``): each
+layer's slices straight into the slots, a range per part, verified where
+they landed, in calls of at most ``IN_PLACE_RANGES`` ranges; the batch's
+other pools stay staged (each layer reads from one pool). The promises
+hold with two changes: a slice that fails its check did reach the slots,
+and is zeroed before the forward's wait for its layer returns (once no read
+of the batch is in flight; a read still running at the bound: once it
+ended, and before ``finish`` returns); and ``finish`` returns only once no
+read of the batch may still write the slots (at most ``read_end_s``, else
+``SlotsStillWritten``).
+
 Like SGLang's own counter, a failed layer does not raise into the forward
 (that would take the scheduler down): the forward goes on over zeroed slots,
 and the verdict comes from ``finish``.
@@ -67,13 +79,20 @@ from layerlift.linker.staged import (
     Sink,
     StagedLoad,
 )
-from layerlift.linker.store_base import Store, StoreError
+from layerlift.linker.store_base import Store, StoreError, StoreUnavailable
 from layerlift.overlap.base import LayerJob, LayerLoadError, LayerWaitTimeout
 from layerlift.overlap.device import DeviceEvent
 from layerlift.overlap.readiness import LayerReadiness
 
 from .device import DevicePath, scatter_units, zero_units
 from .layout import PoolLayout
+from .load_in_place import (
+    IN_PLACE_RANGES,
+    READ_END_S,
+    SlotPlacement,
+    SlotsStillWritten,
+    split_reads,
+)
 from .quarantine import Quarantine
 
 __all__ = ["BatchLoad", "LoadCounter", "LoadItem", "LoopThread"]
@@ -119,7 +138,8 @@ class BatchLoad:
 
     def __init__(self, index: int, items: Sequence[LoadItem], num_layers: int, store: Store,
                  bound_s: float, ring: StagingRing, *, depth: int, timeout_s: float,
-                 quarantine: Quarantine | None = None, path: DevicePath | None = None) -> None:
+                 quarantine: Quarantine | None = None, path: DevicePath | None = None,
+                 in_place: frozenset[str] = frozenset(), read_end_s: float = READ_END_S) -> None:
         self.index = index
         self.path = path
         self.quarantine = quarantine
@@ -139,10 +159,25 @@ class BatchLoad:
             self.sink = DeviceSink(path.device, self._device_scatter, stream=path.load_stream)
             path.fence_load()  # no copy overtakes earlier work on the slots
             sink = self.sink
+        placed = split_reads([item.layout.name for item in self.items], reads, in_place) \
+            if path is None else None
+        self.read_end_s = read_end_s
+        self.placed: StagedLoad | None = None  # the items read in place (``load_in_place.py``)
+        staged = [p for p in range(len(self.items)) if not (placed and placed[p])]
+        if placed is not None:
+            mine = [p for p in range(len(self.items)) if placed[p]]
+            self.placed = StagedLoad(
+                ring, store, self._parts(mine), self._local(reads, mine), None,
+                depth=depth, gate=self.gate, timeout_s=timeout_s, on_corrupt=self._quarantine,
+                on_layer=self._on_layer, placement=SlotPlacement(self.gate),
+                in_place_ranges=IN_PLACE_RANGES)
         self.staged = StagedLoad(
-            ring, store, [LoadPart(item.layout.objects, item.keys, item) for item in self.items],
-            reads, sink, depth=depth, gate=self.gate, timeout_s=timeout_s,
-            on_corrupt=self._quarantine, on_layer=self._on_layer)
+            ring, store, self._parts(staged), self._local(reads, staged), sink, depth=depth,
+            gate=self.gate, timeout_s=timeout_s, on_corrupt=self._quarantine,
+            on_layer=self._on_layer)
+        # Each layer reads from one of the two (``split_reads``).
+        self._load_of = [self.placed if self.placed is not None and placed and r and placed[r[0][0]]
+                         else self.staged for r in reads]
         self.reads = reads
         self.landed = [not r for r in reads]
         self.ready_at: list[float | None] = [self.started if not r else None for r in reads]
@@ -151,36 +186,65 @@ class BatchLoad:
         self._stop_lock = threading.Lock()
         self._stopped = False
         self._zeroed = False
+        self._zero_lock = threading.Lock()
+        self._unzeroed: list[tuple[LoadItem, int]] = []  # host path: the slots still to zero
         self._zero_event: DeviceEvent | None = None  # the device path's zeroing of unlanded layers
         self._waited: set[int] = set()  # layers the forward stream already waits on
         self._session = contextlib.ExitStack()
         self._session_lock = threading.Lock()
         self._session_tried = False
+        self._session_open = False
+
+    def _parts(self, which: Sequence[int]) -> list[LoadPart]:
+        return [LoadPart(self.items[p].layout.objects, self.items[p].keys, self.items[p])
+                for p in which]
+
+    @staticmethod
+    def _local(reads: Sequence[Sequence[tuple[int, int]]],
+               which: Sequence[int]) -> list[list[tuple[int, int]]]:
+        """``reads`` of the items ``which`` only, renumbered as their parts."""
+        at = {p: i for i, p in enumerate(which)}
+        return [[(at[p], j) for p, j in r if p in at] for r in reads]
+
+    @property
+    def in_place(self) -> bool:
+        """Whether some of the batch's layers are read straight into the slots."""
+        return self.placed is not None
 
     def jobs(self) -> list[LayerJob]:
-        return [LayerJob(layer, self._fetcher(layer), self.staged.nbytes(layer))
+        return [LayerJob(layer, self._fetcher(layer), self._load_of[layer].nbytes(layer))
                 for layer, r in enumerate(self.reads) if r]
 
     def _fetcher(self, layer: int) -> Callable[[], None]:
+        load = self._load_of[layer]
+
         def fetch() -> None:
-            self._open_session()
-            self.staged.fetch_layer(layer)
+            if not self._open_session() and load is self.placed:
+                # In place, a read counts in flight from its call on (``finish``
+                # waits for it): one that would open its own session first may
+                # wait that long on the master without writing a byte.
+                raise StoreUnavailable(f"layer {layer}: the batch's read session did not "
+                                       "open; nothing is read into the slots")
+            load.fetch_layer(layer)
 
         return fetch
 
-    def _open_session(self) -> None:
+    def _open_session(self) -> bool:
         """One read session over the batch's keys for its per-layer reads (the
-        first job opens it; a job that runs before it is open reads in a session
-        of its own, which the store opens)."""
+        first job opens it; the others wait for that). Returns whether it is
+        open: if not, a staged job reads in a session of its own, which the
+        store opens, and an in-place job reads nothing."""
         with self._session_lock:
             if self._session_tried:
-                return
+                return self._session_open
             self._session_tried = True
             keys = list(dict.fromkeys(k for item in self.items for k in item.keys))
             try:
                 self._session.enter_context(self.store.open_session(keys))
+                self._session_open = True
             except StoreError as exc:  # the reads then fail (or open their own sessions)
                 _log.debug("LayerLift: the batch's read session did not open: %s", exc)
+            return self._session_open
 
     @staticmethod
     def _scatter(seg: LoadSegment, part: LoadPart, rows: torch.Tensor) -> None:
@@ -225,7 +289,7 @@ class BatchLoad:
                 except (LayerLoadError, LayerWaitTimeout) as exc:
                     self.error = self.error or exc
             if not self.landed[layer]:
-                self.stop()  # idempotent: returns once the unlanded slots are zeroed (or issued)
+                self.stop()  # idempotent: the unlanded slots zeroed (issued; or after a stalled read)
         self._order_forward(layer)
 
     def _order_forward(self, layer: int) -> None:
@@ -242,7 +306,9 @@ class BatchLoad:
 
     def stop(self) -> None:
         """Close the gate (no copy into the slots from now on) and zero the
-        slots of every layer that did not land. Idempotent."""
+        slots of every layer that did not land: at once, or (an in-place read
+        still in flight) once no read is (``load_in_place.py``; ``finish``
+        waits for that). Idempotent."""
         with self._stop_lock:
             self._stopped = True
             self.gate.close()  # returns once no copy runs; ``landed`` is final now
@@ -259,6 +325,17 @@ class BatchLoad:
 
                     self._zero_event = self.sink.issue(zero)
                 return
+            with self._zero_lock:
+                self._unzeroed = unlanded
+        if self.gate.reads:  # in place: reads end soon unless stalled (the forward's bound)
+            self.gate.wait_reads(max(0.0, self.deadline - time.monotonic()))
+        self.gate.when_quiet(self._zero_host)  # now, or on the thread that ends the last read
+
+    def _zero_host(self) -> None:
+        """Host path: zero the unlanded layers' slots, once (whichever thread
+        comes first: ``stop``, the end of the last read in flight, ``finish``)."""
+        with self._zero_lock:
+            unlanded, self._unzeroed = self._unzeroed, []
             for item, j in unlanded:
                 for part in item.layout.layers[j].parts:
                     for row in item.rows:
@@ -267,9 +344,18 @@ class BatchLoad:
     def finish(self) -> bool:
         """Scheduler thread: wait (at most until the bound) for the batch to
         settle, close the gate, and return True only when every layer landed
-        verified."""
+        verified. With layers read in place, it returns only once no read is
+        in flight and the unlanded slots are zeroed: at most ``read_end_s``
+        more, else :class:`~.load_in_place.SlotsStillWritten`."""
         self.quiet.wait(max(0.0, self.deadline - time.monotonic()))
         self.stop()
+        if self.placed is not None:  # SGLang frees the slots once told: no read may still write
+            if not self.gate.wait_reads(self.read_end_s):
+                raise SlotsStillWritten(
+                    f"LayerLift: a store read into SGLang's slots for load batch {self.index} "
+                    f"did not end within {self.read_end_s:g} s; the slots cannot be handed "
+                    "back while it may still write them (is the storage node reachable?)")
+            self._zero_host()
         for layer in range(len(self.landed)):  # device: later work on the slots follows the copies
             self._order_forward(layer)
         failed = self.readiness.failed_requests()

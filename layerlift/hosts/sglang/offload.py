@@ -151,19 +151,24 @@ class Offloader:
     ``in_place``: the host pools whose objects are put from the slots
     themselves (``offload_in_place.py``; registered with the store at the
     first such offload, unregistered by :meth:`stop` once no call reads
-    them); the others' go through the ring."""
+    them); the others' go through the ring. ``register_too``: pools
+    registered with them, for the loads read straight into the slots
+    (``load_in_place.py``)."""
 
     def __init__(self, store: Store, ring: StagingRing, quarantine: Quarantine,
                  remove_bound_s: float, depth: int = DEFAULT_DEPTH,
                  path: DevicePath | None = None,
-                 in_place: Sequence[PoolLayout] = ()) -> None:
+                 in_place: Sequence[PoolLayout] = (),
+                 register_too: Sequence[PoolLayout] = ()) -> None:
         self._store = store
         self.path = path
-        if path is not None and in_place:
+        if path is not None and (in_place or register_too):
             raise ValueError("pools on a device are offloaded through pinned staging, "
                              "never in place")
         self.in_place = {layout.name: layout for layout in in_place}
+        self._to_register = {**self.in_place, **{p.name: p for p in register_too}}
         self._registered: list[int] | None = None  # the in-place pools' spans, once registered
+        self._register_lock = threading.Lock()
         self._flights: list[Flight] = []  # in-place puts in the air (under _cond)
         self._ring = ring
         self._depth = depth
@@ -281,21 +286,26 @@ class Offloader:
             self._cond.notify_all()
 
     def register_pools(self) -> None:
-        """The offload thread: register the in-place pools with the store, once."""
-        if self._registered is None:
-            self._registered = register_spans(self._store, pool_spans(list(self.in_place.values())))
+        """Register the in-place pools with the store, once (the offload
+        thread before an in-place put; the scheduler thread before an
+        in-place load: ``load_in_place.py``). Raises the store's error."""
+        with self._register_lock:
+            if self._registered is None:
+                self._registered = register_spans(self._store,
+                                                  pool_spans(list(self._to_register.values())))
 
-    def stop(self, timeout_s: float) -> None:
+    def stop(self, timeout_s: float, keep_registered: bool = False) -> None:
         """Stop the thread (waiting at most ``timeout_s``); unregister the
-        pools once no call may read them (else they stay registered: the
-        store's own close forgets them)."""
+        pools once no call may read or write them (else, or with
+        ``keep_registered``: an in-place load's read still runs, they stay
+        registered: the store's own close forgets them)."""
         with self._cond:
             self._stopping = True
             self._queue.clear()
             self._cond.notify_all()
         self._thread.join(timeout_s)
         with self._cond:
-            busy = self._thread.is_alive() or bool(self._flights)
+            busy = self._thread.is_alive() or bool(self._flights) or keep_registered
         if self._registered and not busy:
             spans, self._registered = self._registered, None
             for ptr in spans:
@@ -304,8 +314,8 @@ class Offloader:
                 except StoreError as exc:
                     _log.warning("LayerLift: unregistering SGLang's pools failed: %s", exc)
         elif self._registered:
-            _log.warning("LayerLift close: an in-place put still runs; SGLang's pools stay "
-                         "registered with the store")
+            _log.warning("LayerLift close: an in-place put or load still runs; SGLang's pools "
+                         "stay registered with the store")
 
     def _run(self) -> None:
         while True:

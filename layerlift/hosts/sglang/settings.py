@@ -22,7 +22,10 @@ class LinkerSettings:
     ``in_place_min_kib``: host pools whose every part of a unit (one layer's
     K or V rows of a page, a Mamba state) is at least this large are
     offloaded from the slots themselves, without a copy (None: never;
-    ``offload_in_place.py``)."""
+    ``offload_in_place.py``). ``in_place_load_min_kib``: the same for loads
+    read straight into the slots (``load_in_place.py``): each part is a
+    range of the store call, and below 256 KiB the store's per-range cost
+    outweighed the copy it saves."""
 
     master_address: str | None = None
     embedded_master: bool = False
@@ -42,6 +45,7 @@ class LinkerSettings:
     segment_mib: int = 256
     local_buffer_mib: int = 16
     in_place_min_kib: int | None = 128
+    in_place_load_min_kib: int | None = 256
 
     @classmethod
     def parse(cls, extra: dict[str, Any] | None) -> LinkerSettings:
@@ -62,11 +66,13 @@ class LinkerSettings:
             raise ValueError("LayerLiftLinker: lookup_share (the share of the scheduler's time "
                              "lookups may spend) must be a number in (0, 1]")
         for name in ("depth", "staging_mib", "offload_staging_mib", "segment_mib",
-                     "local_buffer_mib", "in_place_min_kib"):
+                     "local_buffer_mib", "in_place_min_kib", "in_place_load_min_kib"):
             value = getattr(settings, name)
-            if value is None and name in ("offload_staging_mib", "in_place_min_kib"):
+            if value is None and name in ("offload_staging_mib", "in_place_min_kib",
+                                          "in_place_load_min_kib"):
                 continue  # twice staging_mib; never in place
-            least = 0 if name in ("segment_mib", "in_place_min_kib") else 1
+            least = 0 if name in ("segment_mib", "in_place_min_kib",
+                                  "in_place_load_min_kib") else 1
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 raise ValueError(f"LayerLiftLinker: {name} must be an integer >= {least}, "
                                  f"got {value!r}")

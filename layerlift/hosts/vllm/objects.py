@@ -150,6 +150,9 @@ class BlockPlacement:
                 self._tables[(g, j)] = host
             self._rows[g] = rows
 
+    def pieces(self, part: LoadPart, local: int) -> tuple[int, ...]:
+        return (part.layout.slices[local][1],)  # a layer's block is one run
+
     def addresses(self, seg: LoadSegment, part: LoadPart) -> list[int]:
         g = part.target[0]
         host = self._tables[(g, seg.local)]

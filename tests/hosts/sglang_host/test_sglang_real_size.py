@@ -44,12 +44,17 @@ REAL = HybridShape(kinds="F" * 15 + "S" + "F" * 15 + "M", page_size=64, window=1
                    head_num=8, head_dim=128, kv_tokens=TOKENS + 256, mamba_slots=8)
 
 
+@pytest.mark.parametrize("mode", ["staged", "in place"])
 def test_a_32_layer_model_layout_restores_exact_through_the_default_staging(
-        make_host: Callable[..., SGLangHost]) -> None:
+        make_host: Callable[..., SGLangHost], mode: str) -> None:
+    """Staged: through the default staging, fifteen times smaller than the
+    restore. In place: read straight into the slots (its 128 KiB parts are
+    below the default ``in_place_load_min_kib``, so the test lowers it)."""
     staging = LinkerSettings().staging_mib  # the default
     bounds = {"timeout_s": 30.0, "load_timeout_s": 120.0}  # ~1 GiB on a loaded 2-core box
     a = make_host(shape=REAL, segment_mib=TOKENS // 8 + 128, staging_mib=staging, **bounds)
-    b = make_host(shape=REAL, segment_mib=0, staging_mib=staging, **bounds)
+    placed = {"in_place_load_min_kib": 128} if mode == "in place" else {}
+    b = make_host(shape=REAL, segment_mib=0, staging_mib=staging, **bounds, **placed)
     p = REAL.page_size
     toks = [7 + i for i in range(TOKENS)]
     a.compute(toks, [TOKENS])
@@ -59,6 +64,7 @@ def test_a_32_layer_model_layout_restores_exact_through_the_default_staging(
     assert total > 14 * b.linker.ring.capacity, f"{total} bytes does not exceed the staging"
     r = b.restore([*toks, 1])
     assert (r.hit_tokens, r.loaded_tokens, r.ok) == (TOKENS, TOKENS, True)
+    assert b.linker.finished[-1].in_place == (mode == "in place")
     assert all(exact_or_zero(b, r, toks).values())
     assert b.linker.ring.idle()
     raw = r.layers[0][0].view(torch.uint8).reshape(-1)  # the check's negative control:
