@@ -425,3 +425,52 @@ def test_a_held_key_stays_quarantined_until_every_hold_is_released() -> None:
     assert q.keys() == ["a", "b"] and len(q) == 2
     q.discard(["a", "b"])
     assert not len(q) and not woken, "a hold or release woke the repair"
+
+
+def test_a_load_and_an_offload_registering_at_once_register_the_pools_once() -> None:
+    """The scheduler thread (an in-place load) and the offload thread both
+    call ``register_pools``; the first holds the store's ``register``: the
+    second waits for it and registers nothing again. ``register_too`` pools
+    (loads only) are registered with the offloads' and unregistered at stop."""
+    inner = MemoryStore(timeout_s=WAIT_S)
+    entered, release = threading.Event(), threading.Event()
+    calls: list[int] = []
+
+    class HeldRegister(ForwardingStore):
+        def register(self, buffer: Any, nbytes: int | None = None) -> int:
+            calls.append(1)
+            if len(calls) == 1:
+                entered.set()
+                assert release.wait(WAIT_S)
+            return self.inner.register(buffer, nbytes)
+
+        def close(self) -> None:
+            pass
+
+    store = HeldRegister(inner)
+    pools = Pools.make(torch.device("cpu"), seed=6)
+    ring = StagingRing(store, 1 << 20, timeout_s=WAIT_S)
+    offloader = Offloader(store, ring, Quarantine(), 1.0, in_place=[pools.kv],
+                          register_too=[pools.mamba])
+    try:
+        first = threading.Thread(target=offloader.register_pools)
+        first.start()
+        assert entered.wait(WAIT_S)
+        second = threading.Thread(target=offloader.register_pools)
+        second.start()
+        assert len(calls) == 1, "the second registration did not wait for the first"
+        release.set()
+        first.join(WAIT_S)
+        second.join(WAIT_S)
+        registered = offloader._registered
+        assert registered and len(calls) == len(registered), "registered more than once"
+        held = inner._registered.items()
+        for pool in (pools.kv, pools.mamba):
+            start = int(pool.layers[0].parts[0].tensor.data_ptr())
+            assert any(base <= start < base + n for base, n in held), \
+                f"the {pool.name} pool was not registered"
+    finally:
+        release.set()
+        offloader.stop(WAIT_S)
+        ring.close()
+    assert offloader._registered is None and not inner._registered
