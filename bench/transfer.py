@@ -418,7 +418,9 @@ class Bench:
 
         with self.store.open_session(list(self.keys)):
             readiness = asyncio.run(run())
-        _require(readiness.all_done(), "a staged load failed")
+        errors = {str(readiness.error(j)) for j in range(self.layout.layers)
+                  if readiness.failed(j)}
+        _require(readiness.all_done(), f"a staged load failed ({'; '.join(sorted(errors))})")
         _require(load.wait_quiet(self.timeout_s), "a staged load did not go quiet")
 
     def profile_load(self, *, in_place: bool) -> dict[str, Any]:
