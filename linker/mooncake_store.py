@@ -68,6 +68,14 @@ apply_defaults()  # before mooncake is imported: see mooncake_env.py
 # Mooncake's ErrorCode values the ranged read tells apart (mooncake-store/include/types.h).
 _INVALID_PARAMS, _LEASE_EXPIRED = -600, -707
 
+# How many times one ranged read renews the sessions of its keys and reads
+# them again. Once is enough for a read alone; with reads of the same keys
+# on other threads (a load's layers in flight), a read started under the
+# old lease and ending past it drops the session another thread just
+# renewed (its read then answers INVALID_PARAMS once more): seen at 1 Gbit,
+# where a 1 GiB load at depth 4 outlasts a 5 s lease.
+RENEWALS = 3
+
 def _release(client: Any, registered: dict[int, int], pool: DaemonPool, timeout_s: float) -> None:
     """Finalizer body: once no call runs, unregister buffers and close the client.
 
@@ -120,9 +128,10 @@ class MooncakeStore(Store):
     meanwhile, so they count as not read) and drops that key's session.
     `get_ranges` renews the sessions of such keys (a fresh master query: a new
     replica and lease, or StoreKeyMissing if the object went meanwhile) and
-    reads them again, once per call: so a session outlives its lease, a load
-    may take as long as its caller allows, and only one read longer than the
-    lease fails (StoreIOError naming the lease). An object shorter than a slice
+    reads them again, up to `RENEWALS` times per call (another thread's read
+    ending past the old lease may drop a session just renewed): so a session
+    outlives its lease, a load may take as long as its caller allows, and
+    only a read longer than the lease fails (StoreIOError naming the lease). An object shorter than a slice
     asked for (the client answers INVALID_PARAMS, as it does for a key without
     a session) is told apart by the object's size from the master:
     StoreObjectSize names those keys.
@@ -335,9 +344,11 @@ class MooncakeStore(Store):
     ) -> None:
         codes = self._read(keys, dst_ptrs, sizes, src_offsets)
         wants = [sum(s) for s in sizes]
-        stale = [i for i, (c, w) in enumerate(zip(codes, wants, strict=True))
-                 if c in (_LEASE_EXPIRED, _INVALID_PARAMS) and c != w]
-        if stale and self._renew([keys[i] for i in stale]):
+        for _ in range(RENEWALS):
+            stale = [i for i, (c, w) in enumerate(zip(codes, wants, strict=True))
+                     if c in (_LEASE_EXPIRED, _INVALID_PARAMS) and c != w]
+            if not stale or not self._renew([keys[i] for i in stale]):
+                break
             again = self._read([keys[i] for i in stale], [dst_ptrs[i] for i in stale],
                                [sizes[i] for i in stale], [src_offsets[i] for i in stale])
             for i, code in zip(stale, again, strict=True):

@@ -22,12 +22,13 @@ from test_staged import LAYOUT, SENTINEL, Rows, encode, one_part_load, pages, pu
 
 from layerlift.linker.master import EmbeddedMaster
 from layerlift.linker.memory_store import MemoryStore
-from layerlift.linker.mooncake_store import MooncakeStore
+from layerlift.linker.mooncake_store import RENEWALS, MooncakeStore
 from layerlift.linker.ring import StagingRing
 from layerlift.linker.staged import CorruptSlices
 from layerlift.linker.store_base import (
     Store,
     StoreIntegrityError,
+    StoreIOError,
     StoreKeyMissing,
     StoreObjectSize,
 )
@@ -192,4 +193,54 @@ def test_an_object_removed_after_the_lease_is_missing_not_read(
         assert ring.wait_idle(10.0) and ring.close()
     finally:
         other.close()
+        store.close()
+
+
+class _DroppedSessions:
+    """Mooncake's client, whose next ``dropped`` ranged reads answer
+    INVALID_PARAMS for every key (what a read sees when another thread's
+    read, started under the old lease and ending past it, dropped the
+    session just renewed) without reading."""
+
+    def __init__(self, inner: object, dropped: int) -> None:
+        self._inner, self.dropped, self.reads = inner, dropped, 0
+
+    def batch_get_into_multi_buffer_ranges(self, keys: list[str], *args: object) -> list[int]:
+        self.reads += 1
+        if self.dropped:
+            self.dropped -= 1
+            return [-600] * len(keys)
+        return list(self._inner.batch_get_into_multi_buffer_ranges(keys, *args))  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._inner, name)
+
+
+@pytest.mark.mooncake
+@pytest.mark.parametrize("dropped", [1, RENEWALS, RENEWALS + 1])
+def test_a_session_dropped_again_after_its_renewal_is_renewed_again(
+        short_lease_master: EmbeddedMaster, dropped: int) -> None:
+    """Up to ``RENEWALS`` drops in a row the read renews and lands exact;
+    one more and it fails with the store's error (bounded), nothing read."""
+    store = MooncakeStore(short_lease_master.config(
+        global_segment_size=32 << 20, local_buffer_size=16 << 20, timeout_s=10.0))
+    try:
+        key = f"drop-{uuid.uuid4().hex[:8]}/p0"
+        src = pages(1, 24)
+        put_raw(store, {key: encode(key, src[0])})
+        dst = torch.full((LAYOUT.page_bytes,), SENTINEL, dtype=torch.uint8)
+        store.register(dst)
+        client = _DroppedSessions(store._client, dropped)
+        store._client = client
+        with store.open_session([key]):
+            call = ([key], [[dst.data_ptr()]], [[LAYOUT.page_bytes]], [[0]])
+            if dropped <= RENEWALS:
+                store.get_ranges(*call)
+                assert torch.equal(dst, src[0]) and client.reads == dropped + 1
+            else:
+                with pytest.raises(StoreIOError, match="INVALID_PARAMS"):
+                    store.get_ranges(*call)
+                assert client.reads == RENEWALS + 1
+                assert bool((dst == SENTINEL).all())
+    finally:
         store.close()
