@@ -249,9 +249,9 @@ class LayerLiftLinker(UnifiedCacheLinker):  # type: ignore[misc,unused-ignore]
     def _load_in_place(self, pending: list[list[LoadItem]]) -> frozenset[str]:
         """The pools a batch reads straight into the slots (``load_in_place.py``):
         host pools whose every part reaches ``in_place_load_min_kib``, once
-        they are registered with the store (the
-        first such batch registers them; if the store refuses, this batch is
-        staged and the next one tries again)."""
+        they are registered with the store (the first such batch registers
+        them; if the store refuses, this batch is staged and the next one
+        tries again)."""
         names = {item.layout.name for items in pending for item in items}
         if not names & self._load_in_place_pools:
             return frozenset()
