@@ -23,9 +23,14 @@ pytestmark = [pytest.mark.sglang, pytest.mark.mooncake]
 
 Make = Callable[..., SGLangHost]
 
+# The restoring cache's loads go through staging (the default for these
+# small units) or straight into its slots (``load_in_place.py``).
+MODES = {"staged": {}, "in place": {"in_place_load_min_kib": 0}}
 
-def test_one_batch_of_several_requests_with_different_hits_and_aborts(make_host: Make) -> None:
-    a, b = make_host(), make_host(segment_mib=0)
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_one_batch_of_several_requests_with_different_hits_and_aborts(make_host: Make, mode: str) -> None:
+    a, b = make_host(), make_host(segment_mib=0, **MODES[mode])
     long, short, queued_abort, loading_abort = (tokens(6, seed=100), tokens(2, seed=101),
                                                  tokens(3, seed=102), tokens(4, seed=103))
     a.compute(long, [3 * PAGE, 6 * PAGE])
@@ -45,6 +50,7 @@ def test_one_batch_of_several_requests_with_different_hits_and_aborts(make_host:
     for x in adms:
         b.forward(x)
     assert b.finish(adms) == []
+    assert b.linker.finished[-1].in_place == (mode == "in place")
     for x, toks in ((adms[0], long), (adms[1], short)):
         assert x.restore.ok
         assert all(exact_or_zero(b, x.restore, toks).values())
@@ -60,11 +66,12 @@ def test_one_batch_of_several_requests_with_different_hits_and_aborts(make_host:
     assert all(exact_or_zero(b, again[1].restore, queued_abort).values())
 
 
-def test_the_prefill_adder_chunks_a_restored_request(make_host: Make) -> None:
+@pytest.mark.parametrize("mode", list(MODES))
+def test_the_prefill_adder_chunks_a_restored_request(make_host: Make, mode: str) -> None:
     """A chunk budget smaller than the request: SGLang's adder still takes the
     whole load-back (it commits all promised FULL tokens or none) and chunks
     the extend; the load lands exact."""
-    a, b = make_host(), make_host(segment_mib=0)
+    a, b = make_host(), make_host(segment_mib=0, **MODES[mode])
     toks = tokens(4, seed=110)
     a.compute(toks, [4 * PAGE])
     a.settle_offloads()
@@ -75,11 +82,13 @@ def test_the_prefill_adder_chunks_a_restored_request(make_host: Make) -> None:
     b.start_loads()
     b.forward(adm)
     assert b.finish([adm]) == []
+    assert b.linker.finished[-1].in_place == (mode == "in place")
     assert all(exact_or_zero(b, adm.restore, toks).values())
 
 
-def test_a_flush_between_batches_then_the_next_batch_loads_exact(make_host: Make) -> None:
-    a, b = make_host(), make_host(segment_mib=0)
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_flush_between_batches_then_the_next_batch_loads_exact(make_host: Make, mode: str) -> None:
+    a, b = make_host(), make_host(segment_mib=0, **MODES[mode])
     first, second = tokens(3, seed=120), tokens(5, seed=121)
     a.compute(first, [3 * PAGE])
     a.compute(second, [5 * PAGE])
@@ -96,5 +105,6 @@ def test_a_flush_between_batches_then_the_next_batch_loads_exact(make_host: Make
     for y in adms:
         b.forward(y)
     assert b.finish(adms) == []
+    assert b.linker.finished[-1].in_place == (mode == "in place")
     for y, toks in zip(adms, (first, second), strict=True):
         assert all(exact_or_zero(b, y.restore, toks).values())
