@@ -212,10 +212,11 @@ class LayerLiftLinker(UnifiedCacheLinker):  # type: ignore[misc,unused-ignore]
             return [] if self.path is not None else \
                 [p for p in self.layouts.values() if in_place_ok(p, least)]
 
-        self._load_in_place_pools = frozenset(p.name for p in in_place(s.in_place_load_min_kib))
+        load_pools = in_place(s.in_place_load_min_kib)
+        self._load_in_place_pools = frozenset(p.name for p in load_pools)
         self._offloader = Offloader(self.store, self.offload_ring, self.quarantine, s.timeout_s,
                                     path=self.path, in_place=in_place(s.in_place_min_kib),
-                                    register_too=in_place(s.in_place_load_min_kib))
+                                    register_too=load_pools)
         self.lookups = LookupGuard(s.lookup_timeout_s, s.lookup_breaker_s, s.lookup_share)
         self.finished: deque[BatchLoad] = deque(maxlen=256)  # recent batches (timings, verdict)
         self.errors = 0  # calls that failed by an unexpected error (logged; SGLang went on)
