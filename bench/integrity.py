@@ -9,7 +9,8 @@
    bytes per second of one CPU thread, for slice sizes from 8 KiB to 1 MiB
    (about 64 MiB of slices per point), with the CRC-32C LayerLift uses
    (``integrity.CRC_IMPLEMENTATION``: the CPU's instruction where it has
-   one), and beside it the same loop with CRC-32 (the objects' checksum
+   one), the same loop with the ``crc32c`` package's CRC-32C (the fallback,
+   where LayerLift's is another), and beside it the same loop with CRC-32 (the objects' checksum
    before format ``l3``), ISA-L's (where the ``isal`` package is installed:
    the dev extra) and zlib's. A vectorised integer hash in torch
    (int16 words times weights, summed in float64: exact) is measured beside
@@ -53,6 +54,7 @@ from layerlift.linker.integrity import (
     CHECK_BYTES,
     CRC_IMPLEMENTATION,
     checksums,
+    crc32c_package,
     mismatches,
     slice_seed,
 )
@@ -78,8 +80,9 @@ def _torch_hash(buf: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 
 
 def _crc32_loop(crc: Callable[..., int], ptrs: list[int], size: int, seeds: list[int]) -> int:
-    """The loop of ``mismatches`` with a CRC-32 function (zlib's or ISA-L's):
-    what a verify cost with format ``l2``'s checksum."""
+    """The loop of ``mismatches`` with another CRC function (zlib's or
+    ISA-L's CRC-32: what a verify cost with format ``l2``'s checksum; the
+    ``crc32c`` package's CRC-32C)."""
     acc = 0
     for ptr, seed in zip(ptrs, seeds, strict=True):
         view = memoryview((ctypes.c_char * size).from_address(ptr)).cast("B")
@@ -98,6 +101,7 @@ def _isal_crc32() -> Callable[..., int] | None:
 def crc_points(repeats: int) -> list[dict[str, Any]]:
     rows = []
     isal = _isal_crc32()
+    package, package_name = crc32c_package()
     for size in SIZES:
         n = max(1, TOTAL // size)
         buf = torch.randint(0, 256, (n, size), dtype=torch.uint8)
@@ -105,6 +109,8 @@ def crc_points(repeats: int) -> list[dict[str, Any]]:
         seeds = [slice_seed(f"ns/fp.l3/full/0/{i:08x}", 3) for i in range(n)]
         expected = checksums(ptrs, size, seeds)
         verify_s = _median_s(partial(mismatches, ptrs, size, expected, seeds), repeats)
+        package_s = None if package_name == CRC_IMPLEMENTATION else \
+            _median_s(partial(_crc32_loop, package, ptrs, size, seeds), repeats)
         zlib_s = _median_s(partial(_crc32_loop, zlib.crc32, ptrs, size, seeds), repeats)
         isal_s = None if isal is None else \
             _median_s(partial(_crc32_loop, isal, ptrs, size, seeds), repeats)
@@ -114,6 +120,7 @@ def crc_points(repeats: int) -> list[dict[str, Any]]:
         rows.append({
             "slice_bytes": size, "slices": n, "gb": gb,
             "crc_verify_gbps": gb / verify_s, "crc_ms_per_gb": verify_s / gb * 1e3,
+            **({} if package_s is None else {"crc32c_package_gbps": gb / package_s}),
             "zlib_crc32_gbps": gb / zlib_s,
             **({} if isal_s is None else {"isal_crc32_gbps": gb / isal_s}),
             "torch_hash_gbps": gb / torch_s, "torch_hash_ms_per_gb": torch_s / gb * 1e3,

@@ -146,15 +146,20 @@ def _pools(r: Record) -> list[str]:
 def _integrity(r: Record) -> list[str]:
     impl = r.get("crc_implementation", "zlib")
     crcs = r["crc"]
-    if impl.startswith("crc32c"):  # format l3: CRC-32C, with CRC-32's speeds beside it
+    if impl.startswith(("crc32c", "awscrt")):  # format l3: CRC-32C, CRC-32's speeds beside it
         isal = any("isal_crc32_gbps" in c for c in crcs)
+        pkg = any("crc32c_package_gbps" in c for c in crcs)
         head = ["slice KiB", f"CRC-32C verify GB/s ({impl})",
+                *(["crc32c package CRC-32C GB/s"] if pkg else []),
                 *(["ISA-L CRC-32 GB/s"] if isal else []), "zlib CRC-32 GB/s", "torch hash GB/s"]
         rows = [[f"{c['slice_bytes'] / 1024:.0f}", _f(c["crc_verify_gbps"]),
+                 *([_f(c["crc32c_package_gbps"]) if "crc32c_package_gbps" in c else "-"]
+                   if pkg else []),
                  *([_f(c["isal_crc32_gbps"]) if "isal_crc32_gbps" in c else "-"] if isal else []),
                  _f(c["zlib_crc32_gbps"]), _f(c["torch_hash_gbps"])] for c in crcs]
-        note = ("CRC-32C is the objects' checksum (format l3); the CRC-32 columns time the same "
-                "loop with the checksum of format l2")
+        note = ("CRC-32C is the objects' checksum (format l3); the other columns time the same "
+                "loop with the crc32c package's CRC-32C (the fallback) and with the checksum of "
+                "format l2 (CRC-32)")
     else:  # a record of format l2 (CRC-32)
         head = ["slice KiB", f"CRC-32 verify GB/s ({impl})", "zlib CRC-32 GB/s",
                 "torch hash GB/s"]

@@ -44,13 +44,45 @@ def test_the_reference_is_crc32c() -> None:
     assert integrity.crc32c(b"123456789") == 0xE3069283
 
 
-def test_the_cpus_instruction_is_used_where_the_cpu_has_one() -> None:
-    # A silently slower software fallback on a CPU with the instruction would
+def test_the_fastest_installed_crc_is_used() -> None:
+    # awscrt is a dependency: a silent fall back to the slower package would
     # hide a packaging mistake from every benchmark.
+    assert integrity.CRC_IMPLEMENTATION == "awscrt"
+    from awscrt.checksums import crc32c as aws_crc32c
+    assert integrity.crc32c is aws_crc32c
+
+
+def test_the_fallback_is_thecrc32c_package_with_the_cpus_instruction() -> None:
+    fn, name = integrity.crc32c_package()
+    assert fn(b"123456789") == 0xE3069283
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    if not re.search(r"\b(sse4_2|crc32)\b", flags):
-        pytest.skip("this CPU reports no CRC32 instruction: the software code is expected")
-    assert integrity.CRC_IMPLEMENTATION == "crc32c-hardware"
+    if re.search(r"\b(sse4_2|crc32)\b", flags):
+        assert name == "crc32c-hardware"
+    else:  # a CPU with no CRC32 instruction: the package's software code, the same CRC
+        assert name == "crc32c-software"
+
+
+def test_without_awscrt_the_package_is_picked(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+    monkeypatch.setitem(sys.modules, "awscrt.checksums", None)  # the import fails
+    fn, name = integrity._pick_crc32c()
+    assert name.startswith("crc32c-") and fn is integrity.crc32c_package()[0]
+
+
+@pytest.mark.parametrize("size", [*SIZES, (1 << 20) + 5, 8 << 20])
+def test_both_implementations_compute_the_same_crc(size: int) -> None:
+    # Objects verify across machines whichever code wrote or reads them:
+    # awscrt against the crc32c package (two independent codes), from every
+    # seed, over whole buffers, an unaligned start and continued CRCs.
+    pkg, _ = integrity.crc32c_package()
+    aws, _ = integrity._pick_crc32c()
+    data = np.random.default_rng(size).integers(0, 256, size + 3, dtype=np.uint8)
+    whole, tail = memoryview(data[:size]), memoryview(data[3:])
+    for seed in SEEDS:
+        assert aws(whole, seed) == pkg(whole, seed)
+        assert aws(tail, seed) == pkg(tail, seed)
+        half = size // 2
+        assert aws(whole[half:], aws(whole[:half], seed)) == pkg(whole, seed)
 
 
 @pytest.mark.parametrize("size", SIZES)
