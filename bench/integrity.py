@@ -8,11 +8,12 @@
    the footers of an offload (``integrity.page_footers``), in GB of slice
    bytes per second of one CPU thread, for slice sizes from 8 KiB to 1 MiB
    (about 64 MiB of slices per point), with the CRC-32C LayerLift uses
-   (``integrity.CRC_IMPLEMENTATION``: the CPU's instruction where it has
-   one), the same loop with the ``crc32c`` package's CRC-32C (the fallback,
-   where LayerLift's is another), and beside it the same loop with CRC-32 (the objects' checksum
-   before format ``l3``), ISA-L's (where the ``isal`` package is installed:
-   the dev extra) and zlib's. A vectorised integer hash in torch
+   (``integrity.CRC_IMPLEMENTATION``: ``awscrt``'s folding code where it
+   is installed), the same loop with the ``crc32c`` package's CRC-32C (the
+   fallback, where LayerLift's is another code), and beside it the same
+   loop with CRC-32 (the objects' checksum before format ``l3``), ISA-L's
+   (where the ``isal`` package is installed: the dev extra) and zlib's.
+   A vectorised integer hash in torch
    (int16 words times weights, summed in float64: exact) is measured beside
    it, since that is what a "per layer, all pages at once" torch op costs.
 2. ``--mooncake``: one layer of 64 page objects (256 KiB slices, 8 layers)

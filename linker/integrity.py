@@ -41,10 +41,11 @@ Which code computes it (:data:`CRC_IMPLEMENTATION`): AWS's common runtime
 (``awscrt``, its ``aws-c-checksums``) where it is installed (a dependency),
 else the ``crc32c`` package. The first folds 64 bytes a step with AVX-512
 carry-less multiplies (VPCLMULQDQ) where the CPU has them, the SSE 4.2
-CRC32 instruction otherwise; the second uses the CRC32 instruction: on the 2-core AMD EPYC of 2026-12-07, 46 against
-65 ms a GiB of cold memory, 62 against 31 GB/s in the cache, 21-23 against
-15-16 GB/s over 256 KiB to 1 MiB slices; both release the GIL (two threads
-checksum at about twice one's rate). Both compute the same CRC (the tests
+CRC32 instruction otherwise; the second uses the CRC32 instruction. On
+the 2-core AMD EPYC of 2026-12-07: 46 against 65 ms a GiB of cold memory,
+62 against 31 GB/s in the cache, 21-24 against 15 GB/s a thread over the
+128 KiB to 1 MiB slices of a real layout; both release the GIL (two
+threads checksum at about twice one's rate). Both compute the same CRC (the tests
 hold each against a bit-by-bit reference and against the other), so
 objects verify across machines and packages.
 
