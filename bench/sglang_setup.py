@@ -110,11 +110,15 @@ def linker_config(linker: str, master: str, segment: int, local: str = "127.0.0.
 def make_pair(linker: str, shape: HybridShape, master: str, segment_mib: int = 256,
           local: str = "127.0.0.1",
           bounds: tuple[float, float] = (2.0, 5.0)) -> tuple[SGLangHost, SGLangHost]:
-    """A producer cache (contributing ``segment_mib`` to the store) and a consumer (none)."""
+    """A producer cache (contributing ``segment_mib`` to the store) and a
+    consumer (none), whose forward copies into buffers kept from one restore
+    to the next (``SGLangHost``'s ``reuse_reads``: the bench checks each
+    restore's bytes before the next one)."""
     hosts = []
     for segment in (segment_mib, 0):
         backend, config = linker_config(linker, master, segment, local, bounds)
-        hosts.append(SGLangHost(shape, backend=backend, config=config))
+        hosts.append(SGLangHost(shape, backend=backend, config=config,
+                                reuse_reads=segment == 0))
     return hosts[0], hosts[1]
 
 

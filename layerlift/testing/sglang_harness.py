@@ -134,10 +134,22 @@ def _words(t: torch.Tensor) -> np.ndarray:
     return flat.view(np.uint64) if flat.shape[1] % 8 == 0 else flat
 
 
-def take_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """A copy of ``t[rows]`` (the same bytes, dtype and shape), gathered by numpy."""
-    got = _words(t)[rows.numpy()].view(np.uint8)
-    return torch.from_numpy(got).view(t.dtype).reshape(len(rows), *t.shape[1:])
+def take_rows(t: torch.Tensor, rows: torch.Tensor, out: torch.Tensor | None = None
+              ) -> torch.Tensor:
+    """A copy of ``t[rows]`` (the same bytes, dtype and shape), gathered by
+    numpy; into ``out`` (returned) when given, which must have that dtype
+    and shape and be contiguous. ``IndexError`` for a row outside ``t``."""
+    idx = rows.numpy()
+    if out is None:
+        got = _words(t)[idx].view(np.uint8)
+        return torch.from_numpy(got).view(t.dtype).reshape(len(rows), *t.shape[1:])
+    if out.dtype != t.dtype or tuple(out.shape) != (len(rows), *t.shape[1:]):
+        raise ValueError(f"rows of {t.dtype} {tuple(t.shape)} do not fit {out.dtype} "
+                         f"{tuple(out.shape)}")
+    if len(idx) and (int(idx.min()) < 0 or int(idx.max()) >= t.shape[0]):
+        raise IndexError(f"rows {int(idx.min())}..{int(idx.max())} outside {t.shape[0]} rows")
+    np.take(_words(t), idx, axis=0, out=_words(out), mode="clip")  # bounds checked above
+    return out
 
 
 def put_rows(t: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
@@ -198,12 +210,20 @@ class SGLangHost:
                  model_path: str = "dummy", server_args_extra: dict[str, Any] | None = None,
                  req_pool_extra: dict[str, Any] | None = None,
                  params_extra: dict[str, Any] | None = None,
-                 parallel: dict[str, int] | None = None) -> None:
+                 parallel: dict[str, int] | None = None, reuse_reads: bool = False) -> None:
         """``server_args_extra``, ``req_pool_extra``, ``params_extra``: more
         arguments of SGLang's ``ServerArgs``, ``HybridReqToTokenPool`` and
         ``CacheInitParams`` (features a test turns on). ``parallel``: the
         parallel layout this rank sees while its linker is built (SGLang's
-        ``get_parallel().override``, e.g. ``tp_size``, ``attn_tp_rank``)."""
+        ``get_parallel().override``, e.g. ``tp_size``, ``attn_tp_rank``).
+        ``reuse_reads`` (a benchmark's consumer): the forward copies each
+        layer's K and V rows into buffers kept from one restore to the next,
+        so a ``Restore.layers`` is valid only until the next forward; without
+        it every forward copies into new memory (a test may keep restores
+        side by side). A real layout's forward reads 1 GiB: into new memory
+        that is 1 GiB of first touches, which on the 2-core VM sometimes cost
+        70 ms a 32 MiB layer of kernel time (the VM backing freed memory
+        again), for either linker, at random."""
         from sglang.srt.configs.mamba_utils import (
             Mamba2CacheParams,
             Mamba2StateDType,
@@ -220,6 +240,8 @@ class SGLangHost:
         from sglang.srt.server_args import ServerArgs
 
         self.shape = s = shape
+        self.reuse_reads = reuse_reads
+        self._read_buffers: dict[tuple[int, int], torch.Tensor] = {}
         self.server_args = ServerArgs(model_path=model_path, page_size=s.page_size,
                                       mamba_radix_cache_strategy="extra_buffer",
                                       **(server_args_extra or {}))
@@ -375,7 +397,8 @@ class SGLangHost:
     def loaded_layer(self, tail: torch.Tensor, mamba_slot: int, layer: int) -> list[torch.Tensor]:
         """A copy of what a request's forward reads of ``layer``: the K and V
         rows of its loaded slots ``tail`` (a sliding-window layer's last
-        window of them), or a Mamba layer's states in ``mamba_slot``. Reads
+        window of them; into this host's kept buffers with ``reuse_reads``),
+        or a Mamba layer's states in ``mamba_slot``. Reads
         the pools directly: call it once the layer's wait returned."""
         if self.shape.kinds[layer] == "M":
             idx = self.req_pool.mamba_map[layer]
@@ -387,7 +410,21 @@ class SGLangHost:
         if is_swa:
             w_pages = -(-self.shape.window // self.shape.page_size) * self.shape.page_size
             rows = self.alloc.translate_loc_from_full_to_swa(tail)[-w_pages:]
-        return [take_rows(pool.k_buffer[idx], rows), take_rows(pool.v_buffer[idx], rows)]
+        return [take_rows(buf, rows, self._read_buffer(layer, h, buf, len(rows)))
+                for h, buf in enumerate((pool.k_buffer[idx], pool.v_buffer[idx]))]
+
+    def _read_buffer(self, layer: int, half: int, pool: torch.Tensor,
+                     rows: int) -> torch.Tensor | None:
+        """Where the forward copies ``rows`` rows of ``layer``'s K (``half``
+        0) or V (1): None (new memory) unless ``reuse_reads``; else this
+        host's buffer for them, made again when the row count changed."""
+        if not self.reuse_reads:
+            return None
+        shape = (rows, *pool.shape[1:])
+        buf = self._read_buffers.get((layer, half))
+        if buf is None or buf.dtype != pool.dtype or tuple(buf.shape) != shape:
+            buf = self._read_buffers[(layer, half)] = torch.empty(shape, dtype=pool.dtype)
+        return buf
 
     def admit(self, tokens: list[int]) -> Admission:
         """Admit one request for ``tokens`` (the last token is the one to
