@@ -2,7 +2,7 @@
 
     layerlift bench sglang [--json PATH] [--markdown PATH] [--plot PATH] [--repeats N]
         [--layout small|real] [--pages 64,128] [--prompt-tokens N] [--compute-ms C]
-        [--no-faults] [--links loopback,netns:1gbit]
+        [--ordered-reads] [--no-faults] [--links loopback,netns:1gbit]
 
 The same harness (``layerlift.testing.sglang_harness``: SGLang 0.5.23's real
 ``UnifiedRadixCache``, ``SWAKVPool`` and ``HybridReqToTokenPool`` on CPU; with
@@ -265,6 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the forward stand-in's compute per layer, a sleep (default: 2 small; "
                          "real: a Llama-3-8B layer's prefill of the prompt on one H100, "
                          "9.3 ms at 8192 tokens)")
+    ap.add_argument("--ordered-reads", action="store_true",
+                    help="LayerLift's load reads one layer at a time, lowest first "
+                         "(its ordered_reads setting; off by default)")
     ap.add_argument("--no-faults", action="store_true", help="skip the fault cases")
     ap.add_argument("--links", type=links_arg, default=["loopback", "netns:1gbit"],
                     help="links of the timing rows: loopback, netns:RATE[+DELAYms]")
@@ -280,12 +283,18 @@ def _child(args: argparse.Namespace) -> int:
 
     master = args.child_master
     rng = random.Random(26)
-    pair: dict[str, Any] = {"segment_mib": 0, "local": route_source(master), "bounds": (10.0, 30.0)}
+    pair: dict[str, Any] = {"segment_mib": 0, "local": route_source(master), "bounds": (10.0, 30.0),
+                            "extra": _extra(args)}
     lease_s = NETNS_LEASE_S if args.layout == "real" else 0.0
     timing = [timing_point(p, args.repeats, args.prompt_tokens, args.compute_ms / 1e3, master,
                            rng, layout=args.layout, lease_s=lease_s, **pair) for p in args.pages]
     Path(args.child_json).write_text(json.dumps({"timing": timing}))
     return 0
+
+
+def _extra(args: argparse.Namespace) -> dict[str, Any]:
+    """LayerLift's settings the command line changes."""
+    return {"ordered_reads": True} if args.ordered_reads else {}
 
 
 def _netem(hosts: Any, label: str, rate: str, delay_ms: float) -> None:
@@ -320,6 +329,7 @@ def netns_points(link: str, args: argparse.Namespace) -> list[dict[str, Any]]:
                 "--repeats", str(args.repeats), "--pages", ",".join(map(str, args.pages)),
                 "--layout", args.layout, "--prompt-tokens", str(args.prompt_tokens),
                 "--compute-ms", str(args.compute_ms),
+                *(["--ordered-reads"] if args.ordered_reads else []),
                 "--child-master", master, "--child-json", str(out)]
         points: list[dict[str, Any]] = engine_host_json(hosts, argv, tmp, out)["timing"]
     for p in points:
@@ -360,7 +370,8 @@ def main(argv: list[str] | None = None) -> int:
         if "loopback" in args.links:
             own = {LINKERS[0]: master.master_address, LINKERS[1]: second.master_address}
             timing += [timing_point(p, args.repeats, args.prompt_tokens, args.compute_ms / 1e3,
-                                    own, rng, layout=args.layout, lease_s=LEASE_S)
+                                    own, rng, layout=args.layout, lease_s=LEASE_S,
+                                    extra=_extra(args))
                        for p in args.pages]
         faults = [] if args.no_faults else fault_points(master, rng)
     for link in (x for x in args.links if x != "loopback"):
@@ -378,6 +389,7 @@ def main(argv: list[str] | None = None) -> int:
                    "CPU pools; loopback: one embedded mooncake_master on loopback TCP; "
                    "netns: a master and a storage node across a throttled namespace link",
            "repeats": args.repeats, "compute_ms": args.compute_ms, "links": args.links,
+           "layerlift_settings": _extra(args),
            "layout": args.layout, "prompt_tokens": args.prompt_tokens,
            "compute_source": ("a Llama-3-8B layer's prefill of the prompt on one H100 "
                               "(roofline)" if args.layout == "real" else "a fixed stand-in"),

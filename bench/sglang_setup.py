@@ -91,16 +91,18 @@ def segment_mib(shape: HybridShape, tokens: int) -> int:
 
 
 def linker_config(linker: str, master: str, segment: int, local: str = "127.0.0.1",
-            bounds: tuple[float, float] = (2.0, 5.0)) -> tuple[str, dict[str, Any]]:
+            bounds: tuple[float, float] = (2.0, 5.0),
+            extra: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
     """SGLang's linker config for a client of the master at ``master`` (its
-    address), reached from ``local``; ``bounds``: LayerLift's (timeout_s, load_timeout_s)."""
+    address), reached from ``local``; ``bounds``: LayerLift's (timeout_s, load_timeout_s);
+    ``extra``: more of LayerLift's ``linker_extra_config`` (its settings)."""
     if linker == "layerlift":
         return "dynamic", {"linker": "LayerLiftLinker", "linker_module_path": "layerlift.hosts.sglang",
                            "linker_extra_config": {
                                "master_address": master, "namespace": "bench",
                                "model": "bench-hybrid", "segment_mib": segment, "staging_mib": 64,
                                "local_hostname": local, "timeout_s": bounds[0],
-                               "load_timeout_s": bounds[1]}}
+                               "load_timeout_s": bounds[1], **(extra or {})}}
     return "mooncake", {"master_server_address": master,
                         "metadata_server": "P2PHANDSHAKE", "protocol": "tcp",
                         "global_segment_size": segment << 20, "local_hostname": local,
@@ -109,14 +111,16 @@ def linker_config(linker: str, master: str, segment: int, local: str = "127.0.0.
 
 def make_pair(linker: str, shape: HybridShape, master: str, segment_mib: int = 256,
           local: str = "127.0.0.1",
-          bounds: tuple[float, float] = (2.0, 5.0)) -> tuple[SGLangHost, SGLangHost]:
+          bounds: tuple[float, float] = (2.0, 5.0),
+          extra: dict[str, Any] | None = None) -> tuple[SGLangHost, SGLangHost]:
     """A producer cache (contributing ``segment_mib`` to the store) and a
     consumer (none), whose forward copies into buffers kept from one restore
     to the next (``SGLangHost``'s ``reuse_reads``: the bench checks each
-    restore's bytes before the next one)."""
+    restore's bytes before the next one). ``extra``: LayerLift's settings
+    beyond the benchmark's (``linker_config``)."""
     hosts = []
     for segment in (segment_mib, 0):
-        backend, config = linker_config(linker, master, segment, local, bounds)
+        backend, config = linker_config(linker, master, segment, local, bounds, extra)
         hosts.append(SGLangHost(shape, backend=backend, config=config,
                                 reuse_reads=segment == 0))
     return hosts[0], hosts[1]

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from layerlift.linker.integrity import mismatches, slice_seed
+from layerlift.linker.read_order import ReadOrder
 from layerlift.linker.ring import Region, StagingRing, StagingTimeout
 from layerlift.linker.sinks import Gate, Placement, Sink
 from layerlift.linker.store_base import (
@@ -121,7 +122,8 @@ class LoadCore(ABC):
                  on_corrupt: Callable[[list[str]], None] | None = None,
                  on_layer: Callable[[int, DeviceEvent | None], None] | None = None,
                  placement: Placement | None = None, verify: bool = True,
-                 in_place_ranges: int | None = None) -> None:
+                 in_place_ranges: int | None = None,
+                 read_order: ReadOrder | None = None) -> None:
         if depth < 1:
             raise ValueError(f"a staged load needs depth >= 1, got {depth}")
         if in_place_ranges is not None and (placement is None or in_place_ranges < 2):
@@ -141,6 +143,7 @@ class LoadCore(ABC):
         self.timeout_s = ring.timeout_s if timeout_s is None else timeout_s
         self.on_corrupt = on_corrupt
         self.on_layer = on_layer
+        self.read_order = read_order
         budget = max(1, ring.capacity // depth)
         self.chunks: list[list[LoadChunk]] = []
         # Layers usually read the same rows of the same sizes: each distinct
@@ -301,13 +304,22 @@ class LoadCore(ABC):
 
     def _read(self, layer: int, keys: list[str], dst: list[list[int]], lens: list[list[int]],
               offs: list[list[int]], hand_over: Callable[[StoreTimeout], None]) -> None:
-        """One ranged read of ``layer``'s chunk. ``StoreTimeout``: the call
+        """One ranged read of ``layer``'s chunk (in its turn of ``read_order``, if
+        the load has one: :class:`TransferRevoked`, nothing read, when the gate
+        closed while it waited). ``StoreTimeout``: the call
         may still write, so ``hand_over(exc)`` gives its memory to it first
         (the exception is kept in ``timed_out``). Objects shorter than their
         layout (truncated, foreign) are as corrupt as a checksum mismatch:
         ``on_corrupt`` hears them, then :class:`CorruptSlices`."""
         try:
-            self.store.get_ranges(keys, dst, lens, offs)
+            if self.read_order is None:
+                self.store.get_ranges(keys, dst, lens, offs)
+            else:
+                with self.read_order.turn(layer):
+                    if not self.gate.open:  # stopped while this read waited its turn
+                        raise TransferRevoked(f"layer {layer}: the load was stopped before "
+                                              "its read")
+                    self.store.get_ranges(keys, dst, lens, offs)
         except StoreTimeout as exc:
             hand_over(exc)
             self.timed_out.append(exc)

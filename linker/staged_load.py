@@ -44,7 +44,9 @@ class StagedLoad(WholeReads, InPlaceReads):
     ``in_place_ranges`` (in place only): a layer's read is cut into calls of
     at most this many ranges (a row's pieces and its check; Mooncake's TCP
     transport queues 1024 transfers a peer, and ``depth`` layers read at
-    once); None: one call a layer."""
+    once); None: one call a layer. ``read_order`` (``read_order.py``): the
+    load's store reads one at a time, the lowest layer waiting first (loads
+    may share one); None: as they come."""
 
 
     def job(self, layer: int, requests: frozenset[Hashable] = frozenset()) -> LayerJob:

@@ -347,7 +347,8 @@ class LayerLiftLinker(UnifiedCacheLinker):  # type: ignore[misc,unused-ignore]
                               self.ring, depth=self.settings.depth,
                               timeout_s=self.settings.timeout_s, quarantine=self.quarantine,
                               path=self.path, in_place=self._load_in_place(pending),
-                              read_end_s=self.read_end_s)
+                              read_end_s=self.read_end_s,
+                              ordered=self.settings.ordered_reads)
             jobs = batch.jobs()
         except Exception:  # nothing was read: the verdict is False, SGLang aborts them
             self._unexpected(f"start of load batch {index}")

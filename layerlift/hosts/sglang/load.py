@@ -69,6 +69,7 @@ from typing import Any
 
 import torch
 
+from layerlift.linker.read_order import ReadOrder
 from layerlift.linker.ring import StagingRing
 from layerlift.linker.staged import (
     DeviceSink,
@@ -139,7 +140,8 @@ class BatchLoad:
     def __init__(self, index: int, items: Sequence[LoadItem], num_layers: int, store: Store,
                  bound_s: float, ring: StagingRing, *, depth: int, timeout_s: float,
                  quarantine: Quarantine | None = None, path: DevicePath | None = None,
-                 in_place: frozenset[str] = frozenset(), read_end_s: float = READ_END_S) -> None:
+                 in_place: frozenset[str] = frozenset(), read_end_s: float = READ_END_S,
+                 ordered: bool = False) -> None:
         self.index = index
         self.path = path
         self.quarantine = quarantine
@@ -161,6 +163,8 @@ class BatchLoad:
             sink = self.sink
         placed = split_reads([item.layout.name for item in self.items], reads, in_place) \
             if path is None else None
+        # Both loads' reads take turns, the lowest layer first (``read_order.py``).
+        order = self.read_order = ReadOrder(timeout_s) if ordered else None
         self.read_end_s = read_end_s
         self.placed: StagedLoad | None = None  # the items read in place (``load_in_place.py``)
         staged = [p for p in range(len(self.items)) if not (placed and placed[p])]
@@ -170,11 +174,11 @@ class BatchLoad:
                 ring, store, self._parts(mine), self._local(reads, mine), None,
                 depth=depth, gate=self.gate, timeout_s=timeout_s, on_corrupt=self._quarantine,
                 on_layer=self._on_layer, placement=SlotPlacement(self.gate),
-                in_place_ranges=IN_PLACE_RANGES)
+                in_place_ranges=IN_PLACE_RANGES, read_order=order)
         self.staged = StagedLoad(
             ring, store, self._parts(staged), self._local(reads, staged), sink, depth=depth,
             gate=self.gate, timeout_s=timeout_s, on_corrupt=self._quarantine,
-            on_layer=self._on_layer)
+            on_layer=self._on_layer, read_order=order)
         # Each layer reads from one of the two (``split_reads``).
         self._load_of = [self.placed if self.placed is not None and placed and r and placed[r[0][0]]
                          else self.staged for r in reads]

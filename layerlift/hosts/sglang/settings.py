@@ -25,7 +25,12 @@ class LinkerSettings:
     ``offload_in_place.py``). ``in_place_load_min_kib``: the same for loads
     read straight into the slots (``load_in_place.py``): each part is a
     range of the store call, and below 256 KiB the store's per-range cost
-    outweighed the copy it saves."""
+    outweighed the copy it saves. ``ordered_reads``: a load batch's store
+    reads run one at a time, the lowest layer first, while the other layers
+    in flight prepare and verify (``linker/read_order.py``): the first layer
+    lands after one read's time instead of ``depth`` reads', for a forward
+    whose layers' compute outlasts their reads; where the transfer bounds
+    the load, it is about a tenth slower (off by default)."""
 
     master_address: str | None = None
     embedded_master: bool = False
@@ -40,6 +45,7 @@ class LinkerSettings:
     lookup_breaker_s: float = 5.0
     lookup_share: float = 0.25
     depth: int = 4
+    ordered_reads: bool = False
     staging_mib: int = 64
     offload_staging_mib: int | None = None
     segment_mib: int = 256
@@ -65,6 +71,9 @@ class LinkerSettings:
         if not 0 < _number(settings.lookup_share) <= 1:
             raise ValueError("LayerLiftLinker: lookup_share (the share of the scheduler's time "
                              "lookups may spend) must be a number in (0, 1]")
+        if not isinstance(settings.ordered_reads, bool):
+            raise ValueError(f"LayerLiftLinker: ordered_reads must be true or false, got "
+                             f"{settings.ordered_reads!r}")
         for name in ("depth", "staging_mib", "offload_staging_mib", "segment_mib",
                      "local_buffer_mib", "in_place_min_kib", "in_place_load_min_kib"):
             value = getattr(settings, name)

@@ -54,11 +54,31 @@ def test_the_dynamic_loader_builds_a_layerlift_linker(make_host: Any) -> None:
     ({"offload_staging_mib": 0}, "offload_staging_mib must be an integer >= 1"),
     ({"offload_staging_mib": 1.5}, "offload_staging_mib must be an integer >= 1"),
     ({"lookup_share": 2}, "lookup_share .* must be a number in"),
+    ({"ordered_reads": "yes"}, "ordered_reads must be true or false"),
 ])
 def test_a_bad_linker_config_is_refused_with_a_sentence(make_host: Any, extra: dict[str, Any],
                                                         message: str) -> None:
     with pytest.raises(ValueError, match=message):
         make_host(**extra)
+
+
+@pytest.mark.parametrize("ordered", [True, False])
+def test_a_batch_reads_take_turns_unless_told_otherwise(make_host: Any, ordered: bool) -> None:
+    """With ``ordered_reads`` a load batch's store reads take turns, lowest
+    layer first (``linker/read_order.py``); by default they go as they come."""
+    a, b = make_host(), make_host(segment_mib=0, ordered_reads=ordered)
+    toks = tokens(4, seed=31)
+    a.compute(toks, [4 * PAGE])
+    assert a.settle_offloads() >= 1
+    r = b.restore([*toks, 9])
+    assert r.ok and r.loaded_tokens == 4 * PAGE
+    assert_restored(b, r, toks)
+    order = b.linker.finished[-1].read_order
+    if ordered:
+        assert order is not None and order.granted >= b.linker.num_layers
+        assert order.impatient == 0
+    else:
+        assert order is None
 
 
 def test_a_second_cache_restores_what_the_first_offloaded_byte_for_byte(make_host: Any) -> None:

@@ -60,8 +60,11 @@ def _truncated(scratch: list[bytes], layout: Any, key: str, other_key: str) -> b
 
 
 # The loads of each test go through staging (the default for these small
-# units) or straight into the slots (``load_in_place.py``).
-MODES = {"staged": {}, "in place": {"in_place_load_min_kib": 0}}
+# units) or straight into the slots (``load_in_place.py``); the third mode's
+# in-place reads take turns, lowest layer first (``ordered_reads``,
+# ``linker/read_order.py``).
+MODES = {"staged": {}, "in place": {"in_place_load_min_kib": 0},
+         "in place, reads in turn": {"in_place_load_min_kib": 0, "ordered_reads": True}}
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -83,7 +86,8 @@ def test_a_bad_object_fails_its_layer_and_no_wrong_byte_is_used(
     a.settle_offloads()
     r = b.restore([*toks, 1])
     assert r.hit_tokens == 4 * PAGE and not r.ok  # SGLang aborts the loading request
-    assert b.linker.finished[-1].in_place == (mode == "in place")
+    assert b.linker.finished[-1].in_place == mode.startswith("in place")
+    assert (b.linker.finished[-1].read_order is not None) == mode.endswith("reads in turn")
     layers = exact_or_zero(b, r, toks)
     assert not layers[bad_layer]
     assert all(layers[layer] for layer in range(bad_layer))  # earlier layers landed
@@ -116,7 +120,7 @@ def test_a_stopped_master_ends_the_load_in_bound_and_nothing_writes_after_finish
     assert is_zero(k0[r.tail])
     stall.resume()
     batch = b.linker.finished[-1]
-    assert batch.in_place == (mode == "in place")
+    assert batch.in_place == mode.startswith("in place")
     assert batch.quiet.wait(30.0), "the timed-out reads never ended after the master resumed"
     deadline = time.monotonic() + 30.0
     while not b.linker.ring.idle():
