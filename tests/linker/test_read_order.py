@@ -26,7 +26,7 @@ from test_staged_in_place import KEYS, N, Pages, _load
 from layerlift.linker.memory_store import MemoryStore
 from layerlift.linker.read_order import ReadOrder
 from layerlift.linker.ring import StagingRing
-from layerlift.linker.staged import CorruptSlices, Gate, TransferRevoked
+from layerlift.linker.staged import CorruptSlices, Gate, StagedLoad, TransferRevoked
 from layerlift.linker.store_base import ForwardingStore, StoreTimeout
 
 WAIT_S = 10.0  # the bound of every wait here; never reached when correct
@@ -183,6 +183,23 @@ def _setup(objects: dict[str, bytes] | None = None
     return spy, src, StagingRing(spy, 64 << 10), Pages(spy, N)
 
 
+def _exact(dest: Pages, src: torch.Tensor, layers: Sequence[int]) -> None:
+    """Every row's slice of each of ``layers`` landed as stored."""
+    for layer in layers:
+        at, size = LAYOUT.slices[layer]
+        for row in range(N):
+            assert torch.equal(dest.page(row)[at : at + size], src[row][at : at + size])
+
+
+def _ordered(spy: TurnSpy, ring: StagingRing, dest: Pages
+             ) -> tuple[ReadOrder, list[int], StagedLoad]:
+    """An in-place load whose reads take turns, and the layers it landed."""
+    order, landed = ReadOrder(WAIT_S), []
+    load = _load(ring, spy, dest, read_order=order,
+                 on_layer=lambda layer, event: landed.append(layer))
+    return order, landed, load
+
+
 class LayerThread(threading.Thread):
     def __init__(self, fetch: Callable[[int], object], layer: int) -> None:
         super().__init__(daemon=True)
@@ -237,10 +254,7 @@ def test_a_load_reads_one_layer_at_a_time_in_layer_order_byte_exact() -> None:
 def test_a_timed_out_read_hands_the_turn_on_and_only_its_layer_fails() -> None:
     spy, src, ring, dest = _setup()
     spy.time_out.add(0)
-    order = ReadOrder(WAIT_S)
-    landed: list[int] = []
-    load = _load(ring, spy, dest, read_order=order,
-                 on_layer=lambda layer, event: landed.append(layer))
+    order, landed, load = _ordered(spy, ring, dest)
     threads = _run_layers(spy, order, load.fetch_layer)
     assert isinstance(threads[0].error, StoreTimeout)
     assert [t.error for t in threads[1:]] == [None, None]
@@ -249,10 +263,7 @@ def test_a_timed_out_read_hands_the_turn_on_and_only_its_layer_fails() -> None:
     assert sorted(landed) == [1, 2] and load.timed_out == [threads[0].error]
     # Layers 1 and 2 read their own footer entries (layer 0's never verified)
     # and landed exact; layer 0's slice was never written.
-    for layer in (1, 2):
-        at, size = LAYOUT.slices[layer]
-        for row in range(N):
-            assert torch.equal(dest.page(row)[at : at + size], src[row][at : at + size])
+    _exact(dest, src, (1, 2))
     at, size = LAYOUT.slices[0]
     assert all(bool((dest.page(row)[at : at + size] != src[row][at : at + size]).any())
                for row in range(N))
@@ -267,18 +278,12 @@ def test_a_corrupt_layer_in_its_turn_fails_alone_and_the_next_reads() -> None:
     raw[LAYOUT.slices[0][0] + 7] ^= 0x40  # object 2's slice 0: layer 0 is corrupt
     objects[KEYS[2]] = bytes(raw)
     spy, src, ring, dest = _setup(objects)
-    order = ReadOrder(WAIT_S)
-    landed: list[int] = []
-    load = _load(ring, spy, dest, read_order=order,
-                 on_layer=lambda layer, event: landed.append(layer))
+    order, landed, load = _ordered(spy, ring, dest)
     threads = _run_layers(spy, order, load.fetch_layer)
     assert isinstance(threads[0].error, CorruptSlices)
     assert [t.error for t in threads[1:]] == [None, None]
     assert spy.layers == [0, 1, 2] and spy.most == 1 and sorted(landed) == [1, 2]
-    for layer in (1, 2):
-        at, size = LAYOUT.slices[layer]
-        for row in range(N):
-            assert torch.equal(dest.page(row)[at : at + size], src[row][at : at + size])
+    _exact(dest, src, (1, 2))
     assert load.wait_quiet(WAIT_S) and ring.wait_idle(WAIT_S) and ring.close()
     dest.close()
 
