@@ -26,7 +26,6 @@ in a read releases the turn as it leaves. Thread-safe.
 
 from __future__ import annotations
 
-import heapq
 import threading
 import time
 from collections.abc import Iterator
@@ -50,7 +49,7 @@ class ReadOrder:
         self.patience_s = patience_s
         self._cond = threading.Condition()
         self._busy = False  # a read holds the turn
-        self._waiting: list[int] = []  # a heap of the layers waiting for the turn
+        self._waiting: list[int] = []  # the layers waiting for the turn (at most depth)
         self.granted = 0
         self.impatient = 0
 
@@ -76,10 +75,10 @@ class ReadOrder:
         """True with the turn; False when the wait outlasted ``patience_s``."""
         deadline = time.monotonic() + self.patience_s
         with self._cond:
-            heapq.heappush(self._waiting, layer)
+            self._waiting.append(layer)
             self._cond.notify_all()  # for `wait_for_waiters`
             try:
-                while self._busy or self._waiting[0] != layer:
+                while self._busy or min(self._waiting) != layer:
                     left = deadline - time.monotonic()
                     if left <= 0:
                         self.impatient += 1
@@ -90,5 +89,4 @@ class ReadOrder:
                 return True
             finally:
                 self._waiting.remove(layer)
-                heapq.heapify(self._waiting)
                 self._cond.notify_all()  # the lowest waiter may have changed
