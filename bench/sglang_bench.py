@@ -2,7 +2,7 @@
 
     layerlift bench sglang [--json PATH] [--markdown PATH] [--plot PATH] [--repeats N]
         [--layout small|real] [--pages 64,128] [--prompt-tokens N] [--compute-ms C]
-        [--ordered-reads] [--no-faults] [--links loopback,netns:1gbit]
+        [--ordered-reads auto|on|off] [--no-faults] [--links loopback,netns:1gbit]
 
 The same harness (``layerlift.testing.sglang_harness``: SGLang 0.5.23's real
 ``UnifiedRadixCache``, ``SWAKVPool`` and ``HybridReqToTokenPool`` on CPU; with
@@ -86,6 +86,9 @@ from layerlift.bench.stats import percentile_ci
 from layerlift.linker.master import EmbeddedMaster
 from layerlift.testing.sglang_harness import Restore, SGLangHost, same_bytes
 
+# ``--ordered-reads``: LayerLift's ``ordered_reads`` setting.
+ORDERED_READS: dict[str, bool | str] = {"on": True, "off": False, "auto": "auto"}
+
 
 def _exact(host: SGLangHost, r: Restore, tokens: list[int]) -> list[bool]:
     """Per layer: the bytes the forward read equal, byte for byte, what the
@@ -153,6 +156,9 @@ def timing_point(page: int, repeats: int, prompt_tokens: int, compute_s: float,
                     exact[name] += ok
                     runs[name].append(r)
                 sweepers[name].sweep()  # the store keeps what is still leased
+        # LayerLift's batches whose reads took turns (``ordered_reads``), the warm-up's too.
+        in_turn = {name: [b.read_order is not None for b in getattr(consumer.linker, "finished", [])]
+                   for name, (_, consumer) in pairs.items()}
     finally:
         for producer, consumer in pairs.values():
             consumer.close()
@@ -170,6 +176,8 @@ def timing_point(page: int, repeats: int, prompt_tokens: int, compute_s: float,
     for name, rs in runs.items():
         out["linkers"][name] = _linker_row(rs, exact[name], warm_wrong[name],
                                            unsettled.get(name, ""), len(shape.kinds))
+        if in_turn[name]:
+            out["linkers"][name]["batches_in_turn"] = f"{sum(in_turn[name])}/{len(in_turn[name])}"
     return out
 
 
@@ -265,9 +273,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the forward stand-in's compute per layer, a sleep (default: 2 small; "
                          "real: a Llama-3-8B layer's prefill of the prompt on one H100, "
                          "9.3 ms at 8192 tokens)")
-    ap.add_argument("--ordered-reads", action="store_true",
-                    help="LayerLift's load reads one layer at a time, lowest first "
-                         "(its ordered_reads setting; off by default)")
+    ap.add_argument("--ordered-reads", choices=sorted(ORDERED_READS), default=None,
+                    help="LayerLift's ordered_reads setting: its load's reads one layer at a "
+                         "time, lowest first (on), as they come (off), or decided by the last "
+                         "batch (auto, the linker's default)")
     ap.add_argument("--no-faults", action="store_true", help="skip the fault cases")
     ap.add_argument("--links", type=links_arg, default=["loopback", "netns:1gbit"],
                     help="links of the timing rows: loopback, netns:RATE[+DELAYms]")
@@ -294,7 +303,8 @@ def _child(args: argparse.Namespace) -> int:
 
 def _extra(args: argparse.Namespace) -> dict[str, Any]:
     """LayerLift's settings the command line changes."""
-    return {"ordered_reads": True} if args.ordered_reads else {}
+    return {} if args.ordered_reads is None else \
+        {"ordered_reads": ORDERED_READS[args.ordered_reads]}
 
 
 def _netem(hosts: Any, label: str, rate: str, delay_ms: float) -> None:
@@ -329,7 +339,7 @@ def netns_points(link: str, args: argparse.Namespace) -> list[dict[str, Any]]:
                 "--repeats", str(args.repeats), "--pages", ",".join(map(str, args.pages)),
                 "--layout", args.layout, "--prompt-tokens", str(args.prompt_tokens),
                 "--compute-ms", str(args.compute_ms),
-                *(["--ordered-reads"] if args.ordered_reads else []),
+                *(["--ordered-reads", args.ordered_reads] if args.ordered_reads else []),
                 "--child-master", master, "--child-json", str(out)]
         points: list[dict[str, Any]] = engine_host_json(hosts, argv, tmp, out)["timing"]
     for p in points:

@@ -14,8 +14,14 @@ call's start (a thread's wake-up and the next call's set-up): measured inside
 SGLang at a real layout on two cores (``docs/guide/sglang.md``, "Reads in
 layer order"), the first layer landed at 33-41 ms instead of 66-90, which
 made the forward faster where a layer's compute outlasts its read, and the
-whole load about a tenth slower where the transfer bounds it. So it is a
-choice of the host's settings (SGLang's ``ordered_reads``), off by default.
+whole load about a tenth slower where the transfer bounds it.
+
+Whether it pays is a property of the forward, not of the load, so a host
+lets the last load decide the next one's (:func:`order_pays`, SGLang's
+``ordered_reads: "auto"``, its default): where the forward's compute of a
+layer outlasts a layer's read, only the first layer's wait is left to win;
+where it does not, the transfer bounds the load and reads as they come are
+faster.
 
 It is only a hint to the order of calls, never a condition of a result: a
 reader that waited ``patience_s`` (the store's per-call bound: the call it
@@ -26,12 +32,38 @@ in a read releases the turn as it leaves. Thread-safe.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
-__all__ = ["ReadOrder"]
+__all__ = ["PAYS_MARGIN", "ReadOrder", "order_pays"]
+
+# How much longer than a layer's read the forward's compute of a layer must
+# be for reads in turn to pay: they slow the transfer by up to a tenth
+# (``docs/guide/sglang.md``, "Reads in layer order"), and a forward that
+# computes just longer than a read would then wait for every layer again.
+PAYS_MARGIN = 1.25
+
+
+def order_pays(asks: Sequence[tuple[float, float] | None], read_s: float) -> bool | None:
+    """Whether a load like the last one should read in turn, from what its
+    forward did: ``asks[layer]`` is when the forward first asked for the
+    layer and when that wait returned (None: never asked, or nothing to
+    read); ``read_s`` the load's time a layer (its last landing after its
+    start, over its layers). The forward's compute of a layer is the time
+    from one wait's return to the next layer's ask (the median over the
+    layers); reads in turn pay when it is at least :data:`PAYS_MARGIN` times
+    ``read_s``: then only the first layer's wait is left to win. A forward
+    that asks for every layer at once (a whole-batch wait) computes nothing
+    between them: no. None (no verdict) when no two consecutive layers were
+    asked for or ``read_s`` is not positive."""
+    gaps = sorted(b[0] - a[1] for a, b in itertools.pairwise(asks)
+                  if a is not None and b is not None)
+    if not gaps or not read_s > 0:
+        return None
+    return gaps[len(gaps) // 2] >= PAYS_MARGIN * read_s
 
 
 class ReadOrder:

@@ -24,7 +24,7 @@ from test_staged import LAYOUT, encode, pages, put_raw
 from test_staged_in_place import KEYS, N, Pages, _load
 
 from layerlift.linker.memory_store import MemoryStore
-from layerlift.linker.read_order import ReadOrder
+from layerlift.linker.read_order import PAYS_MARGIN, ReadOrder, order_pays
 from layerlift.linker.ring import StagingRing
 from layerlift.linker.staged import CorruptSlices, Gate, StagedLoad, TransferRevoked
 from layerlift.linker.store_base import ForwardingStore, StoreTimeout
@@ -101,6 +101,43 @@ def test_patience_must_be_positive() -> None:
     for bad in (0, -1.0, float("nan")):
         with pytest.raises(ValueError, match="positive patience"):
             ReadOrder(bad)
+
+
+def _asks(gaps: Sequence[float | None], wait_s: float = 0.001
+          ) -> list[tuple[float, float] | None]:
+    """A forward's asks with these computes between layers (None: a layer it
+    never asked for), each wait ``wait_s`` long."""
+    asks: list[tuple[float, float] | None] = [(0.0, wait_s)]
+    t = wait_s
+    for gap in gaps:
+        if gap is None:
+            asks.append(None)
+            continue
+        t += gap
+        asks.append((t, t + wait_s))
+        t += wait_s
+    return asks
+
+
+@pytest.mark.parametrize("gaps, read_s, pays", [
+    ([0.040] * 7, 0.017, True),  # 40 ms a layer against a 17 ms read: in turn
+    ([0.0093] * 7, 0.017, False),  # the transfer bounds the load: as they come
+    ([0.0] * 7, 0.017, False),  # a whole-batch wait computes nothing between layers
+    ([0.02] * 7, 0.017, False),  # longer than the read, but within the margin
+    ([0.040, 0.001, 0.040, 0.040, 0.002], 0.017, True),  # the median decides
+    ([0.040] * 3, 0.0, None),  # nothing landed: no verdict
+])
+def test_order_pays_where_a_layer_computes_longer_than_its_read(
+        gaps: list[float], read_s: float, pays: bool | None) -> None:
+    assert order_pays(_asks(gaps), read_s) is pays
+
+
+def test_order_pays_needs_two_consecutive_asks() -> None:
+    assert order_pays([], 0.01) is None
+    assert order_pays([(0.0, 0.001)], 0.01) is None
+    assert order_pays(_asks([None, 0.5, None]), 0.01) is None  # no two in a row
+    assert order_pays(_asks([None, 0.5, 0.5]), 0.01) is True
+    assert PAYS_MARGIN > 1  # in turn is slower for the transfer: it must pay more than level
 
 
 @settings(max_examples=25, deadline=None)

@@ -64,6 +64,7 @@ from sglang.srt.mem_cache.unified_cache.unified_cache_linker import UnifiedCache
 from layerlift.linker.keys import KeySchema
 from layerlift.linker.master import EmbeddedMaster
 from layerlift.linker.mooncake_store import MooncakeConfig, MooncakeStore
+from layerlift.linker.read_order import order_pays
 from layerlift.linker.ring import StagingRing
 from layerlift.linker.staged import require_fit
 from layerlift.linker.store_base import Store
@@ -205,6 +206,9 @@ class LayerLiftLinker(UnifiedCacheLinker):  # type: ignore[misc,unused-ignore]
         self._pending: dict[str, list[LoadItem]] = {}
         self._failed_starts: set[int] = set()  # counter indices whose start failed
         self._next_index = 0
+        # The next batch's reads in turn (``ordered_reads``; "auto": decided by
+        # the last batch that landed whole, ``read_order.order_pays``).
+        self.reads_in_turn = s.ordered_reads is True
         self.quarantine = Quarantine()
         def in_place(kib: int | None) -> list[PoolLayout]:
             """The host pools whose every part reaches ``kib`` (None: none)."""
@@ -348,7 +352,7 @@ class LayerLiftLinker(UnifiedCacheLinker):  # type: ignore[misc,unused-ignore]
                               timeout_s=self.settings.timeout_s, quarantine=self.quarantine,
                               path=self.path, in_place=self._load_in_place(pending),
                               read_end_s=self.read_end_s,
-                              ordered=self.settings.ordered_reads)
+                              ordered=self.reads_in_turn)
             jobs = batch.jobs()
         except Exception:  # nothing was read: the verdict is False, SGLang aborts them
             self._unexpected(f"start of load batch {index}")
@@ -385,6 +389,10 @@ class LayerLiftLinker(UnifiedCacheLinker):  # type: ignore[misc,unused-ignore]
             batch.stop()
             return False
         self.finished.append(batch)
+        if ok and self.settings.ordered_reads == "auto":
+            pays = order_pays(batch.asks, batch.read_s())
+            if pays is not None:
+                self.reads_in_turn = pays
         if not ok:
             _log.error("LayerLift: load batch %d failed: %s", counter_index, batch.error)
         return ok

@@ -184,6 +184,9 @@ class BatchLoad:
                          else self.staged for r in reads]
         self.reads = reads
         self.landed = [not r for r in reads]
+        # When the forward first asked for each layer and when that wait
+        # returned (None: not asked, or nothing to read): ``read_order.order_pays``.
+        self.asks: list[tuple[float, float] | None] = [None] * num_layers
         self.ready_at: list[float | None] = [self.started if not r else None for r in reads]
         self.error: BaseException | None = None
         self.quiet = threading.Event()
@@ -285,6 +288,18 @@ class BatchLoad:
         bound) once the batch is stopped and its unlanded slots zeroed. On a
         device "landed" means its copies were issued: the forward stream then
         waits on their event (or on the zeroing), with no host sync."""
+        asked = time.perf_counter() if self.asks[layer] is None and self.reads[layer] else None
+        self._wait_layer(layer)
+        if asked is not None:
+            self.asks[layer] = (asked, time.perf_counter())
+
+    def read_s(self) -> float:
+        """The load's time a layer so far: its last landing after its start,
+        over the layers that read (0.0 before one landed)."""
+        times = [t for t, r in zip(self.ready_at, self.reads, strict=True) if r and t is not None]
+        return (max(times) - self.started) / len(times) if times else 0.0
+
+    def _wait_layer(self, layer: int) -> None:
         if not self.landed[layer]:
             if not self._stopped:
                 remaining = self.deadline - time.monotonic()

@@ -30,7 +30,10 @@ class LinkerSettings:
     in flight prepare and verify (``linker/read_order.py``): the first layer
     lands after one read's time instead of ``depth`` reads', for a forward
     whose layers' compute outlasts their reads; where the transfer bounds
-    the load, it is about a tenth slower (off by default)."""
+    the load, it is about a tenth slower. ``"auto"`` (the default): the
+    first batch's reads go as they come, each next batch's in turn if the
+    last batch that landed whole had a forward whose compute of a layer
+    outlasted a layer's read (``read_order.order_pays``)."""
 
     master_address: str | None = None
     embedded_master: bool = False
@@ -45,7 +48,7 @@ class LinkerSettings:
     lookup_breaker_s: float = 5.0
     lookup_share: float = 0.25
     depth: int = 4
-    ordered_reads: bool = False
+    ordered_reads: bool | str = "auto"
     staging_mib: int = 64
     offload_staging_mib: int | None = None
     segment_mib: int = 256
@@ -71,9 +74,9 @@ class LinkerSettings:
         if not 0 < _number(settings.lookup_share) <= 1:
             raise ValueError("LayerLiftLinker: lookup_share (the share of the scheduler's time "
                              "lookups may spend) must be a number in (0, 1]")
-        if not isinstance(settings.ordered_reads, bool):
-            raise ValueError(f"LayerLiftLinker: ordered_reads must be true or false, got "
-                             f"{settings.ordered_reads!r}")
+        if not (isinstance(settings.ordered_reads, bool) or settings.ordered_reads == "auto"):
+            raise ValueError(f"LayerLiftLinker: ordered_reads must be true, false or \"auto\", "
+                             f"got {settings.ordered_reads!r}")
         for name in ("depth", "staging_mib", "offload_staging_mib", "segment_mib",
                      "local_buffer_mib", "in_place_min_kib", "in_place_load_min_kib"):
             value = getattr(settings, name)

@@ -54,7 +54,8 @@ def test_the_dynamic_loader_builds_a_layerlift_linker(make_host: Any) -> None:
     ({"offload_staging_mib": 0}, "offload_staging_mib must be an integer >= 1"),
     ({"offload_staging_mib": 1.5}, "offload_staging_mib must be an integer >= 1"),
     ({"lookup_share": 2}, "lookup_share .* must be a number in"),
-    ({"ordered_reads": "yes"}, "ordered_reads must be true or false"),
+    ({"ordered_reads": "yes"}, "ordered_reads must be true, false or \"auto\""),
+    ({"ordered_reads": 1}, "ordered_reads must be true, false or \"auto\""),
 ])
 def test_a_bad_linker_config_is_refused_with_a_sentence(make_host: Any, extra: dict[str, Any],
                                                         message: str) -> None:
@@ -79,6 +80,45 @@ def test_a_batch_reads_take_turns_unless_told_otherwise(make_host: Any, ordered:
         assert order.impatient == 0
     else:
         assert order is None
+    assert b.linker.reads_in_turn == ordered  # not "auto": the setting decides alone
+
+
+def test_auto_order_follows_the_last_batch_forward(make_host: Any) -> None:
+    """``ordered_reads: "auto"`` (the default): the first batch's reads go as
+    they come; a forward whose layers compute longer than a layer's read
+    turns the next batch's reads in turn; a forward that asks for every layer
+    at once (SGLang's whole-batch wait) computes nothing between them and
+    turns them back. Every restore exact."""
+    a, b = make_host(), make_host(segment_mib=0)
+    assert b.linker.settings.ordered_reads == "auto" and not b.linker.reads_in_turn
+    prompts = [tokens(4, seed=40 + i) for i in range(3)]
+    for toks in prompts:
+        a.compute(toks, [4 * PAGE])
+    assert a.settle_offloads() >= 3
+    # 1: as they come; a forward computing 50 ms a layer, far longer than a
+    # small layer's read over loopback.
+    r = b.restore([*prompts[0], 9], compute_s=0.05)
+    assert r.ok and r.loaded_tokens == 4 * PAGE
+    assert_restored(b, r, prompts[0])
+    first = b.linker.finished[-1]
+    assert first.read_order is None
+    assert all(ask is not None for ask, reads in zip(first.asks, first.reads, strict=True)
+               if reads)
+    assert 0 < first.read_s() < 0.05 / 1.25 and b.linker.reads_in_turn
+    # 2: in turn; the forward waits for the whole batch before its layers.
+    adm = b.admit([*prompts[1], 9])
+    b.start_loads()
+    b.linker.layer_done_counter.wait_until(b.linker.num_layers - 1)
+    b.forward(adm)
+    assert b.finish([adm]) == [] and adm.restore.ok
+    assert_restored(b, adm.restore, prompts[1])
+    second = b.linker.finished[-1]
+    assert second.read_order is not None and second.read_order.granted >= b.linker.num_layers
+    assert not b.linker.reads_in_turn
+    # 3: as they come again.
+    r = b.restore([*prompts[2], 9])
+    assert r.ok and b.linker.finished[-1].read_order is None
+    assert_restored(b, r, prompts[2])
 
 
 def test_a_second_cache_restores_what_the_first_offloaded_byte_for_byte(make_host: Any) -> None:
