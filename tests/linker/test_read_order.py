@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import random
 import threading
-from collections import defaultdict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
@@ -185,7 +184,10 @@ class TurnSpy(ForwardingStore):
         self.lock = threading.Lock()
         self.layers: list[int] = []
         self.active = self.most = 0
-        self.entered: defaultdict[int, threading.Event] = defaultdict(threading.Event)
+        # One event a layer, made here: a defaultdict's missing key is made by
+        # whichever thread asks first, and the test's thread and a reader asking
+        # at once could each make (and wait on, or set) their own.
+        self.entered = {layer: threading.Event() for layer in range(len(LAYOUT.slices))}
         self.hold: dict[int, threading.Event] = {}
         self.time_out: set[int] = set()
 

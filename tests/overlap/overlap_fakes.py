@@ -5,12 +5,21 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections import defaultdict
 from collections.abc import Callable
 
 from layerlift.overlap import LayerJob, LayerLoadError, ReadinessView, RequestId
 
 WAIT_S = 10.0  # upper bound for any event a test waits on; never reached when correct
+
+
+class Events(dict[int, threading.Event]):
+    """One event a layer, made by whichever thread asks first. Not a
+    ``defaultdict(threading.Event)``: there the test's thread and a worker
+    asking for a missing layer at once could each make their own event, one
+    waiting on an event the other never sets; ``setdefault`` keeps one."""
+
+    def __missing__(self, layer: int) -> threading.Event:
+        return self.setdefault(layer, threading.Event())
 
 
 class FetchRecorder:
@@ -27,8 +36,8 @@ class FetchRecorder:
         self.active = 0
         self.max_active = 0
         self.gates: dict[int, threading.Event] = {}
-        self.started: defaultdict[int, threading.Event] = defaultdict(threading.Event)
-        self.ended: defaultdict[int, threading.Event] = defaultdict(threading.Event)
+        self.started = Events()
+        self.ended = Events()
         self.failures: dict[int, tuple[Exception, frozenset[RequestId] | None]] = {}
 
     def gate(self, layer: int) -> threading.Event:
@@ -94,7 +103,7 @@ class ForwardThread(threading.Thread):
         self.is_loaded = is_loaded
         self.requests = requests
         self.ran: list[tuple[int, float]] = []
-        self.ran_event: defaultdict[int, threading.Event] = defaultdict(threading.Event)
+        self.ran_event = Events()
         self.early: list[int] = []
         self.error: LayerLoadError | None = None
 
